@@ -69,6 +69,10 @@ def _check_inputs(q, k, v, causal, scale, seqused_k, backend) -> bool:
     return use_kernel
 
 
+def _aligned16(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(st % 8 == 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3]))
+
+
 def _empty_outputs(q: torch.Tensor):
     """Output in (B, Sq, Hq, D) memory order viewed as (B, Hq, Sq, D): transformers' layout is then a free view."""
     b, hq, sq, d = q.shape
@@ -96,6 +100,9 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: tor
 def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel):
     if not use_kernel:
         return _reference_impl(q, k, v, seqused_k, scale, causal)
+    # cp.async moves 16-byte chunks: strides must be multiples of 8 elements and bases 16-byte aligned. Any
+    # layout transformers or a KV cache produces is; anything else is copied once rather than rejected.
+    q, k, v = (t if _aligned16(t) else t.contiguous() for t in (q, k, v))
     out, lse = _empty_outputs(q)
     get_ext().mha_fwd(q, k, v, out, lse, seqused_k, float(scale), bool(causal))
     return out, lse

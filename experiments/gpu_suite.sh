@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
+# compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
+#   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [test] [sanitize] [bench] [decode] [...]
+# The built extension and its source stamp are copied to $OUT so the next session can carry them instead of
+# rebuilding (a stamp mismatch rebuilds).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/llm_attn_out}; mkdir -p "$OUT"
+steps=${*:-build test sanitize bench}
+has() { [[ " $steps " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+stamp=$(cat kernels/* setup.py | sha256sum | cut -c1-16)
+if has build; then
+  if [ "$(cat llm_attn/_C.stamp 2>/dev/null)" != "$stamp" ] || ! ls llm_attn/_C*.so >/dev/null 2>&1; then
+    rm -f llm_attn/_C*.so
+    start=$(date +%s)
+    LLM_ATTN_CUDA_ARCHS=${LLM_ATTN_CUDA_ARCHS:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+      python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+    echo "$stamp" > llm_attn/_C.stamp
+    echo "built extension in $(( $(date +%s) - start )) s"
+  else
+    echo "extension up to date (stamp $stamp)"
+  fi
+  cp llm_attn/_C*.so llm_attn/_C.stamp "$OUT/"
+fi
+if has test; then
+  python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if has sanitize; then
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_shapes.py >"$OUT/sanitize.log" 2>&1
+  echo "compute-sanitizer memcheck exit code $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitize.log") clean summaries)"
+  tail -3 "$OUT/sanitize.log"
+fi
+if has bench; then
+  python3 -m llm_attn.bench ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | grep -v "^dtype=" | tail -40
+fi
+if has decode; then
+  python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40
+fi

@@ -1,0 +1,108 @@
+// The one file that talks to torch: checks every input, fills FlashFwdParams, allocates the split-KV workspace
+// from torch's caching allocator (safe under CUDA-graph capture) and launches on the current stream. No host
+// synchronisation anywhere.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <optional>
+
+#include "flash.h"
+
+namespace {
+
+#define CHECK_INPUT(cond, ...) TORCH_CHECK(cond, "llm_attn.mha_fwd: ", __VA_ARGS__)
+
+void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    CHECK_INPUT(t.is_cuda(), name, " must be a CUDA tensor");
+    CHECK_INPUT(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
+    CHECK_INPUT(t.scalar_type() == q.scalar_type(), name, " dtype ", t.scalar_type(), " != q dtype ", q.scalar_type());
+    CHECK_INPUT(t.dim() == 4, name, " must be 4-D (batch, heads, seq, head_dim), got ", t.dim(), "-D");
+    CHECK_INPUT(t.stride(3) == 1, name, " must be contiguous in head_dim");
+    for (int d = 0; d < 3; ++d) {
+        CHECK_INPUT(t.stride(d) % 8 == 0 || t.size(d) == 1, name, " strides must be multiples of 8 elements (16 bytes), got ",
+                    t.strides());
+    }
+    CHECK_INPUT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    CHECK_INPUT(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                "only float16 and bfloat16 are supported, got ", q.scalar_type());
+    check_operand(q, "q", q);
+    check_operand(k, "k", q);
+    check_operand(v, "v", q);
+    check_operand(out, "out", q);
+    const int64_t batch = q.size(0), num_heads = q.size(1), seqlen_q = q.size(2), head_dim = q.size(3);
+    const int64_t num_kv_heads = k.size(1), seqlen_k = k.size(2);
+    CHECK_INPUT(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", head_dim);
+    CHECK_INPUT(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " must have the same shape");
+    CHECK_INPUT(k.size(0) == batch && k.size(3) == head_dim, "k/v ", k.sizes(), " do not match q ", q.sizes());
+    CHECK_INPUT(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query heads (", num_heads,
+                ") must be a multiple of kv heads (", num_kv_heads, ")");
+    CHECK_INPUT(batch > 0 && num_heads > 0 && seqlen_q > 0 && seqlen_k > 0, "empty input: q ", q.sizes(), ", k ",
+                k.sizes());
+    CHECK_INPUT(seqlen_q < (1 << 30) && seqlen_k < (1 << 30), "sequence too long");
+    CHECK_INPUT(out.sizes() == q.sizes(), "out ", out.sizes(), " must match q ", q.sizes());
+    CHECK_INPUT(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                    lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == num_heads && lse.size(2) == seqlen_q,
+                "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+    CHECK_INPUT(std::isfinite(scale), "scale must be finite");
+    if (seqused_k.has_value()) {
+        const at::Tensor& s = *seqused_k;
+        CHECK_INPUT(s.is_cuda() && s.device() == q.device(), "seqused_k must be on q's device");
+        CHECK_INPUT(s.scalar_type() == at::kInt && s.dim() == 1 && s.size(0) == batch && s.is_contiguous(),
+                    "seqused_k must be a contiguous int32 tensor of shape (batch,)");
+    }
+
+    const c10::cuda::CUDAGuard guard(q.device());
+    llm_attn::FlashFwdParams p{};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+    p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+    p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+    p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
+    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
+    p.scale = static_cast<float>(scale);
+    p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+    p.causal = causal;
+    p.is_bf16 = q.scalar_type() == at::kBFloat16;
+
+    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    p.num_splits = llm_attn::flash_fwd_num_splits(p, num_sms);
+    at::Tensor o_accum, lse_accum;
+    if (p.num_splits > 1) {
+        auto opts = q.options().dtype(at::kFloat);
+        o_accum = at::empty({p.num_splits, batch, num_heads, seqlen_q, head_dim}, opts);
+        lse_accum = at::empty({p.num_splits, batch, num_heads, seqlen_q}, opts);
+        p.o_accum = o_accum.data_ptr<float>();
+        p.lse_accum = lse_accum.data_ptr<float>();
+    }
+    const cudaError_t err = llm_attn::run_flash_fwd(p, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+int64_t num_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q, int64_t seqlen_k,
+                   int64_t head_dim, int64_t num_sms) {
+    llm_attn::FlashFwdParams p{};
+    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
+    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
+    return llm_attn::flash_fwd_num_splits(p, num_sms);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "llm_attn CUDA kernels (FlashAttention-2 forward, split-KV decode)";
+    m.def("mha_fwd", &mha_fwd, "FlashAttention forward into preallocated out/lse", py::arg("q"), py::arg("k"),
+          py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("num_splits", &num_splits, "KV splits the forward would use for these shapes (1 = none)");
+}

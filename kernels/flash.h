@@ -1,0 +1,50 @@
+// Plain C++ interface of the llm_attn CUDA kernels. No torch headers here or in any kernel file: only
+// kernels/binding.cpp talks to torch. Every .cu file in kernels/ compiles alone with bare nvcc.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace llm_attn {
+
+// All strides are in elements. Layout is (batch, heads, seq, head_dim) with the last dim contiguous; the other
+// strides are arbitrary (multiples of 8 elements, 16-byte aligned base pointers: the binding checks this).
+struct FlashFwdParams {
+    const void* __restrict__ q;
+    const void* __restrict__ k;
+    const void* __restrict__ v;
+    void* __restrict__ o;
+    float* __restrict__ lse;            // (batch, num_heads, seqlen_q), contiguous; may be null
+    const int* __restrict__ seqused_k;  // (batch,) number of valid keys per batch; null = seqlen_k
+
+    int64_t q_batch_stride, q_head_stride, q_row_stride;
+    int64_t k_batch_stride, k_head_stride, k_row_stride;
+    int64_t v_batch_stride, v_head_stride, v_row_stride;
+    int64_t o_batch_stride, o_head_stride, o_row_stride;
+
+    int batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim;
+    float scale;       // softmax scale (1/sqrt(head_dim) by default)
+    float scale_log2;  // scale * log2(e): the kernel works in base 2 (exp2f)
+    bool causal;       // bottom-right aligned: row i sees key j iff j <= i + seqused_k - seqlen_q
+    bool is_bf16;
+
+    // Split-KV (flash-decoding). num_splits == 1: the kernel writes o/lse directly. Otherwise each split writes
+    // float32 partials to o_accum (num_splits, batch, num_heads, seqlen_q, head_dim) and lse_accum
+    // (num_splits, batch, num_heads, seqlen_q), and a combine kernel reduces them.
+    int num_splits;
+    float* __restrict__ o_accum;
+    float* __restrict__ lse_accum;
+};
+
+// Launches the forward pass on `stream`. Returns cudaSuccess or the launch error; never synchronises.
+cudaError_t run_flash_fwd(FlashFwdParams& params, cudaStream_t stream);
+
+// How many KV splits run_flash_fwd would use for these shapes on a device with `num_sms` SMs (1 = no split).
+// The binding calls it to size the float32 workspace.
+int flash_fwd_num_splits(const FlashFwdParams& params, int num_sms);
+
+// Template instantiation entry points, one per (head_dim, dtype, causal) in its own .cu file.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream);
+
+}  // namespace llm_attn

@@ -1,0 +1,43 @@
+// Tile configurations and the host-side choices that depend on shapes (tile size, number of KV splits).
+// Shared by the launch templates and the dispatcher so both agree on the split count the workspace is sized for.
+#pragma once
+
+#include "flash.h"
+
+namespace llm_attn {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTraits;
+
+template <int kHeadDim>
+struct FwdConfig;
+
+// head_dim 128. Large: 128 query rows (8 warps x 16) x 64 keys. Q 32 KB + 2 stages x (K 16 KB + V 16 KB) = 96 KB
+// of shared memory: fits the 99 KB per-block limit of sm_86/sm_89 (RTX 4060 Ti) as well as sm_80/87/90.
+// Small: 64 rows (4 warps), for grids that would not fill the GPU (short prompts, decode).
+template <>
+struct FwdConfig<128> {
+    using Large = FwdTraits<128, 128, 64, 8>;
+    using Small = FwdTraits<128, 64, 64, 4>;
+    static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 64;
+};
+
+// head_dim 64: rows are half as wide, so the large tile takes twice the keys (Q 16 KB + 2 x (16 + 16) KB = 80 KB).
+// The small tile stays at 64 keys: with 128 keys its 4-warp variant runs out of registers (spills).
+template <>
+struct FwdConfig<64> {
+    using Large = FwdTraits<64, 128, 128, 8>;
+    using Small = FwdTraits<64, 64, 64, 4>;
+    static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 128;
+};
+
+int num_sms_current_device();
+
+// Small tiles when the large-tile grid would leave SMs idle.
+inline bool use_small_tiles(const FlashFwdParams& p, int num_sms) {
+    const int block_m = 128;  // both head dims use 128-row large tiles
+    const long blocks = static_cast<long>((p.seqlen_q + block_m - 1) / block_m) * p.num_heads * p.batch;
+    return blocks < num_sms;
+}
+
+}  // namespace llm_attn

@@ -1,0 +1,354 @@
+// FlashAttention-2 forward kernel (mma.sync tensor cores, sm_80 .. sm_90).
+//
+// One thread block owns kBlockM query rows of one (batch, query head); each of its warps owns 16 of those rows,
+// so warps split query rows and never exchange softmax state. The block's Q tile is loaded once into registers
+// (A fragments). K/V tiles of kBlockN keys stream through double-buffered, XOR-swizzled shared memory with
+// cp.async: tile j+1 is in flight while tile j is multiplied. Per tile: S = Q K^T (mma), masking only on tiles
+// that cross the causal diagonal or the end of the keys, online softmax in base 2 with the scale folded into
+// one FMA, P (the S accumulators re-packed as A fragments, never written to memory) times V (ldmatrix.trans).
+// The N x N score matrix never leaves registers.
+//
+// kSplit: flash-decoding. blockIdx.z also enumerates KV splits; each split covers a contiguous range of key
+// tiles and writes float32 partials (output normalised within the split, and its lse) that flash_combine_kernel merges.
+#pragma once
+
+#include "flash.h"
+#include "ptx.cuh"
+
+namespace llm_attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTraits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+    static constexpr int kSmemQ = kBlockM * kHeadDim;
+    static constexpr int kSmemKV = kBlockN * kHeadDim;
+    // Q tile + two stages of (K, V), 2-byte elements.
+    static constexpr int kSmemBytes = (kSmemQ + 4 * kSmemKV) * 2;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim must be 64 or 128");
+    static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+    static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the mma k-step (16)");
+    static_assert(kChunks >= 8, "the XOR swizzle permutes 8 chunks per row");
+    static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must divide evenly among threads");
+    static_assert((kBlockM * kChunks) % kThreads == 0, "Q tile copy must divide evenly among threads");
+};
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows][kHeadDim] tile. XOR with row % 8 spreads the 8 rows
+// an ldmatrix phase reads (same logical chunk) over 8 different bank groups: conflict-free without padding.
+template <int kHeadDim>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// Async copy of a [kRows][kHeadDim] tile; rows >= valid_rows are zero-filled (so masked keys multiply zeros).
+// Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + i * kRowStep: the swizzle term is the same for
+// all of its rows and the source pointer advances by a constant, so no per-row 64-bit offsets stay live in
+// registers across the main loop.
+template <typename Traits, int kRows, typename T>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows, int tid) {
+    constexpr int kChunks = Traits::kChunks;
+    constexpr int kRowStep = Traits::kThreads / kChunks;
+    constexpr int kIters = kRows / kRowStep;
+    static_assert(kRowStep % 8 == 0, "row step must keep row % 8 (the swizzle phase) fixed");
+    const int row = tid / kChunks;
+    const int chunk = tid % kChunks;
+    const T* src = gmem + row * row_stride + chunk * 8;
+    T* dst = smem + swz<Traits::kHeadDim>(row, chunk);
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const bool ok = row + it * kRowStep < valid_rows;
+        cp_async_16(dst + it * kRowStep * Traits::kHeadDim, ok ? src : gmem, ok);
+        src += kRowStep * row_stride;
+    }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+template <typename T, typename Traits, bool kCausal, bool kSplit>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const FlashFwdParams params) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kNT = kBlockN / 8;    // n-tiles of S per warp
+    constexpr int kDT = kHeadDim / 8;   // n-tiles of O per warp
+    constexpr int kKQ = kHeadDim / 16;  // k-steps of Q K^T
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + Traits::kSmemQ;            // [2][kBlockN][kHeadDim]
+    T* sV = sK + 2 * Traits::kSmemKV;       // [2][kBlockN][kHeadDim]
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+
+    // Causal blocks with the most key tiles first (reverse order), so the longest work is not the wave's tail.
+    const int num_m_blocks = gridDim.x;
+    const int m_block = kCausal ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = kSplit ? blockIdx.z / params.num_splits : blockIdx.z;
+    const int split = kSplit ? blockIdx.z % params.num_splits : 0;
+    const int kv_head = head / (params.num_heads / params.num_kv_heads);
+
+    const int seqlen_q = params.seqlen_q;
+    const int seqlen_k = params.seqused_k ? min(params.seqused_k[batch], params.seqlen_k) : params.seqlen_k;
+    const int causal_offset = seqlen_k - seqlen_q;  // row i sees keys j <= i + causal_offset
+    const int row0 = m_block * kBlockM;
+
+    // Key tiles this block visits: all of them, or up to the diagonal of its last row.
+    int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
+    if (kCausal) {
+        const int last_key = min(row0 + kBlockM - 1 + causal_offset, seqlen_k - 1);
+        n_block_max = min(n_block_max, last_key < 0 ? 0 : last_key / kBlockN + 1);
+    }
+    int n_block_min = 0;
+    if (kSplit) {
+        const int per_split = (n_block_max + params.num_splits - 1) / params.num_splits;
+        n_block_min = split * per_split;
+        n_block_max = min(n_block_max, n_block_min + per_split);
+    }
+
+    const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
+                     head * params.q_head_stride + static_cast<int64_t>(row0) * params.q_row_stride;
+    const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
+    const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
+
+    // Running softmax state for this thread's two rows (g and g + 8 of the warp's 16), base-2 scaled domain.
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+    float acc_o[kDT][4];
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+
+    if (n_block_min < n_block_max) {
+        load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
+        {
+            const int kv0 = n_block_min * kBlockN;
+            load_tile_async<Traits, kBlockN>(sK, k_ptr + kv0 * params.k_row_stride, params.k_row_stride, seqlen_k - kv0, tid);
+            load_tile_async<Traits, kBlockN>(sV, v_ptr + kv0 * params.v_row_stride, params.v_row_stride, seqlen_k - kv0, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // Q fragments for this warp's 16 rows, all head_dim k-steps, kept in registers for the whole loop.
+        uint32_t q_frag[kKQ][4];
+        {
+            const int r = warp * 16 + (lane % 16);
+#pragma unroll
+            for (int kk = 0; kk < kKQ; ++kk) ldmatrix_x4(q_frag[kk], sQ + swz<kHeadDim>(r, kk * 2 + lane / 16));
+        }
+
+        const float scale_log2 = params.scale_log2;
+        const int warp_row0 = row0 + warp * 16;
+
+        for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+            const int stage = (n_block - n_block_min) & 1;
+            const T* cK = sK + stage * Traits::kSmemKV;
+            const T* cV = sV + stage * Traits::kSmemKV;
+            if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
+                const int kv = (n_block + 1) * kBlockN;
+                load_tile_async<Traits, kBlockN>(sK + (stage ^ 1) * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
+                                                 params.k_row_stride, seqlen_k - kv, tid);
+                load_tile_async<Traits, kBlockN>(sV + (stage ^ 1) * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
+                                                 params.v_row_stride, seqlen_k - kv, tid);
+            }
+            cp_async_commit();
+
+            // S = Q K^T for 16 rows x kBlockN keys.
+            float acc_s[kNT][4];
+#pragma unroll
+            for (int i = 0; i < kNT; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kKQ; ++kk) {
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    uint32_t b[4];
+                    const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
+                    ldmatrix_x4(b, cK + swz<kHeadDim>(key, kk * 2 + (lane / 8) % 2));
+                    mma_16816<T>(acc_s[2 * np], q_frag[kk], b[0], b[1]);
+                    mma_16816<T>(acc_s[2 * np + 1], q_frag[kk], b[2], b[3]);
+                }
+            }
+
+            // Mask only tiles that reach past the last key or cross the causal diagonal.
+            const int key0 = n_block * kBlockN;
+            const bool need_mask = key0 + kBlockN > seqlen_k ||
+                                   (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
+            if (need_mask) {
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + nt * 8 + 2 * t + (e & 1);
+                        const int row = warp_row0 + g + (e >= 2 ? 8 : 0);
+                        const bool masked = key >= seqlen_k || (kCausal && key > row + causal_offset);
+                        if (masked) acc_s[nt][e] = -INFINITY;
+                    }
+                }
+            }
+
+            // Online softmax: new running max, rescale factor for the old state, P = exp2(S*scale - max).
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
+                mx = quad_max(mx);
+                const float new_max = fmaxf(row_max[r], mx * scale_log2);
+                // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+                const float m = new_max == -INFINITY ? 0.f : new_max;
+                const float alpha = exp2f(row_max[r] - m);
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+                    acc_s[nt][2 * r] = exp2f(fmaf(acc_s[nt][2 * r], scale_log2, -m));
+                    acc_s[nt][2 * r + 1] = exp2f(fmaf(acc_s[nt][2 * r + 1], scale_log2, -m));
+                    sum += acc_s[nt][2 * r] + acc_s[nt][2 * r + 1];
+                }
+                row_sum[r] = row_sum[r] * alpha + sum;  // per-thread partial; reduced over the quad at the end
+                row_max[r] = new_max;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    acc_o[dt][2 * r] *= alpha;
+                    acc_o[dt][2 * r + 1] *= alpha;
+                }
+            }
+
+            // O += P V. The S accumulators of n-tiles (2kk, 2kk+1) are exactly the A fragment of k-step kk.
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                uint32_t a[4];
+                a[0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+                a[1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+                a[2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+                a[3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < kDT / 2; ++dp) {
+                    uint32_t b[4];
+                    const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                    ldmatrix_x4_trans(b, cV + swz<kHeadDim>(key, dp * 2 + lane / 16));
+                    mma_16816<T>(acc_o[2 * dp], a, b[0], b[1]);
+                    mma_16816<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
+                }
+            }
+
+            cp_async_wait<0>();
+            __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
+        }
+    }
+
+    // Epilogue: normalise, write O (and lse). Rows that saw no key write 0 and lse = -inf.
+    float inv_sum[2], lse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float s = quad_sum(row_sum[r]);
+        inv_sum[r] = s > 0.f ? 1.f / s : 0.f;
+        lse[r] = s > 0.f ? (row_max[r] + __log2f(s)) * kLn2 : -INFINITY;
+    }
+    const int warp_row0 = row0 + warp * 16;
+
+    if constexpr (kSplit) {
+        // float32 partials straight from registers: (split, batch, head, row, d).
+        const int64_t bh = (static_cast<int64_t>(split) * params.batch + batch) * params.num_heads + head;
+        float* o_acc = params.o_accum + bh * seqlen_q * kHeadDim;
+        float* l_acc = params.lse_accum + bh * seqlen_q;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + g + r * 8;
+            if (row < seqlen_q) {
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    *reinterpret_cast<float2*>(o_acc + static_cast<int64_t>(row) * kHeadDim + dt * 8 + 2 * t) =
+                        make_float2(acc_o[dt][2 * r] * inv_sum[r], acc_o[dt][2 * r + 1] * inv_sum[r]);
+                }
+                if (t == 0) l_acc[row] = lse[r];
+            }
+        }
+    } else {
+        // Stage the tile in (swizzled) shared memory so the global stores are 16-byte and coalesced.
+        __syncthreads();
+        T* sO = sQ;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp * 16 + g + r * 8;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+                *reinterpret_cast<uint32_t*>(sO + swz<kHeadDim>(row, dt) + 2 * t) =
+                    pack2<T>(acc_o[dt][2 * r] * inv_sum[r], acc_o[dt][2 * r + 1] * inv_sum[r]);
+            }
+            if (params.lse != nullptr && t == 0 && warp_row0 + g + r * 8 < seqlen_q) {
+                params.lse[(static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + warp_row0 + g + r * 8] =
+                    lse[r];
+            }
+        }
+        __syncthreads();
+        T* o_ptr = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
+                   static_cast<int64_t>(row0) * params.o_row_stride;
+        constexpr int kIters = kBlockM * Traits::kChunks / Traits::kThreads;
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int idx = it * Traits::kThreads + tid;
+            const int row = idx / Traits::kChunks;
+            const int chunk = idx % Traits::kChunks;
+            if (row0 + row < seqlen_q) {
+                *reinterpret_cast<uint4*>(o_ptr + static_cast<int64_t>(row) * params.o_row_stride + chunk * 8) =
+                    *reinterpret_cast<const uint4*>(sO + swz<kHeadDim>(row, chunk));
+            }
+        }
+    }
+}
+
+// Merges KV-split partials: lse = log(sum_s exp(lse_s)); o = sum_s exp(lse_s - lse) * o_s. One warp per row.
+template <typename T, int kHeadDim>
+__global__ void flash_combine_kernel(const FlashFwdParams params) {
+    constexpr int kPerLane = kHeadDim / 32;
+    const int warps_per_block = blockDim.x / 32;
+    const int64_t row_id = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int64_t rows = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
+    if (row_id >= rows) return;
+    const int64_t split_stride = rows;  // partials are (split, batch, head, row)
+
+    float max_lse = -INFINITY;
+    for (int s = 0; s < params.num_splits; ++s) max_lse = fmaxf(max_lse, params.lse_accum[s * split_stride + row_id]);
+    float acc[kPerLane] = {};
+    float total = 0.f;
+    if (max_lse != -INFINITY) {
+        for (int s = 0; s < params.num_splits; ++s) {
+            const float w = __expf(params.lse_accum[s * split_stride + row_id] - max_lse);
+            total += w;
+            const float* o_s = params.o_accum + (s * split_stride + row_id) * kHeadDim;
+#pragma unroll
+            for (int i = 0; i < kPerLane; ++i) acc[i] += w * o_s[lane * kPerLane + i];
+        }
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const int row = row_id % params.seqlen_q;
+    const int head = (row_id / params.seqlen_q) % params.num_heads;
+    const int batch = row_id / (static_cast<int64_t>(params.seqlen_q) * params.num_heads);
+    T* o = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
+           static_cast<int64_t>(row) * params.o_row_stride + lane * kPerLane;
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 2) *reinterpret_cast<uint32_t*>(o + i) = pack2<T>(acc[i] * inv, acc[i + 1] * inv);
+    if (params.lse != nullptr && lane == 0) params.lse[row_id] = total > 0.f ? max_lse + __logf(total) : -INFINITY;
+}
+
+}  // namespace llm_attn

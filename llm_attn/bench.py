@@ -1,0 +1,229 @@
+"""Kernel benchmark: our FlashAttention kernel against PyTorch SDPA's backends, measured in the same run.
+
+    python -m llm_attn.bench                                   # Llama 3 8B prefill shape, S = 512 .. 16384
+    python -m llm_attn.bench --seqs 2048 4096 --dtypes bf16 --causal 1 --out bench.jsonl
+    python -m llm_attn.bench --mode decode --kv 512 2048 8192 32768 --batch 1 4 16
+
+Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
+halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
+sets so that short shapes are not timed out of L2.
+Decode: q_len = 1 against a KV cache of length S; GB/s counts K and V read once (2*B*Hkv*S*D*bytes), both as plain
+launches and replayed inside a CUDA graph (launch overhead removed).
+
+Each row of the JSONL output carries the environment and the command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from contextlib import nullcontext
+
+import torch
+from tabulate import tabulate
+
+from llm_attn.envinfo import environment
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def make_fn(impl: str, q, k, v, causal: bool):
+    """A zero-argument callable running one attention forward with `impl`, and a note (e.g. K/V expanded)."""
+    if impl == "ours":
+        from llm_attn import flash_attn_func
+
+        return (lambda: flash_attn_func(q, k, v, causal=causal, backend="cuda")), ""
+    from torch.nn.attention import sdpa_kernel
+
+    backend = _sdpa_backends()[impl]
+    # SDPA's is_causal is top-left aligned; for q_len == kv_len it is the same mask as ours. For decode (q_len 1)
+    # causal == full attention, which is what stock transformers runs.
+    is_causal = causal and q.shape[2] == k.shape[2] and q.shape[2] > 1
+    gqa = q.shape[1] != k.shape[1]
+    note = ""
+
+    def call(kk, vv, enable_gqa):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=is_causal,
+                                                                    enable_gqa=enable_gqa)
+
+    try:
+        call(k, v, gqa)
+        fn = lambda: call(k, v, gqa)  # noqa: E731
+    except RuntimeError:
+        if not gqa:
+            raise
+        # This backend refuses enable_gqa: measure it the way transformers then runs it, with K/V expanded.
+        rep = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        call(ke, ve, False)
+        fn = lambda: call(ke, ve, False)  # noqa: E731
+        note = "K/V expanded"
+    return fn, note
+
+
+def time_cuda(fns, warmup: int, repeats: int, graph: bool = False) -> list[float]:
+    """Milliseconds per call, one sample per repeat; `fns` rotate (different input sets) between calls."""
+    if graph:
+        fns = [_graphed(f) for f in fns]
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    samples = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples
+
+
+def _graphed(fn, iters: int = 1):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    return g.replay
+
+
+def _inputs(b, hq, hkv, sq, sk, d, dtype, sets):
+    out = []
+    for _ in range(sets):
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        out.append((q, k, v))
+    return out
+
+
+def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repeats, graph=False):
+    """Time every impl on the same inputs; returns {impl: row}. A failing impl gets an error row, others go on."""
+    elem = torch.finfo(dtype).bits // 8
+    # Rotate input sets so that small shapes are not served from L2 between repeats (50 MB on H100).
+    per_set = (b * hq * sq * d + 2 * b * hkv * sk * d) * elem
+    sets = max(1, min(8, math.ceil(200e6 / per_set)))
+    data = _inputs(b, hq, hkv, sq, sk, d, dtype, sets)
+    flops = 4 * b * hq * sq * sk * d / (2 if causal and sq == sk else 1)
+    kv_bytes = 2 * b * hkv * sk * d * elem
+    rows = {}
+    ref = None
+    for impl in impls:
+        row = dict(mode=mode, impl=impl, batch=b, heads=hq, kv_heads=hkv, q_len=sq, kv_len=sk, head_dim=d,
+                   dtype=str(dtype).removeprefix("torch."), causal=causal, graph=graph)
+        try:
+            fns, note = zip(*(make_fn(impl, q, k, v, causal) for q, k, v in data))
+            out0 = fns[0]()
+            if ref is None:
+                ref = out0
+            row["max_abs_diff_vs_first"] = (out0.float() - ref.float()).abs().max().item()
+            samples = time_cuda(list(fns), warmup, repeats, graph=graph)
+            ms = statistics.median(samples)
+            row.update(status="ok", note=note[0], ms=ms, ms_min=min(samples), samples_ms=samples,
+                       tflops=flops / ms / 1e9, gbps=kv_bytes / ms / 1e6)
+        except torch.cuda.OutOfMemoryError as e:
+            row.update(status="oom", error=str(e).splitlines()[0])
+        except RuntimeError as e:  # e.g. a backend that does not support this shape
+            row.update(status="error", error=str(e).splitlines()[0][:200])
+        rows[impl] = row
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["prefill", "decode"], default="prefill")
+    p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+                   help="prefill: q_len = kv_len = S")
+    p.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192, 32768], help="decode: KV cache lengths")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
+    p.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
+    p.add_argument("--impls", nargs="+", default=["ours", "flash", "cudnn", "efficient"],
+                   choices=["ours", "flash", "cudnn", "efficient", "math"])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,
+                   help="also time replays of a captured CUDA graph (default: decode 0 and 1, prefill 0)")
+    p.add_argument("--out", help="append JSONL rows here")
+    args = p.parse_args(argv)
+    for name in ("seqs", "kv", "batch"):
+        if any(x <= 0 for x in getattr(args, name)):
+            p.error(f"--{name} values must be positive")
+    if args.heads % args.kv_heads:
+        p.error("--heads must be a multiple of --kv-heads")
+    if not torch.cuda.is_available():
+        p.error("the kernel benchmark needs a CUDA GPU")
+    graphs = args.graph if args.graph is not None else ([0, 1] if args.mode == "decode" else [0])
+
+    env = environment()
+    command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = open(args.out, "a") if args.out else nullcontext()
+    table = []
+    with out as f:
+        for dt in args.dtypes:
+            for causal in args.causal:
+                for b in args.batch:
+                    lengths = args.seqs if args.mode == "prefill" else args.kv
+                    for s in lengths:
+                        for graph in graphs:
+                            sq = s if args.mode == "prefill" else 1
+                            rows = bench_point(args.mode, args.impls, b, args.heads, args.kv_heads, sq, s,
+                                               args.head_dim, DTYPES[dt], bool(causal), args.warmup, args.repeats,
+                                               graph=bool(graph))
+                            for row in rows.values():
+                                row.update(env=env, command=command)
+                                if f:
+                                    f.write(json.dumps(row) + "\n")
+                                    f.flush()
+                            table.append(_table_row(args.mode, rows, dt, causal, b, s, graph))
+                            print(_fmt_last(table), flush=True)
+    headers = list(table[0].keys())
+    print()
+    print(tabulate([list(r.values()) for r in table], headers=headers, floatfmt=".2f"))
+
+
+def _table_row(mode, rows, dt, causal, b, s, graph):
+    metric = "tflops" if mode == "prefill" else "gbps"
+    r = {"dtype": dt, "causal": causal, "B": b, "S" if mode == "prefill" else "KV": s}
+    if mode == "decode":
+        r["graph"] = graph
+    ours = rows.get("ours", {})
+    r["ours ms"] = ours.get("ms", float("nan")) if mode == "prefill" else ours.get("ms", float("nan")) * 1e3
+    if mode == "decode":
+        r["ours µs"] = r.pop("ours ms")
+    for impl, row in rows.items():
+        r[f"{impl} {'TF/s' if mode == 'prefill' else 'GB/s'}"] = row.get(metric, row.get("status"))
+    for impl in rows:
+        if impl != "ours" and "ours" in rows and rows[impl].get("ms") and ours.get("ms"):
+            r[f"ours/{impl}"] = rows[impl]["ms"] / ours["ms"]
+    return r
+
+
+def _fmt_last(table):
+    r = table[-1]
+    return "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+
+
+if __name__ == "__main__":
+    main()

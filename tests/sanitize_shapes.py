@@ -1,0 +1,29 @@
+"""A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k.
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
+"""
+import math
+
+import torch
+
+from llm_attn._ext import get_ext
+
+ext = get_ext()
+SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
+    (1, 8, 2, 17, 129, 64, True, None),
+    (2, 4, 1, 129, 63, 128, True, None),
+    (1, 8, 8, 1000, 1000, 128, False, None),
+    (1, 32, 8, 1, 4097, 128, True, None),        # split-KV
+    (2, 8, 2, 3, 700, 64, True, [700, 5]),       # static cache lengths
+]
+for dtype in (torch.float16, torch.bfloat16):
+    for b, hq, hkv, sq, sk, d, causal, used in SHAPES:
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
+        lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
+        su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
+        ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+print("sanitize shapes done")

@@ -1,0 +1,161 @@
+"""GPU tests of the CUDA kernel (skip without CUDA). Each case: fresh random inputs, output and lse buffers
+poisoned with NaN before the launch, result compared with a float64 reference. The bound is relative to PyTorch's
+own low-precision error on the same inputs (the same attention computed with fp16/bf16 matmuls), as in
+flash-attention's tests: our error must be within 2x of it (plus a tiny floor)."""
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from conftest import HEADS, LENGTHS, UNEQUAL
+from llm_attn import attention_naive, flash_attn_func
+
+pytestmark = pytest.mark.gpu
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PAIRS = [(n, n) for n in LENGTHS] + UNEQUAL
+
+
+def run_raw(ext, q, k, v, causal, scale=None, seqused_k=None):
+    """Call the binding directly on poisoned outputs, so an element the kernel never writes stays NaN."""
+    b, hq, sq, d = q.shape
+    out = torch.full((b, sq, hq, d), float("nan"), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    ext.mha_fwd(q, k, v, out, lse, seqused_k, scale, causal)
+    return out, lse
+
+
+def check(ext, q, k, v, causal, scale=None, seqused_k=None):
+    out, lse = run_raw(ext, q, k, v, causal, scale, seqused_k)
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_naive(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k)  # float64
+    pt, _ = attention_naive(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, compute_dtype=q.dtype)
+    assert not out.isnan().any(), "NaN in output (unwritten element or bad masking)"
+    assert not lse.isnan().any(), "NaN in lse"
+    err = (out.double() - ref).abs().max().item()
+    pt_err = (pt.double() - ref).abs().max().item()
+    assert err <= 2 * pt_err + 1e-4, f"max err {err:.3e} > 2 x PyTorch's {pt_err:.3e}"
+    visible = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), visible), "lse is -inf exactly on rows that see no key"
+    if visible.any():
+        assert (lse[visible] - ref_lse[visible]).abs().max().item() < 2e-3
+    assert torch.all(out.double()[~visible] == 0)
+    return err, pt_err
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("sq,sk", PAIRS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_kernel_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
+    torch.manual_seed(zlib.crc32(repr((dtype, causal, d, sq, sk, heads)).encode()))
+    hq, hkv = HEADS[heads]
+    dt = DTYPES[dtype]
+    q = torch.randn(2, hq, sq, d, device="cuda", dtype=dt)
+    k = torch.randn(2, hkv, sk, d, device="cuda", dtype=dt)
+    v = torch.randn(2, hkv, sk, d, device="cuda", dtype=dt)
+    check(cuda_ext, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_transformers_layout(cuda_ext, dtype, causal):
+    """(B, S, H, D) projections viewed as (B, H, S, D), and K/V sliced out of a longer cache buffer."""
+    dt = DTYPES[dtype]
+    b, s, hq, hkv, d = 3, 77, 32, 8, 128
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+    cache = torch.randn(b, hkv, 300, d, device="cuda", dtype=dt)
+    k = cache[:, :, :200]
+    v = torch.randn(b, 200, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    check(cuda_ext, q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [1, 4, 300])
+def test_seqused_k_static_cache(cuda_ext, causal, sq):
+    torch.manual_seed(sq)
+    b, hq, hkv, d, cap = 4, 32, 8, 128, 4096
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.float16)
+    used = torch.tensor([cap, 1000, sq, 2049], dtype=torch.int32, device="cuda")
+    k[1, :, 1000:] = float("nan")  # unused slots may hold anything (v: large but finite, so the float64
+    v[2, :, sq:] = 6e4              # reference's 0 * v stays 0)
+    check(cuda_ext, q, k, v, causal, seqused_k=used)
+
+
+@pytest.mark.parametrize("sk", [4097, 32768])
+def test_decode_split_kv(cuda_ext, sk):
+    """Llama-3-8B decode shape: one query row, 32 query heads over 8 KV heads, a long cache (KV splits)."""
+    assert cuda_ext.num_splits(1, 32, 8, 1, sk, 128, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, sk, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 8, sk, 128, device="cuda", dtype=torch.bfloat16)
+    check(cuda_ext, q, k, v, causal=True)
+
+
+def test_custom_scale_and_large_logits(cuda_ext):
+    q = torch.randn(1, 8, 129, 64, device="cuda", dtype=torch.float16) * 4
+    k = torch.randn(1, 8, 1000, 64, device="cuda", dtype=torch.float16) * 4
+    v = torch.randn(1, 8, 1000, 64, device="cuda", dtype=torch.float16)
+    check(cuda_ext, q, k, v, causal=False, scale=0.3)
+
+
+def test_public_api_matches_raw_and_is_deterministic(cuda_ext):
+    q = torch.randn(2, 32, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    raw, raw_lse = run_raw(cuda_ext, q, k, v, True)
+    assert torch.equal(out, raw) and torch.equal(lse, raw_lse)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True), out)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_cuda_graph_capture_and_compile(cuda_ext):
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 8, 3000, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(1, 8, 3000, 128, device="cuda", dtype=torch.float16)
+    used = torch.tensor([2500], dtype=torch.int32, device="cuda")
+    fn = lambda: flash_attn_func(q, k, v, causal=True, seqused_k=used)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn()
+    for n in (2500, 17, 3000):  # new inputs copied into the captured buffers, replayed
+        q.normal_()
+        k.normal_()
+        used.fill_(n)
+        graph.replay()
+        torch.testing.assert_close(static_out, fn(), rtol=0, atol=0)
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.testing.assert_close(compiled(), fn(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(d=96), "head_dim"),
+        (dict(dtype=torch.float32), "float16 or bfloat16"),
+    ],
+)
+def test_kernel_rejects_unsupported(cuda_ext, kwargs, match):
+    d = kwargs.get("d", 64)
+    dt = kwargs.get("dtype", torch.float16)
+    q = torch.randn(1, 4, 8, d, device="cuda", dtype=dt)
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attn_func(q, q, q, backend="cuda")
+
+
+def test_mixed_devices_rejected(cuda_ext):
+    q = torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="one device"):
+        flash_attn_func(q, q.cpu(), q)
