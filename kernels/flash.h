@@ -43,8 +43,15 @@ cudaError_t run_flash_fwd(FlashFwdParams& params, cudaStream_t stream);
 // The binding calls it to size the float32 workspace.
 int flash_fwd_num_splits(const FlashFwdParams& params, int num_sms);
 
-// Template instantiation entry points, one per (head_dim, dtype, causal) in its own .cu file.
+// Template instantiation entry points, each in its own .cu file: the prefill kernel per (head_dim, dtype, causal),
+// the split-KV decode kernel per (head_dim, dtype).
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t run_flash_decode_(FlashFwdParams& params, cudaStream_t stream);
+
+// Device facts, cached per device (no synchronisation).
+int num_sms_current_device();
+int max_smem_per_block_current_device();
 
 }  // namespace llm_attn

@@ -7,18 +7,30 @@
 
 namespace llm_attn {
 
-int num_sms_current_device() {
-    static int cached[64] = {};
+static int device_attribute(cudaDeviceAttr attr, int fallback) {
+    constexpr int kMaxDevices = 64;
+    static int cache[2][kMaxDevices] = {};
+    const int slot = attr == cudaDevAttrMultiProcessorCount ? 0 : 1;
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 1;
-    if (dev < 64 && cached[dev] > 0) return cached[dev];
-    int sms = 1;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (dev < 64) cached[dev] = sms;
-    return sms;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return fallback;
+    if (cache[slot][dev] == 0 && cudaDeviceGetAttribute(&cache[slot][dev], attr, dev) != cudaSuccess) return fallback;
+    return cache[slot][dev];
+}
+int num_sms_current_device() { return device_attribute(cudaDevAttrMultiProcessorCount, 1); }
+int max_smem_per_block_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024); }
+
+// Decode: enough (batch, KV head, split) blocks for ~2 per SM, each split keeping at least one 64-key tile.
+static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
+    const long blocks = static_cast<long>(p.batch) * p.num_kv_heads;
+    const int n_tiles = (p.seqlen_k + 63) / 64;
+    long splits = (2L * num_sms + blocks - 1) / blocks;
+    splits = splits < n_tiles ? splits : n_tiles;
+    splits = splits < 128 ? splits : 128;
+    return splits > 1 ? static_cast<int>(splits) : 1;
 }
 
 int flash_fwd_num_splits(const FlashFwdParams& p, int num_sms) {
+    if (use_decode_kernel(p)) return decode_num_splits(p, num_sms);
     const bool small = use_small_tiles(p, num_sms);
     const int block_m = small ? 64 : 128;
     const int block_n = p.head_dim == 64 ? FwdConfig<64>::kBlockN : FwdConfig<128>::kBlockN;
@@ -34,6 +46,13 @@ int flash_fwd_num_splits(const FlashFwdParams& p, int num_sms) {
 }
 
 cudaError_t run_flash_fwd(FlashFwdParams& p, cudaStream_t stream) {
+    if (use_decode_kernel(p)) {
+        if (p.head_dim == 128) return p.is_bf16 ? run_flash_decode_<__nv_bfloat16, 128>(p, stream)
+                                                : run_flash_decode_<half, 128>(p, stream);
+        if (p.head_dim == 64) return p.is_bf16 ? run_flash_decode_<__nv_bfloat16, 64>(p, stream)
+                                               : run_flash_decode_<half, 64>(p, stream);
+        return cudaErrorInvalidValue;
+    }
 #define LLM_ATTN_CAUSAL_SWITCH(T, D)                                                   \
     return p.causal ? run_flash_fwd_<T, D, true>(p, stream) : run_flash_fwd_<T, D, false>(p, stream)
     if (p.head_dim == 128) {

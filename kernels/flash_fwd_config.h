@@ -31,13 +31,17 @@ struct FwdConfig<64> {
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 128;
 };
 
-int num_sms_current_device();
-
 // Small tiles when the large-tile grid would leave SMs idle.
 inline bool use_small_tiles(const FlashFwdParams& p, int num_sms) {
     const int block_m = 128;  // both head dims use 128-row large tiles
     const long blocks = static_cast<long>((p.seqlen_q + block_m - 1) / block_m) * p.num_heads * p.batch;
     return blocks < num_sms;
+}
+
+// The split-KV decode kernel packs (query heads per KV head) x q_len rows into at most two m16 tiles.
+constexpr int kDecodeMaxRows = 32;
+inline bool use_decode_kernel(const FlashFwdParams& p) {
+    return p.num_heads / p.num_kv_heads * p.seqlen_q <= kDecodeMaxRows;
 }
 
 }  // namespace llm_attn

@@ -7,8 +7,10 @@
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
 sets so that short shapes are not timed out of L2.
+Prefill timings are replays of a captured CUDA graph of one call (kernel time: Python and launch overhead removed
+for every implementation alike); `--graph 0` times plain calls.
 Decode: q_len = 1 against a KV cache of length S; GB/s counts K and V read once (2*B*Hkv*S*D*bytes), both as plain
-launches and replayed inside a CUDA graph (launch overhead removed).
+launches and replayed inside a CUDA graph.
 
 Each row of the JSONL output carries the environment and the command that reproduces it.
 """
@@ -164,7 +166,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,
-                   help="also time replays of a captured CUDA graph (default: decode 0 and 1, prefill 0)")
+                   help="1: time replays of a captured CUDA graph (kernel time without Python/launch overhead); "
+                        "0: plain calls (default: prefill 1, decode 0 and 1)")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
     for name in ("seqs", "kv", "batch"):
@@ -174,7 +177,7 @@ def main(argv=None):
         p.error("--heads must be a multiple of --kv-heads")
     if not torch.cuda.is_available():
         p.error("the kernel benchmark needs a CUDA GPU")
-    graphs = args.graph if args.graph is not None else ([0, 1] if args.mode == "decode" else [0])
+    graphs = args.graph if args.graph is not None else ([0, 1] if args.mode == "decode" else [1])
 
     env = environment()
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -159,3 +159,35 @@ def test_mixed_devices_rejected(cuda_ext):
     q = torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="one device"):
         flash_attn_func(q, q.cpu(), q)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("sk", [1, 7, 128, 1000, 4097, 32768])
+@pytest.mark.parametrize("sq", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_decode_kernel_grid(cuda_ext, dtype, sq, sk, heads):
+    """Small q_len against a KV cache: the split-KV decode kernel (GQA packed) whenever heads/kv_heads * q_len <= 32.
+    Causal (bottom-right) matters for q_len > 1: speculative/chunked decoding."""
+    torch.manual_seed(zlib.crc32(repr(("decode", dtype, sq, sk, heads)).encode()))
+    hq, hkv = HEADS[heads]
+    dt = DTYPES[dtype]
+    d = 128 if sk % 2 else 64
+    q = torch.randn(2, hq, sq, d, device="cuda", dtype=dt)
+    k = torch.randn(2, hkv, sk, d, device="cuda", dtype=dt)
+    v = torch.randn(2, hkv, sk, d, device="cuda", dtype=dt)
+    check(cuda_ext, q, k, v, causal=True)
+    if sq > 1:
+        check(cuda_ext, q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("sq", [1, 4, 8])
+def test_decode_static_cache_mask(cuda_ext, sq):
+    """StaticCache decode: a 8192-slot buffer, per-sequence valid lengths on the device, garbage beyond them."""
+    b, hq, hkv, d, cap = 3, 32, 8, 128, 8192
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    used = torch.tensor([cap, 777, 8], dtype=torch.int32, device="cuda")
+    k[1, :, 777:] = float("nan")
+    v[2, :, 8:] = 3e4
+    check(cuda_ext, q, k, v, causal=True, seqused_k=used)
