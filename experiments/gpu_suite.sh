@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
-#   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [test] [sanitize] [bench] [decode] [...]
+#   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [test] [sanitize] [bench] [bench_mha64] [decode]
 # The built extension and its source stamp are copied to $OUT so the next session can carry them instead of
 # rebuilding (a stamp mismatch rebuilds).
 set -uo pipefail
@@ -24,7 +24,7 @@ if has build; then
   else
     echo "extension up to date (stamp $stamp)"
   fi
-  cp llm_attn/_C*.so llm_attn/_C.stamp "$OUT/"
+  gzip -1 -c llm_attn/_C*.so > "$OUT/_C.so.gz"; cp llm_attn/_C.stamp "$OUT/"  # carried into the next session
 fi
 if has test; then
   python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
@@ -36,6 +36,10 @@ if has sanitize; then
 fi
 if has bench; then
   python3 -m llm_attn.bench ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | grep -v "^dtype=" | tail -40
+fi
+if has bench_mha64; then  # the batch-4 MHA head_dim-64 point
+  python3 -m llm_attn.bench --head-dim 64 --heads 32 --kv-heads 32 --batch 4 --seqs 4096 --out "$OUT/bench.jsonl" 2>&1 \
+    | tee -a "$OUT/bench.log" | grep -v "^dtype=" | tail -8
 fi
 if has decode; then
   python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40

@@ -39,7 +39,7 @@ struct DecodeTraits {
 };
 
 template <typename T, typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_decode_kernel(const FlashFwdParams params) {
+__device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) {
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kMT = Traits::kMTiles;
     constexpr int kRows = Traits::kRows;
@@ -156,13 +156,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_decode_kernel(const
 #pragma unroll
             for (int m = 0; m < kMT; ++m)
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
+                for (int r = 0; r < 2; ++r) {
+                    // Last key this row may see: its query position's diagonal, or the last valid key.
+                    const int limit = params.causal ? min((m * 16 + g + 8 * r) / group + causal_offset, seqlen_k - 1)
+                                                    : seqlen_k - 1;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key0 + n * 8 + 2 * t + (e & 1);
-                        const int qi = (m * 16 + g + (e >= 2 ? 8 : 0)) / group;
-                        if (key >= seqlen_k || (params.causal && key > qi + causal_offset)) acc_s[m][n][e] = -INFINITY;
-                    }
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (key0 + n * 8 + 2 * t + e > limit) acc_s[m][n][2 * r + e] = -INFINITY;
+                }
         }
 #pragma unroll
         for (int m = 0; m < kMT; ++m) {
@@ -283,6 +286,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_decode_kernel(const
             params.lse[r_id] = lse;
         }
     }
+}
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_decode_kernel(const FlashFwdParams params) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // An sm_90 block always has shared memory for 3 stages, so run_flash_decode_ never launches the 2-stage
+    // variants (meant for sm_86/sm_89) there, and they are not compiled for it.
+    if constexpr (Traits::kStages < 3) {
+        __trap();
+    } else
+#endif
+        flash_decode_body<T, Traits>(params);
 }
 
 }  // namespace llm_attn

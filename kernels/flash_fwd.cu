@@ -9,8 +9,8 @@ namespace llm_attn {
 
 static int device_attribute(cudaDeviceAttr attr, int fallback) {
     constexpr int kMaxDevices = 64;
-    static int cache[2][kMaxDevices] = {};
-    const int slot = attr == cudaDevAttrMultiProcessorCount ? 0 : 1;
+    static int cache[3][kMaxDevices] = {};
+    const int slot = attr == cudaDevAttrMultiProcessorCount ? 0 : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 1 : 2;
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return fallback;
     if (cache[slot][dev] == 0 && cudaDeviceGetAttribute(&cache[slot][dev], attr, dev) != cudaSuccess) return fallback;
@@ -18,6 +18,7 @@ static int device_attribute(cudaDeviceAttr attr, int fallback) {
 }
 int num_sms_current_device() { return device_attribute(cudaDevAttrMultiProcessorCount, 1); }
 int max_smem_per_block_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024); }
+int max_smem_per_sm_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 48 * 1024); }
 
 // Decode: enough (batch, KV head, split) blocks for ~2 per SM, each split keeping at least one 64-key tile.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {

@@ -6,7 +6,7 @@
 
 namespace llm_attn {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMTiles_>
 struct FwdTraits;
 
 template <int kHeadDim>
@@ -15,21 +15,29 @@ struct FwdConfig;
 // head_dim 128. Large: 128 query rows (8 warps x 16) x 64 keys. Q 32 KB + 2 stages x (K 16 KB + V 16 KB) = 96 KB
 // of shared memory: fits the 99 KB per-block limit of sm_86/sm_89 (RTX 4060 Ti) as well as sm_80/87/90.
 // Small: 64 rows (4 warps), for grids that would not fill the GPU (short prompts, decode).
+// Wide (used where an SM holds two blocks of it, sm_90): 4 warps x 32 rows (two m16 tiles each), so every K/V
+// fragment read from shared memory feeds two mma. For head_dim 128 its 128 + 32..64 accumulator registers spill
+// (12-72 bytes, kernels/NOTES.md v2), so head_dim 128 keeps the 16-rows-per-warp tile everywhere.
 template <>
 struct FwdConfig<128> {
-    using Large = FwdTraits<128, 128, 64, 8>;
-    using Small = FwdTraits<128, 64, 64, 4>;
+    using Large = FwdTraits<128, 128, 64, 8, 1>;
+    using Wide = Large;
+    using Small = FwdTraits<128, 64, 64, 4, 1>;
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 64;
 };
 
 // head_dim 64: rows are half as wide, so the large tile takes twice the keys (Q 16 KB + 2 x (16 + 16) KB = 80 KB).
 // The small tile stays at 64 keys: with 128 keys its 4-warp variant runs out of registers (spills).
+// Wide for head_dim 64: 4 warps x 32 rows x 64 keys, 48 KB (4 blocks per sm_90 SM), 238-242 registers, no spills.
 template <>
 struct FwdConfig<64> {
-    using Large = FwdTraits<64, 128, 128, 8>;
-    using Small = FwdTraits<64, 64, 64, 4>;
+    using Large = FwdTraits<64, 128, 128, 8, 1>;
+    using Wide = FwdTraits<64, 128, 64, 4, 2>;
+    using Small = FwdTraits<64, 64, 64, 4, 1>;
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 128;
 };
+
+int max_smem_per_sm_current_device();
 
 // Small tiles when the large-tile grid would leave SMs idle.
 inline bool use_small_tiles(const FlashFwdParams& p, int num_sms) {

@@ -1,8 +1,8 @@
 // FlashAttention-2 forward kernel (mma.sync tensor cores, sm_80 .. sm_90).
 //
-// One thread block owns kBlockM query rows of one (batch, query head); each of its warps owns 16 of those rows,
-// so warps split query rows and never exchange softmax state. The block's Q tile is loaded once into registers
-// (A fragments). K/V tiles of kBlockN keys stream through double-buffered, XOR-swizzled shared memory with
+// One thread block owns kBlockM query rows of one (batch, query head); each of its warps owns 16 or 32 of those
+// rows (kMTiles), so warps split query rows and never exchange softmax state. With 16 rows per warp the Q tile
+// is loaded once into registers (A fragments); with 32 it is re-read from shared memory. K/V tiles of kBlockN keys stream through double-buffered, XOR-swizzled shared memory with
 // cp.async: tile j+1 is in flight while tile j is multiplied. Per tile: S = Q K^T (mma), masking only on tiles
 // that cross the causal diagonal or the end of the keys, online softmax in base 2 with the scale folded into
 // one FMA, P (the S accumulators re-packed as A fragments, never written to memory) times V (ldmatrix.trans).
@@ -20,12 +20,17 @@ namespace llm_attn {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kMTiles: m16 row tiles per warp. With 2, every K/V fragment read from shared memory feeds two mma (half the
+// shared-memory traffic per FLOP), at the price of 2x the accumulators; Q is then re-read from shared memory per
+// k-step instead of living in registers.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMTiles_>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
+    static constexpr int kMTiles = kMTiles_;
+    static constexpr int kWarpRows = 16 * kMTiles;
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
     static constexpr int kSmemQ = kBlockM * kHeadDim;
@@ -34,7 +39,8 @@ struct FwdTraits {
     static constexpr int kSmemBytes = (kSmemQ + 4 * kSmemKV) * 2;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim must be 64 or 128");
-    static_assert(kBlockM == 16 * kNWarps, "each warp owns 16 query rows");
+    static_assert(kBlockM == kWarpRows * kNWarps, "warps split the block's query rows");
+    static_assert(kMTiles == 1 || kMTiles == 2, "one or two m16 tiles per warp");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the mma k-step (16)");
     static_assert(kChunks >= 8, "the XOR swizzle permutes 8 chunks per row");
     static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must divide evenly among threads");
@@ -84,9 +90,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
-    constexpr int kNT = kBlockN / 8;    // n-tiles of S per warp
-    constexpr int kDT = kHeadDim / 8;   // n-tiles of O per warp
+    constexpr int kMT = Traits::kMTiles;
+    constexpr int kWarpRows = Traits::kWarpRows;
+    constexpr int kNT = kBlockN / 8;    // n-tiles of S per m-tile
+    constexpr int kDT = kHeadDim / 8;   // n-tiles of O per m-tile
     constexpr int kKQ = kHeadDim / 16;  // k-steps of Q K^T
+    constexpr bool kQInRegs = kMT == 1;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -111,6 +120,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     const int seqlen_k = params.seqused_k ? min(params.seqused_k[batch], params.seqlen_k) : params.seqlen_k;
     const int causal_offset = seqlen_k - seqlen_q;  // row i sees keys j <= i + causal_offset
     const int row0 = m_block * kBlockM;
+    const int warp_row0 = row0 + warp * kWarpRows;
 
     // Key tiles this block visits: all of them, or up to the diagonal of its last row.
     int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
@@ -130,12 +140,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
     const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
 
-    // Running softmax state for this thread's two rows (g and g + 8 of the warp's 16), base-2 scaled domain.
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.f, 0.f};
-    float acc_o[kDT][4];
+    // Running softmax state for this thread's rows (g and g + 8 of each m16 tile), base-2 scaled domain.
+    float row_max[kMT][2], row_sum[kMT][2], acc_o[kMT][kDT][4];
 #pragma unroll
-    for (int i = 0; i < kDT; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+    for (int m = 0; m < kMT; ++m) {
+        row_max[m][0] = row_max[m][1] = -INFINITY;
+        row_sum[m][0] = row_sum[m][1] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kDT; ++i) acc_o[m][i][0] = acc_o[m][i][1] = acc_o[m][i][2] = acc_o[m][i][3] = 0.f;
+    }
 
     if (n_block_min < n_block_max) {
         load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
@@ -148,16 +161,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
         cp_async_wait<0>();
         __syncthreads();
 
-        // Q fragments for this warp's 16 rows, all head_dim k-steps, kept in registers for the whole loop.
-        uint32_t q_frag[kKQ][4];
-        {
+        // With one m-tile, Q fragments for all head_dim k-steps stay in registers for the whole loop.
+        uint32_t q_frag[kQInRegs ? kKQ : 1][4];
+        if constexpr (kQInRegs) {
             const int r = warp * 16 + (lane % 16);
 #pragma unroll
             for (int kk = 0; kk < kKQ; ++kk) ldmatrix_x4(q_frag[kk], sQ + swz<kHeadDim>(r, kk * 2 + lane / 16));
         }
 
         const float scale_log2 = params.scale_log2;
-        const int warp_row0 = row0 + warp * 16;
 
         for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
             const int stage = (n_block - n_block_min) & 1;
@@ -172,19 +184,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
             }
             cp_async_commit();
 
-            // S = Q K^T for 16 rows x kBlockN keys.
-            float acc_s[kNT][4];
+            // S = Q K^T for the warp's rows x kBlockN keys.
+            float acc_s[kMT][kNT][4];
 #pragma unroll
-            for (int i = 0; i < kNT; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
+            for (int m = 0; m < kMT; ++m)
+#pragma unroll
+                for (int i = 0; i < kNT; ++i) acc_s[m][i][0] = acc_s[m][i][1] = acc_s[m][i][2] = acc_s[m][i][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < kKQ; ++kk) {
+                uint32_t qa[kMT][4];
+                if constexpr (!kQInRegs) {
+#pragma unroll
+                    for (int m = 0; m < kMT; ++m)
+                        ldmatrix_x4(qa[m], sQ + swz<kHeadDim>(warp * kWarpRows + m * 16 + lane % 16, kk * 2 + lane / 16));
+                }
 #pragma unroll
                 for (int np = 0; np < kNT / 2; ++np) {
                     uint32_t b[4];
                     const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
                     ldmatrix_x4(b, cK + swz<kHeadDim>(key, kk * 2 + (lane / 8) % 2));
-                    mma_16816<T>(acc_s[2 * np], q_frag[kk], b[0], b[1]);
-                    mma_16816<T>(acc_s[2 * np + 1], q_frag[kk], b[2], b[3]);
+#pragma unroll
+                    for (int m = 0; m < kMT; ++m) {
+                        if constexpr (kQInRegs) {
+                            mma_16816<T>(acc_s[m][2 * np], q_frag[kk], b[0], b[1]);
+                            mma_16816<T>(acc_s[m][2 * np + 1], q_frag[kk], b[2], b[3]);
+                        } else {
+                            mma_16816<T>(acc_s[m][2 * np], qa[m], b[0], b[1]);
+                            mma_16816<T>(acc_s[m][2 * np + 1], qa[m], b[2], b[3]);
+                        }
+                    }
                 }
             }
 
@@ -194,59 +222,69 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
                                    (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
             if (need_mask) {
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
+                for (int m = 0; m < kMT; ++m)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key0 + nt * 8 + 2 * t + (e & 1);
-                        const int row = warp_row0 + g + (e >= 2 ? 8 : 0);
-                        const bool masked = key >= seqlen_k || (kCausal && key > row + causal_offset);
-                        if (masked) acc_s[nt][e] = -INFINITY;
-                    }
-                }
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = key0 + nt * 8 + 2 * t + (e & 1);
+                            const int row = warp_row0 + m * 16 + g + (e >= 2 ? 8 : 0);
+                            const bool masked = key >= seqlen_k || (kCausal && key > row + causal_offset);
+                            if (masked) acc_s[m][nt][e] = -INFINITY;
+                        }
             }
 
             // Online softmax: new running max, rescale factor for the old state, P = exp2(S*scale - max).
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
+            for (int m = 0; m < kMT; ++m) {
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[nt][2 * r], acc_s[nt][2 * r + 1]));
-                mx = quad_max(mx);
-                const float new_max = fmaxf(row_max[r], mx * scale_log2);
-                // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-                const float m = new_max == -INFINITY ? 0.f : new_max;
-                const float alpha = exp2f(row_max[r] - m);
-                float sum = 0.f;
+                for (int r = 0; r < 2; ++r) {
+                    float mx = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
-                    acc_s[nt][2 * r] = exp2f(fmaf(acc_s[nt][2 * r], scale_log2, -m));
-                    acc_s[nt][2 * r + 1] = exp2f(fmaf(acc_s[nt][2 * r + 1], scale_log2, -m));
-                    sum += acc_s[nt][2 * r] + acc_s[nt][2 * r + 1];
-                }
-                row_sum[r] = row_sum[r] * alpha + sum;  // per-thread partial; reduced over the quad at the end
-                row_max[r] = new_max;
+                    for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[m][nt][2 * r], acc_s[m][nt][2 * r + 1]));
+                    mx = quad_max(mx);
+                    const float new_max = fmaxf(row_max[m][r], mx * scale_log2);
+                    // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+                    const float mm = new_max == -INFINITY ? 0.f : new_max;
+                    const float alpha = exp2f(row_max[m][r] - mm);
+                    float sum = 0.f;
 #pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    acc_o[dt][2 * r] *= alpha;
-                    acc_o[dt][2 * r + 1] *= alpha;
+                    for (int nt = 0; nt < kNT; ++nt) {
+                        acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, -mm));
+                        acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
+                        sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
+                    }
+                    row_sum[m][r] = row_sum[m][r] * alpha + sum;  // per-thread partial; quad-reduced at the end
+                    row_max[m][r] = new_max;
+#pragma unroll
+                    for (int dt = 0; dt < kDT; ++dt) {
+                        acc_o[m][dt][2 * r] *= alpha;
+                        acc_o[m][dt][2 * r + 1] *= alpha;
+                    }
                 }
             }
 
             // O += P V. The S accumulators of n-tiles (2kk, 2kk+1) are exactly the A fragment of k-step kk.
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                uint32_t a[4];
-                a[0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-                a[1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-                a[2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-                a[3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+                uint32_t a[kMT][4];
+#pragma unroll
+                for (int m = 0; m < kMT; ++m) {
+                    a[m][0] = pack2<T>(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
+                    a[m][1] = pack2<T>(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
+                    a[m][2] = pack2<T>(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
+                    a[m][3] = pack2<T>(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     uint32_t b[4];
                     const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
                     ldmatrix_x4_trans(b, cV + swz<kHeadDim>(key, dp * 2 + lane / 16));
-                    mma_16816<T>(acc_o[2 * dp], a, b[0], b[1]);
-                    mma_16816<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+                    for (int m = 0; m < kMT; ++m) {
+                        mma_16816<T>(acc_o[m][2 * dp], a[m], b[0], b[1]);
+                        mma_16816<T>(acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
+                    }
                 }
             }
 
@@ -256,14 +294,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     }
 
     // Epilogue: normalise, write O (and lse). Rows that saw no key write 0 and lse = -inf.
-    float inv_sum[2], lse[2];
+    float inv_sum[kMT][2], lse[kMT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float s = quad_sum(row_sum[r]);
-        inv_sum[r] = s > 0.f ? 1.f / s : 0.f;
-        lse[r] = s > 0.f ? (row_max[r] + __log2f(s)) * kLn2 : -INFINITY;
-    }
-    const int warp_row0 = row0 + warp * 16;
+    for (int m = 0; m < kMT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float s = quad_sum(row_sum[m][r]);
+            inv_sum[m][r] = s > 0.f ? 1.f / s : 0.f;
+            lse[m][r] = s > 0.f ? (row_max[m][r] + __log2f(s)) * kLn2 : -INFINITY;
+        }
 
     if constexpr (kSplit) {
         // float32 partials straight from registers: (split, batch, head, row, d).
@@ -271,34 +310,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
         float* o_acc = params.o_accum + bh * seqlen_q * kHeadDim;
         float* l_acc = params.lse_accum + bh * seqlen_q;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp_row0 + g + r * 8;
-            if (row < seqlen_q) {
+        for (int m = 0; m < kMT; ++m)
 #pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    *reinterpret_cast<float2*>(o_acc + static_cast<int64_t>(row) * kHeadDim + dt * 8 + 2 * t) =
-                        make_float2(acc_o[dt][2 * r] * inv_sum[r], acc_o[dt][2 * r + 1] * inv_sum[r]);
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row0 + m * 16 + g + r * 8;
+                if (row < seqlen_q) {
+#pragma unroll
+                    for (int dt = 0; dt < kDT; ++dt) {
+                        *reinterpret_cast<float2*>(o_acc + static_cast<int64_t>(row) * kHeadDim + dt * 8 + 2 * t) =
+                            make_float2(acc_o[m][dt][2 * r] * inv_sum[m][r], acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
+                    }
+                    if (t == 0) l_acc[row] = lse[m][r];
                 }
-                if (t == 0) l_acc[row] = lse[r];
             }
-        }
     } else {
         // Stage the tile in (swizzled) shared memory so the global stores are 16-byte and coalesced.
         __syncthreads();
         T* sO = sQ;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp * 16 + g + r * 8;
+        for (int m = 0; m < kMT; ++m)
 #pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                *reinterpret_cast<uint32_t*>(sO + swz<kHeadDim>(row, dt) + 2 * t) =
-                    pack2<T>(acc_o[dt][2 * r] * inv_sum[r], acc_o[dt][2 * r + 1] * inv_sum[r]);
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp * kWarpRows + m * 16 + g + r * 8;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    *reinterpret_cast<uint32_t*>(sO + swz<kHeadDim>(row, dt) + 2 * t) =
+                        pack2<T>(acc_o[m][dt][2 * r] * inv_sum[m][r], acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
+                }
+                if (params.lse != nullptr && t == 0 && row0 + row < seqlen_q) {
+                    params.lse[(static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + row0 + row] =
+                        lse[m][r];
+                }
             }
-            if (params.lse != nullptr && t == 0 && warp_row0 + g + r * 8 < seqlen_q) {
-                params.lse[(static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + warp_row0 + g + r * 8] =
-                    lse[r];
-            }
-        }
         __syncthreads();
         T* o_ptr = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
                    static_cast<int64_t>(row0) * params.o_row_stride;

@@ -34,6 +34,11 @@ cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream) {
         return params.num_splits > 1 ? launch_fwd<T, Traits, kCausal, true>(params, stream)
                                      : launch_fwd<T, Traits, kCausal, false>(params, stream);
     }
+    using Wide = typename FwdConfig<kHeadDim>::Wide;
+    if (max_smem_per_sm_current_device() >= 2 * Wide::kSmemBytes) {
+        return params.num_splits > 1 ? launch_fwd<T, Wide, kCausal, true>(params, stream)
+                                     : launch_fwd<T, Wide, kCausal, false>(params, stream);
+    }
     using Traits = typename FwdConfig<kHeadDim>::Large;
     return params.num_splits > 1 ? launch_fwd<T, Traits, kCausal, true>(params, stream)
                                  : launch_fwd<T, Traits, kCausal, false>(params, stream);

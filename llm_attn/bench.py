@@ -7,8 +7,10 @@
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
 sets so that short shapes are not timed out of L2.
-Prefill timings are replays of a captured CUDA graph of one call (kernel time: Python and launch overhead removed
-for every implementation alike); `--graph 0` times plain calls.
+Prefill timings are replays of a captured CUDA graph of back-to-back calls over rotating inputs (up to 20,
+~2 ms per replay), divided by their number
+(kernel time: Python, launch and submission overhead removed for every implementation alike); `--graph 0` times
+plain calls.
 Decode: q_len = 1 against a KV cache of length S; GB/s counts K and V read once (2*B*Hkv*S*D*bytes), both as plain
 launches and replayed inside a CUDA graph.
 
@@ -74,10 +76,20 @@ def make_fn(impl: str, q, k, v, causal: bool):
     return fn, note
 
 
-def time_cuda(fns, warmup: int, repeats: int, graph: bool = False) -> list[float]:
-    """Milliseconds per call, one sample per repeat; `fns` rotate (different input sets) between calls."""
+def time_cuda(fns, warmup: int, repeats: int, graph: bool = False, max_calls_per_graph: int = 20) -> list[float]:
+    """Milliseconds per call, one sample per repeat. `fns` rotate (different input sets) between calls.
+
+    graph=True captures back-to-back calls (rotating inputs; as many as fit in ~2 ms, at most
+    `max_calls_per_graph`) in one CUDA graph and reports replay time / calls: kernel time without Python, launch
+    or graph-submission latency, for every implementation alike."""
     if graph:
-        fns = [_graphed(f) for f in fns]
+        fns[0]()
+        est = time_cuda(fns, 1, 3)
+        calls_per_graph = max(1, min(max_calls_per_graph, int(2.0 / max(min(est), 1e-3))))
+        replay = _graphed([fns[i % len(fns)] for i in range(calls_per_graph)])
+        fns, per = [replay], calls_per_graph
+    else:
+        per = 1
     for i in range(warmup):
         fns[i % len(fns)]()
     torch.cuda.synchronize()
@@ -88,19 +100,20 @@ def time_cuda(fns, warmup: int, repeats: int, graph: bool = False) -> list[float
         fns[i % len(fns)]()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(start.elapsed_time(end) / per)
     return samples
 
 
-def _graphed(fn, iters: int = 1):
+def _graphed(calls):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        for fn in calls:
+            fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(iters):
+        for fn in calls:
             fn()
     return g.replay
 
