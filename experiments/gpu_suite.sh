@@ -12,7 +12,10 @@ steps=${*:-build test sanitize bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-stamp=$(cat kernels/* setup.py | sha256sum | cut -c1-16)
+stamp=$(cat kernels/*.cu kernels/*.cuh kernels/*.h kernels/*.cpp setup.py | sha256sum | cut -c1-16)
+# Run from the source tree without installing: llm_attn.patches is the top-level patches/ folder (setup.py maps
+# it when installed); a git-ignored link gives the same module path here.
+[ -e llm_attn/patches ] || ln -s ../patches llm_attn/patches
 if has build; then
   if [ "$(cat llm_attn/_C.stamp 2>/dev/null)" != "$stamp" ] || ! ls llm_attn/_C*.so >/dev/null 2>&1; then
     rm -f llm_attn/_C*.so

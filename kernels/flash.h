@@ -34,6 +34,8 @@ struct FlashFwdParams {
     int num_splits;
     float* __restrict__ o_accum;
     float* __restrict__ lse_accum;
+    // Decode path only: (batch, num_kv_heads) int32 counters, zero before the launch; the kernel leaves them zero.
+    int* __restrict__ split_counters;
 };
 
 // Launches the forward pass on `stream`. Returns cudaSuccess or the launch error; never synchronises.
@@ -42,6 +44,8 @@ cudaError_t run_flash_fwd(FlashFwdParams& params, cudaStream_t stream);
 // How many KV splits run_flash_fwd would use for these shapes on a device with `num_sms` SMs (1 = no split).
 // The binding calls it to size the float32 workspace.
 int flash_fwd_num_splits(const FlashFwdParams& params, int num_sms);
+// Whether run_flash_fwd takes the split-KV decode kernel (which needs params.split_counters when it splits).
+bool flash_fwd_uses_decode_kernel(const FlashFwdParams& params);
 
 // Template instantiation entry points, each in its own .cu file: the prefill kernel per (head_dim, dtype, causal),
 // the split-KV decode kernel per (head_dim, dtype).

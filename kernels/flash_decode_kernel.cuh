@@ -8,7 +8,8 @@
 //  - the split's key tiles (64 keys) stream through a kStages-deep cp.async pipeline;
 //  - the 4 warps split each tile's keys (16 each: for decode, keys are the only parallel dimension), each with its
 //    own online softmax; at the end the warps' states are merged through shared memory.
-// Output: with one split, O (and lse) directly; otherwise float32 partials merged by flash_combine_kernel.
+// Output: with one split, O (and lse) directly; otherwise float32 partials, merged in the same launch by the last
+// block of each (batch, KV head) to finish (a self-resetting counter per (batch, KV head)).
 // The number of splits comes from the host (flash_fwd_num_splits); each block derives its key range from the
 // batch's own valid length (seqused_k) on the device, so no host synchronisation is needed and a captured CUDA
 // graph stays valid as the cache grows.
@@ -286,14 +287,33 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
             params.lse[r_id] = lse;
         }
     }
+    if (!split_out) return;
+
+    // Fused combine: the last split block of this (batch, KV head) to finish merges all splits' partials, so
+    // decode is one launch. Writers fence before counting; the counter resets itself for the next launch.
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int* counter = params.split_counters + batch * params.num_kv_heads + kv_head;
+        s_last = atomicAdd(counter, 1) == params.num_splits - 1;
+        if (s_last) *counter = 0;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int row = warp; row < num_rows; row += Traits::kNWarps) {
+        const int head = kv_head * group + row % group, qi = row / group;
+        combine_row<T, kHeadDim>(params, (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + qi, lane);
+    }
 }
 
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_decode_kernel(const FlashFwdParams params) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // An sm_90 block always has shared memory for 3 stages, so run_flash_decode_ never launches the 2-stage
-    // variants (meant for sm_86/sm_89) there, and they are not compiled for it.
-    if constexpr (Traits::kStages < 3) {
+    // one-row-tile variant (meant for sm_86/sm_89) there, and it is not compiled for it.
+    if constexpr (Traits::kMTiles == 1 && Traits::kStages < 3) {
         __trap();
     } else
 #endif

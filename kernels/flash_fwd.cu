@@ -30,6 +30,8 @@ static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
     return splits > 1 ? static_cast<int>(splits) : 1;
 }
 
+bool flash_fwd_uses_decode_kernel(const FlashFwdParams& p) { return use_decode_kernel(p); }
+
 int flash_fwd_num_splits(const FlashFwdParams& p, int num_sms) {
     if (use_decode_kernel(p)) return decode_num_splits(p, num_sms);
     const bool small = use_small_tiles(p, num_sms);
