@@ -69,7 +69,7 @@ setup(
     description="A from-scratch FlashAttention CUDA kernel, a patch registry for Hugging Face LLMs, and a "
                 "TTFT/decode harness",
     python_requires=">=3.10",
-    packages=["llm_attn", "llm_attn.patches"],
+    packages=["llm_attn", "llm_attn.harness", "llm_attn.patches"],
     # The patch registry lives in patches/ (design card) but installs as llm_attn.patches, never as a top-level
     # `patches` module.
     package_dir={"llm_attn": "llm_attn", "llm_attn.patches": "patches"},

@@ -373,6 +373,8 @@ __device__ __forceinline__ void combine_row(const FlashFwdParams& params, int64_
     float acc[kPerLane] = {};
     float total = 0.f;
     if (max_lse != -INFINITY) {
+        // Unrolled so several splits' loads are in flight at once: this loop is L2-latency bound.
+#pragma unroll 8
         for (int s = 0; s < params.num_splits; ++s) {
             const float w = __expf(__ldcg(params.lse_accum + s * split_stride + row_id) - max_lse);
             total += w;
