@@ -1,0 +1,14 @@
+"""The measurement harness behind ``python -m llm_attn.ttft``, ``python -m llm_attn.experiment`` and
+``python -m llm_attn.report``.
+
+Modules, one job each:
+
+- ``stats``    — statistics derived from raw latency samples (p50/p90/min/stdev%).
+- ``env``      — the environment recorded with every result row (GPU, driver, CUDA, library versions, git SHA).
+- ``results``  — the JSONL row schema, the crash-safe appending writer and the resumption keys.
+- ``devices``  — the datasheet table (``experiments/devices.toml``) used for %-of-peak and roofline projections.
+- ``flops``    — model geometry, prefill FLOPs and bytes moved per decoded token.
+- ``impls``    — which attention implementations exist here and how a loaded model is switched between them.
+- ``measure``  — TTFT, decode (``generate`` and static-cache/CUDA-graph) and correctness measurements.
+- ``sweep``    — runs a grid of points through ``measure``, writing one row per measurement, and the summary table.
+"""

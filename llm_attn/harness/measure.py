@@ -1,0 +1,330 @@
+"""The measurements: TTFT, decode as users run it, decode kernel-limited, and ours-vs-stock correctness.
+
+All of them take a loaded model and a prompt (``input_ids``, batch x seq, already on the model's device), run
+under ``torch.inference_mode``, and return the fields of one result row (raw samples plus derived numbers).
+
+- TTFT: prefill forward over exactly ``seq`` tokens with a fresh cache and ``logits_to_keep=1``, then greedy
+  sampling of the first token, timed with CUDA events (on CPU, ``perf_counter``) after warm-up at the same shape.
+- Decode, "generate": ``model.generate`` with the default cache, exactly as users call it; a streamer timestamps
+  every token as it reaches the host, so the first token (the prefill) is excluded and each later token is timed.
+- Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
+  the kernels need without Python and launch overhead. On CPU the same static-cache loop runs without a graph and
+  says so in ``mode``.
+- Correctness: max |logit difference| at the prompt's last position and greedy-token agreement, ours vs stock.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.generation.streamers import BaseStreamer
+
+from llm_attn.harness.results import jsonable
+from llm_attn.harness.stats import summarize
+
+# Steps run before capturing the decode graph: the first call of an op may allocate workspaces or pick algorithms,
+# which a capture must not see.
+GRAPH_WARMUP_STEPS = 2
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _logits_kwargs(model) -> dict:
+    """Ask for the last position's logits only, under whichever name this model's forward knows."""
+    return dict(_logits_kwarg_for(type(model)))
+
+
+@functools.cache
+def _logits_kwarg_for(cls) -> tuple:
+    # Cached per class: inspecting a signature inside the timed region would be measured as TTFT.
+    params = inspect.signature(cls.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return ((name, 1),)
+    return ()
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _pad_token_id(model) -> int:
+    gc = getattr(model, "generation_config", None)
+    for cand in (getattr(gc, "pad_token_id", None), getattr(gc, "eos_token_id", None)):
+        if isinstance(cand, list):
+            cand = cand[0] if cand else None
+        if cand is not None:
+            return int(cand)
+    return 0
+
+
+def _generate_kwargs(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
+    """Greedy, exactly ``new_tokens`` new tokens whatever the model's EOS. Given as total lengths (prompt + new)
+    rather than max/min_new_tokens: checkpoints' generation configs often set max_length, and transformers warns
+    on every call when both are set."""
+    total = input_ids.shape[1] + new_tokens
+    return dict(attention_mask=torch.ones_like(input_ids), max_length=total, min_length=total, do_sample=False,
+                num_beams=1, pad_token_id=_pad_token_id(model))
+
+
+def prefill_first_token(model, input_ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill forward (fresh DynamicCache unless one is given) and greedy sampling: (token ids (B,), logits of
+    the last position (B, vocab))."""
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **_logits_kwargs(model))
+    logits = out.logits[:, -1, :]
+    return logits.argmax(dim=-1), logits
+
+
+def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
+                 on_repeat: Callable[[], None] | None = None) -> dict:
+    """TTFT samples in ms: prompt in, first token out. ``samples_ms`` are device times (CUDA events: start before
+    the forward, end after the argmax); ``wall_samples_ms`` add the copy of the token to the host."""
+    device = input_ids.device
+    cuda = device.type == "cuda"
+    samples, wall = [], []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            prefill_first_token(model, input_ids)
+        _sync(device)
+        _reset_peak(device)
+        for _ in range(repeats):
+            _sync(device)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                tok, _ = prefill_first_token(model, input_ids)
+                end.record()
+                tok.cpu()
+                t1 = time.perf_counter()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                tok, _ = prefill_first_token(model, input_ids)
+                tok.cpu()
+                t1 = time.perf_counter()
+                samples.append((t1 - t0) * 1e3)
+            wall.append((t1 - t0) * 1e3)
+            del tok
+            if on_repeat:
+                on_repeat()
+    return {
+        "timer": "cuda_event" if cuda else "perf_counter",
+        "samples_ms": samples,
+        "wall_samples_ms": wall,
+        "stats": summarize(samples),
+        "warmup": warmup,
+        "repeats": repeats,
+        "peak_mem_bytes": _peak(device),
+    }
+
+
+class _TokenClock(BaseStreamer):
+    """Timestamps each ``put``: generate() puts the prompt first, then every new token as a host tensor, so each
+    timestamp is taken after that token is on the host (on CUDA the ``.cpu()`` copy in generate synchronises)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _decode_fields(run_steps_ms: list[list[float]], run_total_ms: list[float], new_tokens: int) -> dict:
+    """Per-token samples of every run, each run's time per output token, and tok/s from the median run."""
+    tpot = [t / (new_tokens - 1) for t in run_total_ms]
+    samples = [s for run in run_steps_ms for s in run]
+    med_tpot = summarize(tpot)["p50"]
+    return {
+        "samples_ms": samples,
+        "stats": summarize(samples),
+        "run_tpot_ms": tpot,
+        "tpot_ms": med_tpot,
+        "tok_s": 1e3 / med_tpot,
+    }
+
+
+def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, runs: int,
+                            warmup_runs: int = 1, on_run: Callable[[], None] | None = None) -> dict:
+    """Decode through ``model.generate`` (default dynamic cache, greedy), tokens 2..N timed by their arrival."""
+    if new_tokens < 2:
+        raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
+    device = input_ids.device
+    kwargs = _generate_kwargs(model, input_ids, new_tokens)
+    steps, totals, first_token_ms, tokens = [], [], [], None
+    with torch.inference_mode():
+        # Warm-up runs cover the decode shapes too: the first generate after a shape change is much slower.
+        for _ in range(warmup_runs):
+            model.generate(input_ids, **kwargs)
+        _sync(device)
+        _reset_peak(device)
+        for _ in range(runs):
+            clock = _TokenClock()
+            _sync(device)
+            out = model.generate(input_ids, streamer=clock, **kwargs)
+            t = clock.times
+            if len(t) != new_tokens + 1 or out.shape[1] != input_ids.shape[1] + new_tokens:
+                raise RuntimeError(f"generate produced {out.shape[1] - input_ids.shape[1]} tokens and {len(t) - 1} "
+                                   f"timestamps, expected {new_tokens}")
+            steps.append([(b - a) * 1e3 for a, b in zip(t[1:-1], t[2:])])
+            totals.append((t[-1] - t[1]) * 1e3)
+            first_token_ms.append((t[1] - t[0]) * 1e3)
+            if tokens is None:
+                tokens = out[:, input_ids.shape[1]:].tolist()
+            if on_run:
+                on_run()
+    return {
+        **_decode_fields(steps, totals, new_tokens),
+        "timer": "perf_counter",
+        "mode": "generate",
+        "generate_first_token_ms": first_token_ms,
+        "warmup_runs": warmup_runs,
+        "runs": runs,
+        "tokens": tokens,
+        "peak_mem_bytes": _peak(device),
+    }
+
+
+def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs: int, use_graph: bool,
+                          on_run: Callable[[], None] | None = None) -> dict:
+    """Kernel-limited decode: StaticCache, one greedy decode step per token, replayed from a CUDA graph when
+    ``use_graph`` (CUDA only). Each step reads the previous token from a static buffer and writes the next one
+    into it, so the replayed graph feeds itself. The cache's position counters are tensors that the step advances
+    in place; they are reset to the prompt length before every run, so all runs decode the same tokens."""
+    if new_tokens < 2:
+        raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
+    device = input_ids.device
+    cuda = device.type == "cuda"
+    if use_graph and not cuda:
+        raise ValueError("CUDA-graph decode needs a CUDA device")
+    batch, seq = input_ids.shape
+    n_steps = new_tokens - 1
+    cache = StaticCache(config=model.config, max_cache_len=seq + max(new_tokens, GRAPH_WARMUP_STEPS + 1))
+    with torch.inference_mode():
+        _reset_peak(device)
+        first, _ = prefill_first_token(model, input_ids, cache=cache)
+        first = first.view(batch, 1).clone()
+        cur = first.clone()
+        for layer in cache.layers:
+            if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                raise RuntimeError(f"cache layer {type(layer).__name__} keeps no position tensor; the static decode "
+                                   f"loop supports full-attention StaticCache layers only")
+        saved = [layer.cumulative_length.clone() for layer in cache.layers]
+
+        def step():
+            out = model(input_ids=cur, past_key_values=cache, use_cache=True)
+            cur.copy_(out.logits[:, -1, :].argmax(dim=-1, keepdim=True))
+
+        def rewind():
+            for layer, pos in zip(cache.layers, saved):
+                layer.cumulative_length.copy_(pos)
+            cur.copy_(first)
+
+        graph = None
+        if use_graph:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP_STEPS):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run_step = graph.replay
+        else:
+            for _ in range(GRAPH_WARMUP_STEPS):
+                step()
+            run_step = step
+
+        steps, totals, tokens = [], [], None
+        history = torch.empty((batch, new_tokens), dtype=torch.long, device=device)
+        for _ in range(runs):
+            rewind()
+            history[:, 0] = first[:, 0]
+            _sync(device)
+            if cuda:
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(n_steps)]
+                for i, (s, e) in enumerate(ev):
+                    s.record()
+                    run_step()
+                    e.record()
+                    history[:, i + 1] = cur[:, 0]
+                torch.cuda.synchronize(device)
+                steps.append([s.elapsed_time(e) for s, e in ev])
+                totals.append(ev[0][0].elapsed_time(ev[-1][1]))
+            else:
+                stamps = [time.perf_counter()]
+                for i in range(n_steps):
+                    run_step()
+                    history[:, i + 1] = cur[:, 0]
+                    stamps.append(time.perf_counter())
+                steps.append([(b - a) * 1e3 for a, b in zip(stamps[:-1], stamps[1:])])
+                totals.append((stamps[-1] - stamps[0]) * 1e3)
+            if tokens is None:
+                tokens = history.tolist()
+            if on_run:
+                on_run()
+        peak = _peak(device)
+        del graph
+    return {
+        **_decode_fields(steps, totals, new_tokens),
+        "timer": "cuda_event" if cuda else "perf_counter",
+        "mode": "cuda_graph" if use_graph else "static_cache_loop_no_graph",
+        "runs": runs,
+        "tokens": tokens,
+        "peak_mem_bytes": peak,
+    }
+
+
+def greedy_tokens(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    out = model.generate(input_ids, **_generate_kwargs(model, input_ids, new_tokens))
+    return out[:, input_ids.shape[1]:]
+
+
+def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, reference_impl: str, impl: str,
+                        switch: Callable) -> dict:
+    """Ours against a stock implementation on the same prompt: max |logit difference| at the last prompt position
+    (float32) and the fraction of identical greedy tokens over ``new_tokens``. ``switch(model, name)`` is the
+    context manager that puts the model on an implementation (``impls.use_impl``)."""
+    got, report = {}, None
+    with torch.inference_mode():
+        for name in (reference_impl, impl):
+            with switch(model, name) as rep:
+                _, logits = prefill_first_token(model, input_ids)
+                got[name] = (logits.float().cpu(), greedy_tokens(model, input_ids, new_tokens).cpu())
+                if name == impl and rep is not None:
+                    report = jsonable(rep)
+    (ref_logits, ref_tok), (our_logits, our_tok) = got[reference_impl], got[impl]
+    same = ref_tok == our_tok
+    mismatch_cols = (~same).any(dim=0).nonzero()
+    return {
+        "reference_impl": reference_impl,
+        "max_abs_logit_diff": float((ref_logits - our_logits).abs().max()),
+        "reference_logit_absmax": float(ref_logits.abs().max()),
+        "greedy_agreement": float(same.float().mean()),
+        "first_divergence": int(mismatch_cols[0, 0]) if mismatch_cols.numel() else None,
+        "tokens_reference": ref_tok.tolist(),
+        "tokens_impl": our_tok.tolist(),
+        # The patch counters (cumulative since patching): proof that ours really ran, and on which backend.
+        "patch": report,
+    }

@@ -1,0 +1,172 @@
+"""Result rows: one JSON object per line, one line per measurement.
+
+Every row carries its raw samples, the statistics derived from them, the environment and the command that
+reproduces it (see ``llm_attn.ttft`` for the CLI). Rows are appended, flushed and fsync'ed one at a time, so a
+crash, an out-of-memory or Ctrl-C never loses a finished measurement, and a re-run resumes by skipping the points
+whose rows are already on disk (``point_key``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+SCHEMA = "llm_attn.ttft/1"
+
+MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
+KINDS = MEASUREMENTS + ("error",)
+STATUSES = ("ok", "oom", "error")
+
+# Fields every row has, whatever its kind.
+COMMON_FIELDS = ("schema", "kind", "measurement", "status", "experiment", "run_id", "time", "device", "model_spec",
+                 "model", "impl", "dtype", "batch", "seq", "new_tokens", "env", "command")
+# Fields a successful row of each kind adds.
+KIND_FIELDS = {
+    "ttft": ("samples_ms", "stats", "timer", "warmup", "repeats", "peak_mem_bytes", "model_flops"),
+    "decode_generate": ("samples_ms", "stats", "run_tpot_ms", "tpot_ms", "tok_s", "timer", "peak_mem_bytes",
+                        "bytes_per_token"),
+    "decode_graph": ("samples_ms", "stats", "run_tpot_ms", "tpot_ms", "tok_s", "timer", "mode", "peak_mem_bytes",
+                     "bytes_per_token"),
+    "correctness": ("reference_impl", "max_abs_logit_diff", "greedy_agreement", "first_divergence",
+                    "tokens_reference", "tokens_impl"),
+    "error": ("error",),
+}
+
+
+def jsonable(obj):
+    """Plain JSON types for dataclasses, torch dtypes/devices, paths and numpy scalars; NaN/inf become None
+    (strict JSON has no NaN, and a missing number must not read as a measured one)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / 0-d torch scalars
+        return jsonable(obj.item())
+    if hasattr(obj, "__dict__"):
+        return {k: jsonable(v) for k, v in vars(obj).items() if not k.startswith("_")}
+    return str(obj)
+
+
+def point_key(row: dict) -> tuple:
+    """What identifies a measurement for resumption. Repeats/warm-up are not part of it: re-running an interrupted
+    sweep with the same definition must find its finished points. TTFT does not depend on ``new_tokens``."""
+    measurement = row["measurement"]
+    new_tokens = None if measurement == "ttft" else row.get("new_tokens")
+    return (row.get("experiment"), row.get("model_spec"), row.get("dtype"), row.get("impl"), row.get("batch"),
+            row.get("seq"), new_tokens, measurement)
+
+
+def is_finished(row: dict) -> bool:
+    """A point counts as done when it was measured or ran out of memory (re-running would only OOM again).
+    Other errors are retried on resumption."""
+    return row.get("status") in ("ok", "oom")
+
+
+def validate_row(row: dict) -> None:
+    """Raise ValueError naming the first problem; used by tests and by the report to reject foreign files."""
+    if row.get("schema") != SCHEMA:
+        raise ValueError(f"schema is {row.get('schema')!r}, expected {SCHEMA!r}")
+    missing = [f for f in COMMON_FIELDS if f not in row]
+    if missing:
+        raise ValueError(f"row misses fields {missing}")
+    if row["kind"] not in KINDS:
+        raise ValueError(f"unknown kind {row['kind']!r}")
+    if row["measurement"] not in MEASUREMENTS:
+        raise ValueError(f"unknown measurement {row['measurement']!r}")
+    if row["status"] not in STATUSES:
+        raise ValueError(f"unknown status {row['status']!r}")
+    if (row["kind"] == "error") != (row["status"] != "ok"):
+        raise ValueError(f"kind {row['kind']!r} does not match status {row['status']!r}")
+    if row["kind"] != "error" and row["kind"] != row["measurement"]:
+        raise ValueError(f"kind {row['kind']!r} != measurement {row['measurement']!r}")
+    missing = [f for f in KIND_FIELDS[row["kind"]] if f not in row]
+    if missing:
+        raise ValueError(f"{row['kind']} row misses fields {missing}")
+    if "samples_ms" in KIND_FIELDS[row["kind"]] and not row["samples_ms"]:
+        raise ValueError(f"{row['kind']} row has no samples")
+
+
+class ResultWriter:
+    """Appends rows to a JSONL file; each row is flushed and fsync'ed before ``write`` returns."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._repair_partial_last_line()
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        self.rows_written = 0
+
+    def _repair_partial_last_line(self) -> None:
+        # A kill in the middle of a write can leave a line without its newline; appending after it would glue two
+        # rows into one unparsable line. Terminate it so that only the broken row is lost.
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with open(self.path, "rb+") as fh:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+
+    def write(self, row: dict) -> None:
+        line = json.dumps(jsonable(row), allow_nan=False, separators=(",", ":"))
+        self._fh.write(line + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.rows_written += 1
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def iter_rows(path: str | os.PathLike, strict: bool = False) -> Iterator[dict]:
+    """Rows of one JSONL file. A line that does not parse (a row cut by a crash) is skipped unless ``strict``."""
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if strict:
+                    raise ValueError(f"{path}:{lineno}: not JSON ({e})") from e
+                continue
+            yield row
+
+
+def result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """The .jsonl files named, or found recursively under the folders named, sorted for a stable order."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(p.rglob("*.jsonl"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no such results file or folder: {p}")
+    return files
+
+
+def finished_keys(path: str | os.PathLike) -> set[tuple]:
+    """Keys of the points already measured (or OOM) in ``path``; empty when the file does not exist yet."""
+    if not Path(path).exists():
+        return set()
+    return {point_key(r) for r in iter_rows(path) if r.get("schema") == SCHEMA and is_finished(r)}

@@ -1,0 +1,349 @@
+"""Runs a grid of (implementation, batch, prompt length) points through the measurements and writes one row per
+measurement as it finishes; builds the llama-bench-like summary table from rows.
+
+Shared by ``python -m llm_attn.ttft`` (one ad-hoc sweep) and ``python -m llm_attn.experiment`` (a TOML
+definition, resumable). An out-of-memory or failing measurement becomes an ``error`` row and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import shlex
+import sys
+import traceback
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+from tabulate import tabulate
+from tqdm.auto import tqdm
+
+from llm_attn.harness import flops
+from llm_attn.harness.devices import Device
+from llm_attn.harness.impls import OURS, STOCK_IMPLS, use_impl
+from llm_attn.harness.measure import measure_correctness, measure_decode_generate, measure_decode_static, measure_ttft
+from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
+
+PER_POINT = ("ttft", "decode_generate", "decode_graph")
+ALL_MEASUREMENTS = PER_POINT + ("correctness",)
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Reference implementation of the correctness check: the stock path ours is built on.
+CORRECTNESS_REFERENCE = "sdpa"
+_OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
+
+
+@dataclass
+class SweepConfig:
+    """One sweep: a model at one dtype, measured over the product impls x batches x seqs."""
+
+    model_spec: str
+    dtype: str
+    impls: list[str]
+    seqs: list[int]
+    batches: list[int] = field(default_factory=lambda: [1])
+    new_tokens: int = 32
+    warmup: int = 3
+    repeats: int = 10
+    decode_repeats: int = 3
+    measurements: list[str] = field(default_factory=lambda: list(ALL_MEASUREMENTS))
+    seed: int = 0
+    allow_dequant_fallback: bool = False
+    experiment: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        for name in ("seqs", "batches"):
+            vals = getattr(self, name)
+            if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in vals):
+                raise ValueError(f"{name} must be a non-empty list of positive integers, got {vals!r}")
+        if not self.impls:
+            raise ValueError("impls must not be empty")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (decode is timed over the tokens after the first), "
+                             f"got {self.new_tokens}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.repeats < 1 or self.decode_repeats < 1:
+            raise ValueError(f"repeats and decode_repeats must be >= 1, got {self.repeats}, {self.decode_repeats}")
+        unknown = set(self.measurements) - set(ALL_MEASUREMENTS)
+        if unknown or not self.measurements:
+            raise ValueError(f"measurements must be a non-empty subset of {ALL_MEASUREMENTS}, got {self.measurements}")
+
+    def command(self, impls: list[str], batch: int, seq: int, measurements: list[str]) -> str:
+        """The ``python -m llm_attn.ttft`` command that measures exactly this point again."""
+        args = ["python", "-m", "llm_attn.ttft", "--model", self.model_spec, "--dtype", self.dtype,
+                "--impl", *impls, "--batch", str(batch), "--seq", str(seq), "--new-tokens", str(self.new_tokens),
+                "--warmup", str(self.warmup), "--repeats", str(self.repeats),
+                "--decode-repeats", str(self.decode_repeats), "--measure", *measurements,
+                "--seed", str(self.seed), "--device", self.device]
+        if self.allow_dequant_fallback:
+            args.append("--allow-dequant-fallback")
+        return shlex.join(args)
+
+
+def make_prompt(vocab_size: int, batch: int, seq: int, seed: int, device) -> torch.Tensor:
+    """Seeded random token ids: every implementation sees the same prompt for a (batch, seq) point."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + batch * 100_003 + seq)
+    return torch.randint(0, vocab_size, (batch, seq), generator=gen).to(device)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _free_cuda_memory(device: torch.device) -> dict:
+    gc.collect()
+    if device.type != "cuda":
+        return {}
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return {"free_mem_bytes": free, "total_mem_bytes": total}
+
+
+class Sweep:
+    """Holds what every row shares (model, environment, run id) and writes rows for one SweepConfig."""
+
+    def __init__(self, cfg: SweepConfig, model, info, env: dict, writer: ResultWriter, device_entry: Device | None,
+                 done: set[tuple] | None = None, progress: bool = True, argv: list[str] | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.cfg, self.model, self.env, self.writer = cfg, model, env, writer
+        self.device = torch.device(cfg.device)
+        self.device_entry = device_entry
+        self.done = set(done or ())
+        self.progress = progress
+        self.argv = argv if argv is not None else sys.argv
+        self.log = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
+        self.run_id = uuid.uuid4().hex[:12]
+        self.rows: list[dict] = []
+        self.skipped = 0
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab = text_config.vocab_size
+        info_json = jsonable(info)
+        self.geometry = flops.geometry(info_json.get("config") or text_config.to_dict())
+        self.weight_bytes = flops.weight_bytes_read_per_step(model)
+        self.info = {**info_json, "model_bytes": flops.model_bytes(model)}
+
+    # -- rows -----------------------------------------------------------------------------------------------------
+    def _base(self, measurement: str, impl: str, batch: int, seq: int, command_impls: list[str]) -> dict:
+        return {
+            "schema": SCHEMA, "kind": measurement, "measurement": measurement, "status": "ok",
+            "experiment": self.cfg.experiment, "run_id": self.run_id, "time": _now(),
+            "device": self.env["device_slug"], "model_spec": self.cfg.model_spec, "model": self.info,
+            "impl": impl, "dtype": self.cfg.dtype, "batch": batch, "seq": seq, "new_tokens": self.cfg.new_tokens,
+            "env": self.env, "command": self.cfg.command(command_impls, batch, seq, [measurement]),
+            "argv": shlex.join(self.argv),
+        }
+
+    def _key(self, measurement: str, impl: str, batch: int, seq: int) -> tuple:
+        return point_key({"experiment": self.cfg.experiment, "model_spec": self.cfg.model_spec,
+                          "dtype": self.cfg.dtype, "impl": impl, "batch": batch, "seq": seq,
+                          "new_tokens": self.cfg.new_tokens, "measurement": measurement})
+
+    def _emit(self, row: dict) -> None:
+        self.writer.write(row)
+        self.rows.append(row)
+        self.done.add(point_key(row))
+        if row["status"] != "ok":
+            err = row["error"]
+            self.log(f"[{row['status']}] {row['measurement']} impl={row['impl']} batch={row['batch']} "
+                     f"seq={row['seq']}: {err['type']}: {err['message'][:300]}")
+
+    def _guarded(self, base: dict, fn: Callable[[], dict]) -> None:
+        """Run one measurement; an OOM or any other failure becomes an error row and the sweep continues."""
+        failure = None
+        try:
+            fields = fn()
+        except _OOM as e:
+            failure = ("oom", type(e).__name__, str(e), traceback.format_exc())
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
+            failure = ("error", type(e).__name__, str(e), traceback.format_exc())
+        if failure is None:
+            self._emit({**base, **fields})
+        else:
+            # Only strings were kept: the exception's frames (holding the failed point's tensors) are gone by now,
+            # so the memory they held can be given back before the next point.
+            self._emit_error(base, *failure)
+
+    def _emit_error(self, base: dict, status: str, etype: str, message: str, tb: str) -> None:
+        mem = _free_cuda_memory(self.device)
+        self._emit({**base, "kind": "error", "status": status,
+                    "error": {"type": etype, "message": message, "traceback": tb}, **mem})
+
+    # -- measurements -----------------------------------------------------------------------------------------------
+    def _decode_extras(self, fields: dict, batch: int, seq: int) -> dict:
+        dtype_bytes = torch.empty((), dtype=DTYPES[self.cfg.dtype]).element_size()
+        kv = flops.kv_bytes_per_token(self.geometry, batch, seq + self.cfg.new_tokens / 2, dtype_bytes)
+        per_step = {"weights": self.weight_bytes, "kv_cache": kv, "total": self.weight_bytes + kv}
+        extras = {"bytes_per_token": per_step, "tok_s_all_sequences": fields["tok_s"] * batch}
+        if self.device_entry is not None:
+            limit = self.device_entry.bandwidth_bytes_s / per_step["total"]
+            extras.update({"bw_limit_tok_s": limit, "bw_fraction": fields["tok_s"] / limit,
+                           "device_table_entry": self.device_entry.slug})
+        return extras
+
+    def _measure(self, measurement: str, prompt: torch.Tensor, inner: tqdm) -> dict:
+        cfg = self.cfg
+        batch, seq = prompt.shape
+        if measurement == "ttft":
+            inner.reset(total=cfg.repeats)
+            fields = measure_ttft(self.model, prompt, cfg.warmup, cfg.repeats, on_repeat=inner.update)
+            f = flops.prefill_flops(self.geometry, batch, seq)
+            fields.update({"model_flops": f, "attention_flops": flops.attention_flops(self.geometry, batch, seq),
+                           "tflops": f / (fields["stats"]["p50"] * 1e-3) / 1e12})
+            if self.device_entry is not None:
+                fields["pct_of_peak_fp16"] = 100 * fields["tflops"] / self.device_entry.fp16_tensor_tflops
+            return fields
+        inner.reset(total=cfg.decode_repeats)
+        if measurement == "decode_generate":
+            fields = measure_decode_generate(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
+                                             warmup_runs=1 if cfg.warmup > 0 else 0, on_run=inner.update)
+        elif measurement == "decode_graph":
+            fields = measure_decode_static(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
+                                           use_graph=self.device.type == "cuda", on_run=inner.update)
+        else:
+            raise ValueError(f"unknown measurement {measurement!r}")
+        return {**fields, **self._decode_extras(fields, batch, seq)}
+
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        per_point = [m for m in PER_POINT if m in cfg.measurements]
+        todo = [(impl, b, s, m) for impl in cfg.impls for b in cfg.batches for s in cfg.seqs for m in per_point
+                if self._key(m, impl, b, s) not in self.done]
+        correctness = "correctness" in cfg.measurements and OURS in cfg.impls
+        todo_corr = [(b, s) for b in cfg.batches for s in cfg.seqs
+                     if correctness and self._key("correctness", OURS, b, s) not in self.done]
+        planned = len(cfg.impls) * len(cfg.batches) * len(cfg.seqs) * len(per_point)
+        planned += len(cfg.batches) * len(cfg.seqs) if correctness else 0
+        self.skipped = planned - len(todo) - len(todo_corr)
+        total = len(todo) + len(todo_corr)
+        # disable=None: bars only on a terminal, so logs of CI and batch jobs stay readable.
+        disable = None if self.progress else True
+        with tqdm(total=total, desc="measurements", unit="pt", disable=disable, file=sys.stderr) as bar, \
+                tqdm(total=0, desc="  repeats", leave=False, disable=disable, file=sys.stderr) as inner:
+            for impl in cfg.impls:
+                points = [(b, s, m) for i, b, s, m in todo if i == impl]
+                if points:
+                    self._run_impl(impl, points, bar, inner)
+            for b, s in todo_corr:
+                bar.set_postfix_str(f"correctness {OURS} vs {CORRECTNESS_REFERENCE} b={b} s={s}")
+                prompt = make_prompt(self.vocab, b, s, cfg.seed, self.device)
+                base = self._base("correctness", OURS, b, s, [CORRECTNESS_REFERENCE, OURS])
+                self._guarded(base, lambda p=prompt: measure_correctness(
+                    self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, OURS, use_impl))
+                bar.update()
+        return self.rows
+
+    def _run_impl(self, impl: str, points: list[tuple], bar: tqdm, inner: tqdm) -> None:
+        with ExitStack() as stack:
+            try:
+                report = stack.enter_context(use_impl(self.model, impl))
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 (switching failed: every point of this impl gets the error row)
+                failure = (type(e).__name__, f"switching the model to {impl!r} failed: {e}", traceback.format_exc())
+                for b, s, m in points:
+                    self._emit_error(self._base(m, impl, b, s, [impl]), "error", *failure)
+                    bar.update()
+                return
+            for b, s, m in points:
+                bar.set_postfix_str(f"{impl} b={b} s={s} {m}")
+                prompt = make_prompt(self.vocab, b, s, self.cfg.seed, self.device)
+
+                def run_one(m=m, prompt=prompt):
+                    if report is not None:
+                        report.reset_counters()
+                    fields = self._measure(m, prompt, inner)
+                    if report is not None:
+                        # Attention calls of this measurement (warm-up included) on our kernel vs the stock path.
+                        # Calls replayed from a CUDA graph run no Python: they are counted once, at capture.
+                        fields["patch"] = jsonable(report)
+                    return fields
+
+                self._guarded(self._base(m, impl, b, s, [impl]), run_one)
+                del prompt
+                bar.update()
+
+
+# -- summary table --------------------------------------------------------------------------------------------------
+def latest_rows(rows: list[dict]) -> dict[tuple, dict]:
+    """The last row per point key (a re-measured point supersedes the earlier one)."""
+    out = {}
+    for r in rows:
+        out[point_key(r)] = r
+    return out
+
+
+def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
+    """llama-bench-like table: one line per (model, impl, batch, seq), speedups vs each stock implementation."""
+    latest = latest_rows(rows).values()
+    by_point: dict[tuple, dict] = {}
+    for r in latest:
+        model = r["model"]
+        k = (model.get("name"), model.get("quant"), r["dtype"], r["batch"], r["seq"], r["impl"])
+        by_point.setdefault(k, {})[r["measurement"]] = r
+    # Speedup columns in the order readers look for them: the default stock path first.
+    stocks = [s for s in ("sdpa", "eager", "flash_attention_2") if any(k[5] == s for k in by_point)]
+
+    def ttft_p50(k, impl):
+        r = by_point.get(k[:5] + (impl,), {}).get("ttft")
+        return r["stats"]["p50"] if r and r["status"] == "ok" else None
+
+    def cell(r, fmt):
+        if r is None:
+            return ""
+        return fmt(r) if r["status"] == "ok" else r["status"].upper()
+
+    table, modes = [], set()
+    order = {i: n for n, i in enumerate(STOCK_IMPLS + (OURS,))}
+    for k in sorted(by_point, key=lambda k: (str(k[0]), str(k[1]), k[2], k[3], k[4], order.get(k[5], 99))):
+        m = by_point[k]
+        t, dg, dgr = m.get("ttft"), m.get("decode_generate"), m.get("decode_graph")
+        if dgr is not None and dgr["status"] == "ok":
+            modes.add(dgr["mode"])
+        mine = ttft_p50(k, k[5])
+        speed = []
+        for s in stocks:
+            ref = ttft_p50(k, s)
+            speed.append(f"{ref / mine:.2f}x" if ref and mine else "")
+        peak = next((x.get("peak_mem_bytes") for x in (t, dg, dgr) if x and x.get("peak_mem_bytes")), None)
+        table.append([k[0], k[1], k[5], k[3], k[4],
+                      cell(t, lambda r: f"{r['stats']['p50']:.2f}"),
+                      cell(t, lambda r: f"{r['stats']['p90']:.2f}"),
+                      cell(t, lambda r: f"{r['stats']['stdev_pct']:.1f}" if r["stats"]["stdev_pct"] is not None
+                           else ""),
+                      *speed,
+                      cell(dg, lambda r: f"{r['tok_s']:.1f}"),
+                      cell(dgr, lambda r: f"{r['tok_s']:.1f}"),
+                      cell(dgr, lambda r: f"{100 * r['bw_fraction']:.0f}%" if r.get("bw_fraction") else ""),
+                      f"{peak / 2**30:.2f}" if peak else ""])
+    headers = ["model", "quant", "impl", "batch", "seq", "TTFT p50 ms", "p90 ms", "stdev %",
+               *[f"vs {s}" for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
+               "graph % of BW bound", "peak GiB"]
+    out = tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    if "static_cache_loop_no_graph" in modes:
+        out += "\n(graph column: static-cache loop without CUDA graph — no GPU here)"
+    return out
+
+
+def correctness_table(rows: list[dict], tablefmt: str = "github") -> str:
+    table = []
+    for r in latest_rows(rows).values():
+        if r["measurement"] != "correctness":
+            continue
+        if r["status"] != "ok":
+            table.append([r["impl"], "", r["batch"], r["seq"], r["status"].upper(), ""])
+            continue
+        table.append([r["impl"], r["reference_impl"], r["batch"], r["seq"], f"{r['max_abs_logit_diff']:.3g}",
+                      f"{100 * r['greedy_agreement']:.1f}%"])
+    if not table:
+        return ""
+    return tabulate(sorted(table, key=lambda x: (x[2], x[3])),
+                    headers=["impl", "vs", "batch", "seq", "max |Δlogit|", "greedy agreement"], tablefmt=tablefmt,
+                    disable_numparse=True)

@@ -1,0 +1,268 @@
+"""Pieces every patch target shares: options, the report, the runtime that decides kernel vs. stock per call, and
+the patch-time checks of a model's attention settings.
+
+A target (``hf_attention_interface``, ``hf_legacy``, ``autoawq``) finds the attention modules of a model and swaps our
+attention in; for every attention call it asks an ``AttentionRuntime`` whether this call can run on llm_attn (and on
+which backend) or must take the stock path, and the runtime counts the answer in the model's ``PatchReport``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import torch
+
+from llm_attn import kernel_available
+from llm_attn.ops import KERNEL_DTYPES, KERNEL_HEAD_DIMS, REFERENCE_DTYPES, flash_attn_func
+
+IMPLS = ("llm_attn",)
+ON_UNSUPPORTED = ("error", "fallback")
+BACKENDS = ("auto", "cuda", "reference")
+
+# Model types whose attention we have checked against the stock path in tests (tests/test_patches*.py). Anything else
+# is refused: a model family we have not compared may add a bias, a sink or a window that we would silently drop.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    """The model, or one of its settings, cannot run on llm_attn (raised when ``on_unsupported='error'``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchOptions:
+    impl: str = "llm_attn"
+    on_unsupported: str = "error"
+    backend: str = "auto"
+
+    def validate(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.on_unsupported not in ON_UNSUPPORTED:
+            raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What ``patch_model`` did, and live counters of what every attention call since then did.
+
+    ``native_calls`` counts calls served by llm_attn, keyed by backend ('cuda' = the CUDA kernel, 'reference' = the
+    tiled PyTorch reference). ``fallback_calls`` counts calls that took the stock path, keyed by the reason. Calls
+    inside a ``torch.compile``d graph (e.g. transformers' auto-compiled decode with a static cache on GPU; pass
+    ``disable_compile=True`` to ``generate`` to count them) are not counted: a Python counter bumped while dynamo
+    traces would be replayed as a constant. ``compiled_native_seen`` / ``compiled_fallback_seen`` say which paths
+    some compiled graph contains.
+    """
+
+    target: str | None
+    impl: str
+    backend: str
+    on_unsupported: str
+    model_type: str | None = None
+    expected_path: str | None = None
+    patched_modules: list[str] = dataclasses.field(default_factory=list)
+    fallbacks: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    native_calls: Counter = dataclasses.field(default_factory=Counter)
+    fallback_calls: Counter = dataclasses.field(default_factory=Counter)
+    compiled_native_seen: bool = False
+    compiled_fallback_seen: bool = False
+
+    @property
+    def active(self) -> bool:
+        """True when some attention module now runs through llm_attn."""
+        return bool(self.patched_modules)
+
+    @property
+    def num_patched(self) -> int:
+        return len(self.patched_modules)
+
+    @property
+    def num_native_calls(self) -> int:
+        return sum(self.native_calls.values())
+
+    @property
+    def num_fallback_calls(self) -> int:
+        return sum(self.fallback_calls.values())
+
+    def reset_counters(self) -> None:
+        self.native_calls.clear()
+        self.fallback_calls.clear()
+        self.compiled_native_seen = self.compiled_fallback_seen = False
+
+    def __str__(self) -> str:
+        lines = [f"llm_attn patch report: target={self.target or 'none'} impl={self.impl} backend={self.backend} "
+                 f"on_unsupported={self.on_unsupported} model_type={self.model_type}"]
+        if self.expected_path:
+            lines.append(f"  attention runs on: {self.expected_path}")
+        mods = self.patched_modules
+        shown = ", ".join(mods[:3]) + (f", ... ({len(mods)} in all)" if len(mods) > 3 else "")
+        lines.append(f"  patched modules: {len(mods)}" + (f" [{shown}]" if mods else ""))
+        for f in self.fallbacks:
+            lines.append(f"  falls back: {f}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        native = ", ".join(f"{k}={v}" for k, v in sorted(self.native_calls.items())) or "0"
+        lines.append(f"  calls on llm_attn: {self.num_native_calls} ({native})")
+        lines.append(f"  calls on the stock path: {self.num_fallback_calls}")
+        for reason, n in self.fallback_calls.most_common():
+            lines.append(f"    {n} x {reason}")
+        if self.compiled_native_seen or self.compiled_fallback_seen:
+            paths = [p for p, seen in (("llm_attn", self.compiled_native_seen),
+                                       ("the stock path", self.compiled_fallback_seen)) if seen]
+            lines.append(f"  torch.compile graphs also call {' and '.join(paths)} (not counted above)")
+        return "\n".join(lines)
+
+
+def _is_compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # torch < 2.3
+        return False
+
+
+def backend_problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                    kernel_ok: bool | None = None) -> tuple[str | None, str | None]:
+    """Which llm_attn backend serves tensors like these: ('cuda' | 'reference', None) or (None, why not).
+
+    ``kernel_ok``: whether the CUDA extension imports (asked here when None); the runtime passes the answer it got at
+    patch time so that no import is attempted inside a torch.compile trace."""
+    if backend == "reference":
+        if dtype not in REFERENCE_DTYPES:
+            return None, f"the reference takes {REFERENCE_DTYPES}, got {dtype}"
+        return "reference", None
+    if device.type == "cuda":
+        if dtype not in KERNEL_DTYPES:
+            return None, f"the CUDA kernel takes float16/bfloat16, got {dtype}"
+        if head_dim not in KERNEL_HEAD_DIMS:
+            return None, f"the CUDA kernel supports head_dim {KERNEL_HEAD_DIMS}, got {head_dim}"
+        if not (kernel_available() if kernel_ok is None else kernel_ok):
+            return None, ("the llm_attn CUDA extension is not built (pip install --no-build-isolation -e . on a "
+                          "machine with nvcc)")
+        return "cuda", None
+    if backend == "cuda":
+        return None, f"backend='cuda' needs the model on a CUDA device, it is on {device}"
+    if dtype not in REFERENCE_DTYPES:
+        return None, f"the reference takes {REFERENCE_DTYPES}, got {dtype}"
+    return "reference", None
+
+
+class AttentionRuntime:
+    """Per-patch state consulted by every patched attention call: options, counters, and the kernel call."""
+
+    def __init__(self, options: PatchOptions, report: PatchReport, forced: list[str] | None = None):
+        self.options = options
+        self.report = report
+        # Config problems found at patch time (under on_unsupported='fallback'): every call takes the stock path.
+        self.forced = list(forced or [])
+        self.kernel_ok = kernel_available()
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def count_native(self, backend: str) -> None:
+        if _is_compiling():
+            # A counter bumped while dynamo traces would be replayed as a constant; a flag set to True is not.
+            self.report.compiled_native_seen = True
+        else:
+            self.report.native_calls[backend] += 1
+
+    def setting_unsupported(self, reason: str) -> None:
+        """A model/setting problem found at call time: raise under on_unsupported='error', else count a fallback."""
+        if self.options.on_unsupported == "error":
+            raise UnsupportedModelError(f"llm_attn cannot run this attention call: {reason} "
+                                        f"(patch with on_unsupported='fallback' to use the stock path instead)")
+        self.count_fallback(reason)
+
+    def count_fallback(self, reason: str) -> None:
+        if _is_compiling():
+            self.report.compiled_fallback_seen = True
+        else:
+            self.report.fallback_calls[reason] += 1
+
+    # -- the call ------------------------------------------------------------------------------------------------
+    def choose_backend(self, query: torch.Tensor) -> tuple[str | None, str | None]:
+        return backend_problem(self.options.backend, query.device, query.dtype, query.shape[-1], self.kernel_ok)
+
+    def choose_backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int):
+        return backend_problem(self.options.backend, device, dtype, head_dim, self.kernel_ok)
+
+    @staticmethod
+    def run(backend: str, query, key, value, *, causal: bool, scale: float | None,
+            seqused_k: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) -> (B, Sq, Hq, D) contiguous, the layout transformers expects."""
+        out = flash_attn_func(query, key, value, causal=causal, scale=scale, seqused_k=seqused_k, backend=backend)
+        return out.transpose(1, 2)  # the op stores (B, Sq, Hq, D): this view is contiguous, no copy
+
+
+def config_problems(config: Any, *, training: bool) -> list[str]:
+    """Settings of a Llama-family config that llm_attn does not implement (the stock path must handle them)."""
+    return static_config_problems(config) + dropout_problems(config, training=training)
+
+
+def static_config_problems(config: Any) -> list[str]:
+    """Config settings that make every attention call unsupported, whatever the call (window, softcapping)."""
+    problems = []
+    sliding = getattr(config, "sliding_window", None)
+    use_sliding = getattr(config, "use_sliding_window", True)  # qwen2 keeps a window value but may not use it
+    layer_types = getattr(config, "layer_types", None) or []
+    if (sliding is not None and use_sliding) or "sliding_attention" in layer_types:
+        problems.append(f"sliding-window attention (sliding_window={sliding}) is not implemented by llm_attn")
+    for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            problems.append(f"attention logit softcapping ({name}={getattr(config, name)}) is not implemented")
+    return problems
+
+
+def dropout_problems(config: Any, *, training: bool) -> list[str]:
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if training and dropout > 0:
+        return [f"attention dropout in training mode (attention_dropout={dropout}) is not implemented"]
+    return []
+
+
+def model_head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
+
+
+def module_device_dtype(module: torch.nn.Module) -> tuple[torch.device, torch.dtype | None]:
+    """Device and compute dtype of a (possibly quantised) module: the first floating-point parameter or buffer."""
+    device = None
+    for t in list(module.parameters()) + list(module.buffers()):
+        device = device or t.device
+        if t.is_floating_point():
+            return t.device, t.dtype
+    return device or torch.device("cpu"), None
+
+
+def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, training: bool,
+                   device: torch.device, dtype: torch.dtype | None) -> list[str]:
+    """Patch-time checks shared by all targets: raise under 'error', else record what will fall back and why.
+
+    Returns the config problems that hold for every call (give them to the AttentionRuntime as ``forced``); the
+    dropout and backend problems depend on the call's mode and tensors and are checked again per call."""
+    problems = config_problems(config, training=training)
+    head_dim = model_head_dim(config)
+    backend, why = backend_problem(options.backend, device, dtype or torch.float16, head_dim)
+    if backend is None:
+        problems.append(why)
+    if problems and options.on_unsupported == "error":
+        raise UnsupportedModelError(
+            "llm_attn cannot patch this model: " + "; ".join(problems)
+            + ". Patch with on_unsupported='fallback' to keep the stock attention for these calls.")
+    for p in problems:
+        report.fallbacks.append(f"every attention call: {p}")
+    if backend == "cuda":
+        report.expected_path = "llm_attn CUDA kernel"
+    elif backend == "reference":
+        report.expected_path = "llm_attn PyTorch reference (tiled, same algorithm as the kernel)"
+        if device.type == "cpu" and head_dim not in KERNEL_HEAD_DIMS:
+            report.notes.append(f"head_dim {head_dim} runs on the reference only; the CUDA kernel supports "
+                                f"{KERNEL_HEAD_DIMS}")
+    if problems:
+        report.expected_path = "stock attention (see 'falls back')"
+    report.notes.append("arbitrary attention masks (e.g. left padding) take the stock path for that call and are "
+                        "counted below")
+    return static_config_problems(config)

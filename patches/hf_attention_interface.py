@@ -1,0 +1,273 @@
+"""Patch target: transformers' attention-function registry (``AttentionInterface`` + ``AttentionMaskInterface``).
+
+This is how transformers (>= 4.48, and all of 5.x) expects a custom attention to be plugged in: we register an
+attention function and a mask function under the name ``"llm_attn"`` and switch the model to it with
+``model.set_attn_implementation("llm_attn")``. Nothing in the model is replaced; ``unpatch`` puts the previous
+implementation name back on every config we touched and removes the small per-module runtime pointer.
+
+How each call is served (stock sdpa semantics, reproduced exactly):
+
+* Mask ``None`` (no padding, and the mask could be skipped): stock sdpa then uses ``is_causal = q_len > 1``; with a
+  key cache longer than the query (only a prefill into an empty ``StaticCache``) stock crops the keys to ``q_len``,
+  i.e. top-left causal. We do the same with the kernel: causal prefill, non-causal decode over every cached key.
+* A mask that our mask function proved to be "causal over the first ``seqused`` keys" (a chunk over a cache, decode
+  over a ``StaticCache`` with unused slots, no padding): the kernel with ``seqused_k`` (int32 per batch, computed on
+  the device from the cache position, no host sync) and bottom-right causal alignment.
+* Any other mask (left padding, packed sequences, custom 4D masks): stock ``sdpa_attention_forward`` with the very
+  mask stock would have built, counted in the report as a fallback.
+
+Our mask function delegates to transformers' ``sdpa_mask`` (so the mask is bit-for-bit what stock sdpa gets) and only
+adds the analysis; when it cannot be sure (e.g. while ``torch.compile`` traces, where a data-dependent check would
+break the graph) it adds nothing and the call falls back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import (
+    SUPPORTED_MODEL_TYPES,
+    AttentionRuntime,
+    PatchOptions,
+    PatchReport,
+    UnsupportedModelError,
+    _is_compiling,
+    check_settings,
+    module_device_dtype,
+)
+
+NAME = "llm_attn"
+TARGET_NAME = "transformers.AttentionInterface"
+RUNTIME_ATTR = "_llm_attn_runtime"   # set on each patched attention module, removed by unpatch
+SEQUSED_ATTR = "_llm_attn_seqused_k"  # set by our mask function on masks it proved to be causal-prefix masks
+
+# Calls with one of these kwargs set change the attention maths in ways llm_attn does not implement.
+_UNSUPPORTED_KWARGS = {
+    "sliding_window": "sliding-window attention",
+    "softcap": "attention logit softcapping",
+    "s_aux": "attention sinks",
+    "position_bias": "an additive position bias",
+}
+
+
+def _interfaces():
+    """The two registries, or None on transformers without them (< 4.48 for attention, < 4.53 for masks)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return None
+    return AttentionInterface, AttentionMaskInterface
+
+
+def _stock_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+# -- the mask function ----------------------------------------------------------------------------------------------
+
+def llm_attn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                  local_size=None, allow_is_causal_skip=True, device="cpu", **kwargs):
+    """Registered in ``AttentionMaskInterface`` as "llm_attn": builds exactly the mask stock sdpa would get, and tags
+    it with ``seqused_k`` when it is "query i (at position q_offset + i) sees keys 0 .. q_offset + i" for every batch
+    row, i.e. what the kernel computes natively with ``seqused_k = q_offset + q_length`` and bottom-right causality.
+    """
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
+
+    if mask_function is None:
+        mask_function = causal_mask_function
+    mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, device=device, **kwargs)
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return mask
+    # Only the plain causal pattern over an un-offset key range can be a prefix; anything composed with other mask
+    # functions (packing, block overlays, windows) stays a dense mask and goes to the stock path.
+    if mask_function is not causal_mask_function or kv_offset != 0 or local_size is not None:
+        return mask
+    if _is_compiling() or torch.jit.is_tracing():
+        return mask  # the padding check below is data-dependent: it would break the graph
+    total = q_offset + q_length  # keys 0 .. total-1 are the cache content after this step (int, or device tensor)
+    if isinstance(total, int) and total > kv_length:
+        return mask
+    if attention_mask is not None:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, :kv_length].to(torch.bool)
+        key_idx = torch.arange(kv_length, device=padding.device)
+        # Keys at or past `total` are hidden by causality anyway; every key before it must be a real token.
+        no_padding = (padding | (key_idx >= total)).all()
+        if not bool(no_padding):  # one host sync per forward pass (stock sdpa_mask syncs here too)
+            return mask
+    seqused = torch.as_tensor(total, device=mask.device).to(torch.int32).reshape(1).expand(batch_size).contiguous()
+    setattr(mask, SEQUSED_ATTR, seqused)
+    return mask
+
+
+# -- the attention function -----------------------------------------------------------------------------------------
+
+_DEFAULT_RUNTIME = None
+
+
+def _default_runtime() -> AttentionRuntime:
+    """For models switched to "llm_attn" by hand (``attn_implementation="llm_attn"``) rather than by patch_model."""
+    global _DEFAULT_RUNTIME
+    if _DEFAULT_RUNTIME is None:
+        opts = PatchOptions(on_unsupported="fallback")
+        _DEFAULT_RUNTIME = AttentionRuntime(opts, PatchReport(target=TARGET_NAME, impl=opts.impl,
+                                                              backend=opts.backend, on_unsupported="fallback"))
+    return _DEFAULT_RUNTIME
+
+
+def default_report() -> PatchReport:
+    """Counters of calls made by models that use "llm_attn" without having been patched by patch_model."""
+    return _default_runtime().report
+
+
+def llm_attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                               **kwargs):
+    """Registered in ``AttentionInterface`` as "llm_attn". Same contract as transformers' sdpa_attention_forward:
+    query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) un-repeated, returns ((B, Sq, Hq, D), None)."""
+    runtime = getattr(module, RUNTIME_ATTR, None) or _default_runtime()
+
+    def stock():
+        return _stock_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
+
+    # 1. Settings llm_attn does not implement: error or counted fallback, per on_unsupported.
+    problem = runtime.forced[0] if runtime.forced else None
+    if problem is None:
+        for name, what in _UNSUPPORTED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                problem = f"{what} ({name}={kwargs[name]!r}) is not implemented by llm_attn"
+                break
+    if problem is None and dropout and dropout > 0 and module.training:
+        problem = f"attention dropout in training mode (p={dropout}) is not implemented by llm_attn"
+    if problem is None and query.shape[-1] != value.shape[-1]:
+        problem = f"query head_dim {query.shape[-1]} != value head_dim {value.shape[-1]}"
+    backend = None
+    if problem is None:
+        backend, problem = runtime.choose_backend(query)
+    if problem is not None:
+        runtime.setting_unsupported(problem)
+        return stock()
+
+    # 2. The mask: what stock sdpa would compute, expressed natively where that is exact.
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and q_len > 1
+        if causal and kv_len < q_len:
+            # Stock sdpa would apply a top-left causal mask here; the kernel aligns bottom-right. Rare; stay exact.
+            runtime.count_fallback("no mask, causal, more queries than keys")
+            return stock()
+        if causal and kv_len > q_len:
+            # Prefill into an empty static cache: stock crops keys to q_len (top-left causal), so do we.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        out = runtime.run(backend, query, key, value, causal=causal, scale=scaling)
+        runtime.count_native(backend)
+        return out, None
+
+    seqused = getattr(attention_mask, SEQUSED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
+    if (seqused is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
+            and attention_mask.shape[-2] == q_len and seqused.shape == (query.shape[0],)
+            and seqused.device == query.device):
+        out = runtime.run(backend, query, key, value, causal=True, scale=scaling, seqused_k=seqused)
+        runtime.count_native(backend)
+        return out, None
+
+    runtime.count_fallback("attention mask is not a causal prefix (padding or custom mask): stock sdpa")
+    return stock()
+
+
+def register() -> None:
+    """Register "llm_attn" in both transformers registries (idempotent). Refuses to overwrite someone else's."""
+    ifaces = _interfaces()
+    if ifaces is None:
+        raise UnsupportedModelError("this transformers has no AttentionInterface/AttentionMaskInterface")
+    attn_iface, mask_iface = ifaces
+    for iface, fn in ((attn_iface, llm_attn_attention_forward), (mask_iface, llm_attn_mask)):
+        current = iface._global_mapping.get(NAME)
+        if current is not None and current is not fn:
+            raise RuntimeError(f"{iface.__name__} already has a different function registered as {NAME!r}: "
+                               f"{current!r}")
+        iface.register(NAME, fn)
+
+
+# -- the target -----------------------------------------------------------------------------------------------------
+
+def _attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that call ``ALL_ATTENTION_FUNCTIONS.get_interface`` for a supported model type."""
+    out = []
+    for name, m in model.named_modules():
+        cfg = getattr(m, "config", None)
+        if (type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")
+                and getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES):
+            out.append((name, m))
+    return out
+
+
+def can_patch(model) -> tuple[bool, str]:
+    ifaces = _interfaces()
+    if ifaces is None:
+        import transformers
+
+        return False, (f"transformers {transformers.__version__} has no AttentionInterface/AttentionMaskInterface "
+                       "(needs >= 4.53)")
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return False, f"{type(model).__name__} is not a transformers PreTrainedModel"
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return False, f"model_type {model_type!r} is not one of the verified types {SUPPORTED_MODEL_TYPES}"
+    if not type(model)._can_set_attn_implementation():
+        return False, f"{type(model).__name__} does not dispatch attention through AttentionInterface"
+    if not _attention_modules(model):
+        return False, f"no attention modules of a supported type found in {type(model).__name__}"
+    return True, "ok"
+
+
+def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
+    report = PatchReport(target=TARGET_NAME, impl=options.impl, backend=options.backend,
+                         on_unsupported=options.on_unsupported, model_type=model.config.model_type)
+    modules = _attention_modules(model)
+    device, dtype = module_device_dtype(modules[0][1])
+    forced = check_settings(report, options, model.config, training=model.training, device=device, dtype=dtype)
+    register()
+
+    configs = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
+            configs[id(cfg)] = (cfg, cfg._attn_implementation_internal)
+    runtime = AttentionRuntime(options, report, forced)
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        _restore_configs(configs)
+        raise UnsupportedModelError(f"{type(model).__name__} refused attn_implementation={NAME!r} "
+                                    f"(it stays {model.config._attn_implementation!r})")
+    for name, m in modules:
+        if getattr(m.config, "_attn_implementation", None) != NAME:
+            continue  # a sub-model that kept its own implementation
+        m.__dict__[RUNTIME_ATTR] = runtime
+        report.patched_modules.append(name)
+    return report, {"configs": configs, "modules": [m for _, m in modules]}
+
+
+def _restore_configs(configs: dict) -> None:
+    for cfg, prev in configs.values():
+        cfg._attn_implementation_internal = prev
+
+
+def unpatch(model, undo: dict) -> None:
+    configs = undo["configs"]
+    prev = model.config._attn_implementation_internal
+    for cfg, old in configs.values():
+        if cfg is model.config:
+            prev = old
+    # The official setter first (it also walks sub-models), then force every config to its exact previous value.
+    if prev is not None and model.config._attn_implementation != prev:
+        model.set_attn_implementation(prev)
+    _restore_configs(configs)
+    for m in undo["modules"]:
+        m.__dict__.pop(RUNTIME_ATTR, None)

@@ -1,0 +1,174 @@
+"""CPU tests of ``python -m llm_attn.report``: merging results of two devices (fixtures in tests/fixtures/results,
+written by tests/fixtures/make_report_fixtures.py — test inputs, not measurements) into report.md and PNG plots,
+%-of-peak from the device table, projections kept apart from measurements, newest row wins.
+
+    pytest tests/test_report.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llm_attn import report as report_mod
+from llm_attn.harness.devices import find_device, load_devices
+from llm_attn.harness.env import device_slug
+from llm_attn.harness.results import iter_rows, validate_row
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "results"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def section(text: str, title: str) -> str:
+    """The markdown from the heading ``title`` to the next heading of the same level."""
+    start = text.index(title)
+    level = title.split(" ")[0]
+    nxt = text.find("\n" + level + " ", start + len(title))
+    return text[start:] if nxt < 0 else text[start:nxt]
+
+
+def row_line(text: str, seq: int, impl: str) -> list[str]:
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 2 and cells[0] == str(seq) and cells[1] == impl:
+            return cells
+    raise AssertionError(f"no table line for seq={seq} impl={impl}")
+
+
+def test_fixtures_follow_the_row_schema():
+    files = sorted(FIXTURES.rglob("*.jsonl"))
+    assert {f.parent.name for f in files} == {"h100-80gb-hbm3", "rtx-4060-ti"}
+    for f in files:
+        for r in iter_rows(f, strict=True):
+            validate_row(r)
+            assert r["env"]["hostname"] == "fixture"  # never mistaken for a measurement
+
+
+def test_device_table_and_slugs():
+    devices = load_devices()
+    assert find_device("NVIDIA H100 80GB HBM3", devices).fp16_tensor_tflops == 989
+    assert find_device("NVIDIA GeForce RTX 4060 Ti", devices).mem_bandwidth_gb_s == 288
+    assert find_device("Orin", devices).sms == 16
+    assert find_device("NVIDIA H100 PCIe", devices) is None  # other figures than the SXM part
+    assert find_device("cpu", devices) is None
+    assert device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert device_slug("NVIDIA GeForce RTX 4060 Ti") == "rtx-4060-ti"
+    assert device_slug("cpu") == "cpu"
+
+
+def test_bad_device_table(tmp_path):
+    bad = tmp_path / "devices.toml"
+    bad.write_text('[[device]]\nslug = "x"\nname = "X"\nmatch = ["x"]\nmem_bandwidth_gb_s = 0\n'
+                   'fp16_tensor_tflops = 10\n')
+    with pytest.raises(ValueError, match="mem_bandwidth_gb_s must be a positive number"):
+        load_devices(bad)
+
+
+@pytest.fixture(scope="module")
+def fixture_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    path = report_mod.write_report([FIXTURES], out)
+    return path, path.read_text()
+
+
+def test_report_files_written(fixture_report):
+    path, text = fixture_report
+    assert path.name == "report.md" and len(text) > 1000
+    for name in ("ttft_vs_seq.png", "speedup.png", "decode_tok_s.png"):
+        png = path.parent / name
+        data = png.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
+        assert f"]({name})" in text  # linked from the markdown
+
+
+def test_report_tables_per_device(fixture_report):
+    _, text = fixture_report
+    h100 = section(text, "## NVIDIA H100 80GB HBM3 — measured")
+    rtx = section(text, "## NVIDIA GeForce RTX 4060 Ti — measured")
+    # H100, sdpa at 2048: 65.4 ms. Model FLOPs by hand for Llama 3 8B:
+    # P_layers = 32 * (4096*128*(2*32 + 2*8) + 3*4096*14336) = 6_979_321_856
+    # F = 2*P*2048 + 2*128256*4096 + 2*32*32*2048^2*128 = 29_687_864_623_104 -> 453.9 TFLOP/s = 45.9% of 989
+    cells = row_line(h100, 2048, "sdpa")
+    assert cells[2] == "65.40" and cells[5] == "454" and cells[6] == "45.9%"
+    assert cells[7] == "1.00x" and cells[8] == "1.87x"  # vs sdpa, vs eager (122.4 / 65.4)
+    ours = row_line(h100, 2048, "llm_attn")
+    assert ours[7] == "1.06x" and ours[8] == "1.98x"  # 65.4 / 61.8, 122.4 / 61.8
+    assert row_line(h100, 8192, "eager")[2] == "OOM"
+    assert "Out of memory / failed points" in h100 and "OutOfMemoryError" in h100
+    assert "| 8192 " not in rtx  # each device shows only what it measured
+    assert row_line(rtx, 1024, "sdpa")[2] == "468.60"
+    # Decode bandwidth fraction: tok/s * bytes per step / 288 GB/s
+    graph = row_line(rtx, 512, "sdpa")
+    assert graph[10] == "40.9" and graph[11] == "60%"
+    assert "max abs logit diff" in h100
+
+
+def test_projections_are_separate_and_labelled(fixture_report):
+    _, text = fixture_report
+    head, _, projected = text.partition("## PROJECTED")
+    assert projected, "no projection section"
+    measured_part = head
+    for name in ("Jetson AGX Orin 64GB", "H200 SXM"):  # table devices without results
+        assert name in projected
+        assert name not in measured_part
+    for name in ("RTX 4060 Ti", "H100 SXM 80GB"):  # measured devices are not projected
+        assert f"| {name} " not in projected
+    orin = next([c.strip() for c in ln.strip("|").split("|")] for ln in projected.splitlines()
+                if ln.startswith("| Jetson AGX Orin 64GB | 512 "))
+    # F(512) = 2*P*512 + 2*128256*4096 + 2*32*32*512^2*128 = 7.21e12 FLOPs at 42 TFLOP/s = 172 ms, more than the
+    # 4.15 GB of weights at 204.8 GB/s (20 ms): compute-bound.
+    assert orin[2:4] == ["172", "compute"]
+
+
+def test_side_by_side(fixture_report):
+    _, text = fixture_report
+    side = section(text, "## Side by side (measured)")
+    cells = row_line(side, 1024, "llm_attn")
+    assert cells[2:4] == ["441.00", "32.60"]  # RTX 4060 Ti, then H100 (ordered by peak)
+    assert row_line(side, 4096, "sdpa")[2] == ""  # the 4060 Ti did not run 4096
+
+
+def test_newest_row_wins_and_no_projection(tmp_path):
+    shutil.copytree(FIXTURES, tmp_path / "res")
+    h100 = tmp_path / "res" / "h100-80gb-hbm3" / "default.jsonl"
+    rows = list(iter_rows(h100))
+    redo = next(r for r in rows if r["kind"] == "ttft" and r["impl"] == "sdpa" and r["seq"] == 2048)
+    redo = {**redo, "time": "2027-01-01T00:00:00+00:00", "samples_ms": [60.0] * 10,
+            "stats": {**redo["stats"], "p50": 60.0, "p90": 60.0}}
+    with open(h100, "a") as fh:
+        fh.write(json.dumps(redo) + "\n")
+        fh.write('{"not": "a result row"}\n')  # another tool's row: ignored, noted
+        fh.write(json.dumps({**redo, "stats": None, "samples_ms": []}) + "\n")  # our format, broken: warned
+    path = report_mod.write_report([tmp_path / "res"], tmp_path / "out", no_projection=True)
+    text = path.read_text()
+    assert row_line(section(text, "## NVIDIA H100 80GB HBM3 — measured"), 2048, "sdpa")[2] == "60.00"
+    assert "PROJECTED" not in text
+    assert "1 rows of another format ignored" in text
+    assert "1 llm_attn.ttft/1 rows skipped (they fail validation)" in text
+
+
+def test_report_cli(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "llm_attn.report", str(FIXTURES), "--out", str(tmp_path / "r"),
+                           "--project", "jetson-agx-orin-64gb"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "Jetson AGX Orin 64GB" in text and "H200 SXM" not in text
+
+@pytest.mark.parametrize("bad_args, message", [
+    (["nope"], "no such results file or folder"),
+    (["empty"], "no result rows found"),
+    ([str(FIXTURES), "--project", "tpu-v5"], "unknown devices ['tpu-v5']"),
+])
+def test_report_cli_errors(tmp_path, capsys, bad_args, message):
+    (tmp_path / "empty").mkdir()
+    args = [str(tmp_path / a) if a in ("nope", "empty") else a for a in bad_args]
+    with pytest.raises(SystemExit) as e:
+        report_mod.main([*args, "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,324 @@
+"""CPU tests of ``python -m llm_attn.ttft``: the CLI end to end on the tiny model, the result schema, the
+statistics, error rows (out of memory, failures), the crash-safe writer, and clear errors for bad arguments.
+
+    pytest tests/test_ttft.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_attn import ttft
+from llm_attn.harness import sweep as sweep_mod
+from llm_attn.harness.results import ResultWriter, iter_rows, point_key, validate_row
+from llm_attn.harness.stats import summarize
+
+REPO = Path(__file__).resolve().parents[1]
+# Small enough for two shared CPU cores: the tiny model, two short prompts, two repeats, four new tokens.
+FAST = ["--seq", "16", "32", "--repeats", "2", "--warmup", "1", "--new-tokens", "4", "--decode-repeats", "2",
+        "--no-progress"]
+IMPLS = ["eager", "sdpa", "llm_attn"]
+
+
+def rows_of(path) -> list[dict]:
+    return list(iter_rows(path, strict=True))
+
+
+# -- statistics -----------------------------------------------------------------------------------------------------
+def test_summarize_known_values():
+    s = summarize([float(x) for x in range(1, 11)])  # 1..10
+    assert s["n"] == 10
+    assert s["p50"] == pytest.approx(5.5)
+    assert s["p90"] == pytest.approx(9.1)  # linear interpolation: 9 + 0.1 * (10 - 9)
+    assert s["min"] == 1.0 and s["max"] == 10.0
+    assert s["mean"] == pytest.approx(5.5)
+    assert s["stdev"] == pytest.approx(3.0276503540974917)  # sample stdev, sqrt(82.5 / 9)
+    assert s["stdev_pct"] == pytest.approx(100 * 3.0276503540974917 / 5.5)
+
+
+def test_summarize_single_sample_and_bad_input():
+    s = summarize([4.0])
+    assert (s["p50"], s["p90"], s["stdev"], s["stdev_pct"]) == (4.0, 4.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        summarize([])
+    with pytest.raises(ValueError, match="finite"):
+        summarize([1.0, float("nan")])
+    with pytest.raises(ValueError, match="negative"):
+        summarize([1.0, -2.0])
+
+
+# -- the CLI end to end ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One real run of the CLI as users start it (a subprocess), shared by the checks below."""
+    out = tmp_path_factory.mktemp("ttft") / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "llm_attn.ttft", *FAST, "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, out
+
+
+def test_cli_exit_code_and_table(cli_run):
+    proc, _ = cli_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "no GPU here" in out and "PyTorch reference, not the CUDA kernel" in out  # says it runs the CPU path
+    for header in ("TTFT p50 ms", "p90 ms", "stdev %", "vs sdpa", "vs eager", "decode tok/s (generate)",
+                   "decode tok/s (graph)", "greedy agreement"):
+        assert header in out, header
+    table_lines = [ln for ln in out.splitlines() if ln.startswith("|") and ("| 16 " in ln or "| 32 " in ln)]
+    for impl in IMPLS:
+        assert sum(f"| {impl} " in ln for ln in table_lines) >= 2, impl  # both lengths, and correctness for ours
+
+
+def test_cli_rows_schema_and_content(cli_run):
+    proc, out = cli_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = rows_of(out)
+    # 3 impls x 2 lengths x (ttft, decode_generate, decode_graph) + correctness per length
+    assert len(rows) == 3 * 2 * 3 + 2
+    assert len({point_key(r) for r in rows}) == len(rows)
+    for r in rows:
+        validate_row(r)
+        assert r["status"] == "ok", r.get("error")
+        assert r["env"]["device_type"] == "cpu" and r["env"]["torch"] == torch.__version__
+        assert r["env"]["transformers"] and "git_sha" in r["env"] and r["env"]["hostname"]
+        assert r["model"]["name"] and r["model"]["quant"] and r["model"]["model_bytes"] > 0
+        assert r["command"].startswith("python -m llm_attn.ttft ")
+    by = {(r["kind"], r["impl"], r["seq"]): r for r in rows}
+    for impl in IMPLS:
+        for seq in (16, 32):
+            t = by[("ttft", impl, seq)]
+            assert len(t["samples_ms"]) == 2 and len(t["wall_samples_ms"]) == 2
+            assert t["stats"]["p50"] == pytest.approx(statistics.median(t["samples_ms"]))
+            assert t["stats"]["min"] == min(t["samples_ms"]) > 0
+            assert t["model_flops"] > t["attention_flops"] > 0
+            gen, graph = by[("decode_generate", impl, seq)], by[("decode_graph", impl, seq)]
+            for d in (gen, graph):
+                # 2 runs x (4 - 1) tokens: the first token belongs to TTFT and is not a decode sample
+                assert len(d["samples_ms"]) == 2 * 3 and len(d["run_tpot_ms"]) == 2
+                assert d["tok_s"] == pytest.approx(1e3 / d["tpot_ms"])
+                assert d["bytes_per_token"]["total"] > d["bytes_per_token"]["weights"] > 0
+                assert len(d["tokens"]) == 1 and len(d["tokens"][0]) == 4
+            assert graph["mode"] == "static_cache_loop_no_graph"
+            # The static-cache loop (rewound after its warm-up steps) decodes exactly what generate() decodes.
+            assert graph["tokens"] == gen["tokens"]
+            if impl == "llm_attn":
+                for d in (t, gen, graph):
+                    assert d["patch"]["native_calls"].get("reference", 0) > 0, d["patch"]
+    for seq in (16, 32):
+        c = by[("correctness", "llm_attn", seq)]
+        assert c["reference_impl"] == "sdpa"
+        assert c["max_abs_logit_diff"] < 1e-4  # float32 on CPU: reference attention vs SDPA
+        assert c["greedy_agreement"] == 1.0 and c["first_divergence"] is None
+        assert c["patch"]["native_calls"].get("reference", 0) > 0
+
+
+def test_row_command_reproduces_the_point(cli_run, tmp_path, capsys):
+    _, out = cli_run
+    row = next(r for r in rows_of(out) if r["kind"] == "decode_graph" and r["impl"] == "llm_attn")
+    args = shlex.split(row["command"])
+    assert args[:3] == ["python", "-m", "llm_attn.ttft"]
+    again = tmp_path / "again.jsonl"
+    assert ttft.main(args[3:] + ["--out", str(again), "--no-progress"]) == 0
+    (new,) = rows_of(again)
+    assert point_key(new) == point_key(row)
+    assert new["tokens"] == row["tokens"]  # same seeded prompt, same greedy tokens
+
+
+def test_awq_int4_model_counts_packed_weights(tmp_path):
+    """The int4 path users run: a real AWQ checkpoint through gptqmodel's loader. The decode bandwidth bound must
+    count the packed int4 storage, not an fp16 model's bytes."""
+    pytest.importorskip("gptqmodel")
+    out = tmp_path / "rows.jsonl"
+    assert ttft.main(["--model", "tiny:awq", "--impl", "sdpa", "--measure", "decode_graph", "--seq", "16",
+                      "--new-tokens", "2", "--decode-repeats", "1", "--no-progress", "--out", str(out)]) == 0
+    (row,) = rows_of(out)
+    assert row["model"]["quant"] == "awq-int4" and row["model"]["awq_backend"].startswith("gptqmodel:")
+    assert row["dtype"] == "float16"  # the int4 kernels compute in fp16: the CPU default follows the checkpoint
+    # tiny: 2 layers x (512*64*(2*8 + 2*2) + 3*512*1536) = 6_029_312 int4 weights = 3_014_656 bytes, plus fp16
+    # scales and int4 zeros per group of 128 (94_208 + 23_552), the fp16 LM head (1_048_576) and the norms.
+    int4_bytes = 3_014_656 + 94_208 + 23_552 + 1_048_576 + 5 * 512 * 2
+    assert row["bytes_per_token"]["weights"] == pytest.approx(int4_bytes, rel=0.01)
+
+
+# -- error rows -----------------------------------------------------------------------------------------------------
+def _failing_measure(exc_for_seq: dict):
+    real = sweep_mod.measure_ttft
+
+    def measure(model, prompt, *a, **kw):
+        exc = exc_for_seq.get(prompt.shape[1])
+        if exc is not None:
+            raise exc
+        return real(model, prompt, *a, **kw)
+
+    return measure
+
+
+def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys):
+    # A CPU cannot run out of GPU memory: inject the exception torch raises, at one point only.
+    monkeypatch.setattr(sweep_mod, "measure_ttft",
+                        _failing_measure({32: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")}))
+    out = tmp_path / "rows.jsonl"
+    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, "--out", str(out)])
+    assert code == 0  # out of memory is a result, not a failure
+    rows = rows_of(out)
+    assert [(r["seq"], r["kind"], r["status"]) for r in rows] == [(16, "ttft", "ok"), (32, "error", "oom")]
+    err = rows[1]
+    validate_row(err)
+    assert err["measurement"] == "ttft" and err["error"]["type"] == "OutOfMemoryError"
+    assert "Tried to allocate" in err["error"]["message"]
+    assert "OOM" in capsys.readouterr().out
+
+
+def test_failing_point_gives_error_row_and_exit_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep_mod, "measure_ttft", _failing_measure({16: RuntimeError("kernel exploded")}))
+    out = tmp_path / "rows.jsonl"
+    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, "--out", str(out)])
+    assert code == 1
+    rows = rows_of(out)
+    assert [(r["seq"], r["status"]) for r in rows] == [(16, "error"), (32, "ok")]
+    assert rows[0]["error"]["message"] == "kernel exploded" and "Traceback" in rows[0]["error"]["traceback"]
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_ctrl_c_keeps_finished_rows_and_resume_completes(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rows.jsonl"
+    args = ["--impl", "sdpa", "llm_attn", "--measure", "ttft", "decode_generate", *FAST, "--out", str(out)]
+    real, calls = sweep_mod.measure_decode_generate, []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sweep_mod, "measure_decode_generate", interrupted)
+    assert ttft.main(args) == 130
+    first = rows_of(out)
+    # sdpa: ttft16, gen16, ttft32, gen32; llm_attn: ttft16, then Ctrl-C inside its first decode
+    assert [(r["impl"], r["seq"], r["kind"]) for r in first] == [
+        ("sdpa", 16, "ttft"), ("sdpa", 16, "decode_generate"), ("sdpa", 32, "ttft"),
+        ("sdpa", 32, "decode_generate"), ("llm_attn", 16, "ttft")]
+    monkeypatch.setattr(sweep_mod, "measure_decode_generate", real)
+    assert ttft.main(args + ["--resume"]) == 0
+    rows = rows_of(out)
+    assert rows[:5] == first  # nothing finished was measured again
+    assert len(rows) == 8 and len({point_key(r) for r in rows}) == 8
+    assert "5 measurements already in" in capsys.readouterr().out
+
+
+# -- the writer -----------------------------------------------------------------------------------------------------
+def test_writer_survives_a_row_cut_by_a_crash(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    with ResultWriter(path) as w:
+        w.write({"a": 1, "x": float("nan")})
+    with open(path, "a") as fh:
+        fh.write('{"a": 2, "cut')  # a kill in the middle of a write
+    with ResultWriter(path) as w:
+        w.write({"a": 3, "dtype": torch.float16})
+    assert [r["a"] for r in iter_rows(path)] == [1, 3]
+    assert list(iter_rows(path))[0]["x"] is None  # NaN is not JSON; a missing number must not look measured
+    assert list(iter_rows(path))[1]["dtype"] == "torch.float16"
+    with pytest.raises(ValueError, match="not JSON"):
+        list(iter_rows(path, strict=True))
+    assert json.loads(path.read_text().splitlines()[-1]) == {"a": 3, "dtype": "torch.float16"}
+
+
+# -- bad arguments --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "0"], "--seq: must be a positive integer, got 0"),
+    (["--seq", "-5"], "--seq: must be a positive integer, got -5"),
+    (["--seq", "abc"], "--seq: must be a positive integer, got 'abc'"),
+    (["--batch", "0"], "--batch: must be a positive integer"),
+    (["--impl", "bogus"], "--impl: invalid choice: 'bogus'"),
+    (["--impl", "flash_attention_2"], "flash_attention_2 needs a CUDA GPU"),
+    (["--impl", "sdpa", "sdpa"], "lists an implementation twice"),
+    (["--model", "/nonexistent/llama-3-8b-awq"], "--model /nonexistent/llama-3-8b-awq: no such file or directory"),
+    (["--model", "no-such-preset"], "not a preset"),
+    (["--repeats", "0"], "--repeats: must be a positive integer"),
+    (["--warmup", "-1"], "--warmup: must be an integer >= 0"),
+    (["--new-tokens", "1"], "--new-tokens: must be >= 2"),
+    (["--dtype", "int8"], "--dtype: invalid choice"),
+    (["--measure", "everything"], "--measure: invalid choice"),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        ttft.main(args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_seq_longer_than_the_model_allows(capsys, tmp_path):
+    from llm_attn.models import load_model, max_seq_len
+
+    model, _ = load_model("auto", device="cpu", dtype=torch.float32)
+    limit = max_seq_len(model)
+    with pytest.raises(SystemExit) as e:
+        ttft.main(["--seq", str(limit + 1), "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    assert f"--seq {limit + 1}: longer than the model allows ({limit} positions)" in capsys.readouterr().err
+    # Fits as a prompt, but not with the decoded tokens after it.
+    with pytest.raises(SystemExit) as e:
+        ttft.main(["--seq", str(limit), "--new-tokens", "4", "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    assert f"seq + --new-tokens = {limit + 4} positions" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()  # nothing measured, nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_device_cuda_without_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        ttft.main(["--device", "cuda"])
+    assert e.value.code == 2 and "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_real_cli_bad_argument_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "llm_attn.ttft", "--seq", "0"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--seq: must be a positive integer, got 0" in proc.stderr
+
+
+# -- on a GPU -------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_events_graph_and_kernel(tmp_path, capsys):
+    """CUDA events, peak memory, CUDA-graph decode and our kernel, on the tiny fp16 preset (fast to load, and
+    needs no AWQ backend)."""
+    from llm_attn import kernel_available
+
+    out = tmp_path / "rows.jsonl"
+    code = ttft.main(["--model", "tiny:fp16", "--device", "cuda", "--dtype", "float16", "--impl", "sdpa", "eager",
+                      "llm_attn", "--seq", "64", "200", "--repeats", "3", "--warmup", "2", "--new-tokens", "8",
+                      "--decode-repeats", "2", "--no-progress", "--out", str(out)])
+    rows = rows_of(out)
+    assert code == 0, [r["error"] for r in rows if r["status"] != "ok"]
+    assert len(rows) == 3 * 2 * 3 + 2
+    by = {(r["kind"], r["impl"], r["seq"]): r for r in rows}
+    for r in rows:
+        validate_row(r)
+        assert r["env"]["compute_capability"] and r["env"]["sms"] > 0 and r["env"]["device_type"] == "cuda"
+    for impl in ("sdpa", "eager", "llm_attn"):
+        for seq in (64, 200):
+            t, gen, graph = (by[(k, impl, seq)] for k in ("ttft", "decode_generate", "decode_graph"))
+            assert t["timer"] == "cuda_event" and t["peak_mem_bytes"] > 0 and len(t["samples_ms"]) == 3
+            assert graph["mode"] == "cuda_graph" and graph["timer"] == "cuda_event"
+            assert len(graph["samples_ms"]) == 2 * 7
+            # Replaying the graph decodes (nearly) what generate decodes; fp16 reductions over a static cache
+            # may flip a near-tie of the random model, never most tokens.
+            same = sum(a == b for a, b in zip(graph["tokens"][0], gen["tokens"][0]))
+            assert same >= 6, (graph["tokens"], gen["tokens"])
+            if impl == "llm_attn" and kernel_available():
+                assert t["patch"]["native_calls"].get("cuda", 0) > 0, t["patch"]
+    for seq in (64, 200):
+        c = by[("correctness", "llm_attn", seq)]
+        assert c["max_abs_logit_diff"] < 0.1 and c["greedy_agreement"] >= 0.5, c
