@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
-#   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [test] [sanitize] [bench] [bench_mha64] [decode]
+#   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [awq] [test] [sanitize] [bench] [bench_mha64] [decode]
+#                                              [ttft] [sweep]
+# awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
+# /tmp/site; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
+# experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
 # The built extension and its source stamp are copied to $OUT so the next session can carry them instead of
 # rebuilding (a stamp mismatch rebuilds).
 set -uo pipefail
@@ -29,6 +33,12 @@ if has build; then
   fi
   gzip -1 -c llm_attn/_C*.so > "$OUT/_C.so.gz"; cp llm_attn/_C.stamp "$OUT/"  # carried into the next session
 fi
+if has awq; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/*.whl \
+    .whl/pypcre-*.tar.gz >"$OUT/awq_install.log" 2>&1 || { tail -30 "$OUT/awq_install.log"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+  python3 -m llm_attn.models backends
+fi
 if has test; then
   python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
@@ -43,6 +53,14 @@ fi
 if has bench_mha64; then  # the batch-4 MHA head_dim-64 point
   python3 -m llm_attn.bench --head-dim 64 --heads 32 --kv-heads 32 --batch 4 --seqs 4096 --out "$OUT/bench.jsonl" 2>&1 \
     | tee -a "$OUT/bench.log" | grep -v "^dtype=" | tail -8
+fi
+if has ttft; then
+  python3 -m llm_attn.ttft --seq ${TTFT_SEQ:-2048} ${TTFT_ARGS:-} --out "$OUT/ttft.jsonl" --no-progress 2>&1 \
+    | tee "$OUT/ttft.log" | grep -v -E "Warning|warn" | tail -30
+fi
+if has sweep; then
+  python3 -m llm_attn.experiment experiments/${EXPERIMENT:-default}.toml --no-progress 2>&1 | tee "$OUT/sweep.log" | tail -30
+  cp experiments/results/*/${EXPERIMENT:-default}.jsonl "$OUT/"
 fi
 if has decode; then
   python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40
