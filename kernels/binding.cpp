@@ -6,10 +6,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <optional>
-#include <vector>
 
 #include "flash.h"
 
@@ -28,27 +25,6 @@ void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
                     t.strides());
     }
     CHECK_INPUT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
-}
-
-// Per-device int32 counters for the decode kernel's fused combine. Zeroed once when (re)allocated; every launch
-// leaves them zero again, so no memset per call (one fewer graph node). Growing reallocates: the old buffer stays
-// alive in `keep` because a captured CUDA graph may still point at it. Launches on one device are serialised on
-// its stream; two decode launches running concurrently on different streams of one device would share counters,
-// so a per-stream buffer is used.
-int* split_counters(const at::Device& device, int64_t n) {
-    static std::mutex mu;
-    static std::map<std::pair<int, cudaStream_t>, at::Tensor> buffers;
-    static std::vector<at::Tensor> keep;
-    const std::lock_guard<std::mutex> lock(mu);
-    const auto key = std::make_pair(static_cast<int>(device.index()), at::cuda::getCurrentCUDAStream().stream());
-    auto it = buffers.find(key);
-    if (it == buffers.end() || it->second.numel() < n) {
-        if (it != buffers.end()) keep.push_back(it->second);
-        at::Tensor t = at::zeros({std::max<int64_t>(n, 1024)}, at::TensorOptions().dtype(at::kInt).device(device));
-        buffers[key] = t;
-        return t.data_ptr<int>();
-    }
-    return it->second.data_ptr<int>();
 }
 
 void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -102,14 +78,19 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     p.num_splits = llm_attn::flash_fwd_num_splits(p, num_sms);
-    at::Tensor o_accum, lse_accum;
+    at::Tensor o_accum, lse_accum, split_counters;
     if (p.num_splits > 1) {
         auto opts = q.options().dtype(at::kFloat);
         o_accum = at::empty({p.num_splits, batch, num_heads, seqlen_q, head_dim}, opts);
         lse_accum = at::empty({p.num_splits, batch, num_heads, seqlen_q}, opts);
         p.o_accum = o_accum.data_ptr<float>();
         p.lse_accum = lse_accum.data_ptr<float>();
-        if (llm_attn::flash_fwd_uses_decode_kernel(p)) p.split_counters = split_counters(q.device(), batch * num_kv_heads);
+        if (llm_attn::flash_fwd_uses_decode_kernel(p)) {
+            // Zeroed per call (one memset node in a CUDA graph). A persistent buffer would save it, but an
+            // allocation that outlives the call breaks torch.compile's CUDA-graph trees (found on the H100).
+            split_counters = at::zeros({batch * num_kv_heads}, q.options().dtype(at::kInt));
+            p.split_counters = split_counters.data_ptr<int>();
+        }
     }
     const cudaError_t err = llm_attn::run_flash_fwd(p, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd: kernel launch failed: ", cudaGetErrorString(err));

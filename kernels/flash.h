@@ -34,7 +34,7 @@ struct FlashFwdParams {
     int num_splits;
     float* __restrict__ o_accum;
     float* __restrict__ lse_accum;
-    // Decode path only: (batch, num_kv_heads) int32 counters, zero before the launch; the kernel leaves them zero.
+    // Decode path only, when it splits: (batch, num_kv_heads) int32 counters, zero before the launch.
     int* __restrict__ split_counters;
 };
 

@@ -9,7 +9,7 @@
 //  - the 4 warps split each tile's keys (16 each: for decode, keys are the only parallel dimension), each with its
 //    own online softmax; at the end the warps' states are merged through shared memory.
 // Output: with one split, O (and lse) directly; otherwise float32 partials, merged in the same launch by the last
-// block of each (batch, KV head) to finish (a self-resetting counter per (batch, KV head)).
+// block of each (batch, KV head) to finish (a counter per (batch, KV head), zeroed by the caller).
 // The number of splits comes from the host (flash_fwd_num_splits); each block derives its key range from the
 // batch's own valid length (seqused_k) on the device, so no host synchronisation is needed and a captured CUDA
 // graph stays valid as the cache grows.
@@ -290,14 +290,13 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
     if (!split_out) return;
 
     // Fused combine: the last split block of this (batch, KV head) to finish merges all splits' partials, so
-    // decode is one launch. Writers fence before counting; the counter resets itself for the next launch.
+    // decode needs no second kernel. Writers fence before counting.
     __shared__ bool s_last;
     __threadfence();
     __syncthreads();
     if (tid == 0) {
         int* counter = params.split_counters + batch * params.num_kv_heads + kv_head;
         s_last = atomicAdd(counter, 1) == params.num_splits - 1;
-        if (s_last) *counter = 0;
     }
     __syncthreads();
     if (!s_last) return;

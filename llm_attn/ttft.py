@@ -192,7 +192,8 @@ def run(cfg: SweepConfig, model, info, out: str | Path, resume: bool, devices_pa
 
 
 def report_rows(rows: list[dict], out: str | Path) -> int:
-    """Print the tables; return the exit status (1 when some point failed for another reason than OOM)."""
+    """Print the tables; return the exit status (1 when some point failed for another reason than OOM or a stock
+    path that cannot be measured that way, e.g. eager attention inside a CUDA graph)."""
     if rows:
         print(summary_table(rows))
         corr = correctness_table(rows)
@@ -201,8 +202,10 @@ def report_rows(rows: list[dict], out: str | Path) -> int:
             print(corr)
     failed = [r for r in rows if r["status"] == "error"]
     ooms = [r for r in rows if r["status"] == "oom"]
+    unsupported = [r for r in rows if r["status"] == "unsupported"]
     print(f"\n{len(rows)} rows appended to {out}"
           + (f"; {len(ooms)} out of memory" if ooms else "")
+          + (f"; {len(unsupported)} unsupported (see their rows)" if unsupported else "")
           + (f"; {len(failed)} FAILED (see the 'error' rows and the messages above)" if failed else ""))
     return 1 if failed else 0
 

@@ -99,7 +99,12 @@ def llm_attn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         no_padding = (padding | (key_idx >= total)).all()
         if not bool(no_padding):  # one host sync per forward pass (stock sdpa_mask syncs here too)
             return mask
-    seqused = torch.as_tensor(total, device=mask.device).to(torch.int32).reshape(1).expand(batch_size).contiguous()
+    if isinstance(total, torch.Tensor):
+        seqused = total.to(device=mask.device, dtype=torch.int32).reshape(1).expand(batch_size).contiguous()
+    else:
+        # torch.full fills on the device; as_tensor(int, device=cuda) would be a pageable host->device copy, which
+        # synchronises the stream and stalls the CPU's run-ahead on every forward pass.
+        seqused = torch.full((batch_size,), total, dtype=torch.int32, device=mask.device)
     setattr(mask, SEQUSED_ATTR, seqused)
     return mask
 

@@ -311,6 +311,11 @@ def test_gpu_events_graph_and_kernel(tmp_path, capsys):
         for seq in (64, 200):
             t, gen, graph = (by[(k, impl, seq)] for k in ("ttft", "decode_generate", "decode_graph"))
             assert t["timer"] == "cuda_event" and t["peak_mem_bytes"] > 0 and len(t["samples_ms"]) == 3
+            if impl == "eager":
+                # Stock eager attention builds its mask with a host tensor: CUDA-graph capture refuses it. That is
+                # recorded as "unsupported" (not a failed run), with the reason.
+                assert graph["status"] == "unsupported" and "CUDA graph" in graph["error"]["message"], graph
+                continue
             assert graph["mode"] == "cuda_graph" and graph["timer"] == "cuda_event"
             assert len(graph["samples_ms"]) == 2 * 7
             # Replaying the graph decodes (nearly) what generate decodes; fp16 reductions over a static cache

@@ -32,6 +32,12 @@ from llm_attn.harness.stats import summarize
 GRAPH_WARMUP_STEPS = 2
 
 
+class GraphCaptureUnsupported(RuntimeError):
+    """The model's attention path cannot be captured in a CUDA graph (a limitation of that path, not a failure of
+    the measurement). Stock transformers' eager attention is one: its mask builder copies a host tensor to the GPU
+    on every call, which CUDA-graph capture refuses."""
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,8 +253,13 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
                     step()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            try:
+                with torch.cuda.graph(graph):
+                    step()
+            except RuntimeError as e:
+                if "during CUDA graph capture" not in str(e):
+                    raise
+                raise GraphCaptureUnsupported(f"this attention path cannot be captured in a CUDA graph: {e}") from e
             run_step = graph.replay
         else:
             for _ in range(GRAPH_WARMUP_STEPS):

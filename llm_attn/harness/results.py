@@ -21,7 +21,8 @@ SCHEMA = "llm_attn.ttft/1"
 
 MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
 KINDS = MEASUREMENTS + ("error",)
-STATUSES = ("ok", "oom", "error")
+# unsupported: the stock path cannot be measured that way (e.g. eager attention inside a CUDA graph).
+STATUSES = ("ok", "oom", "unsupported", "error")
 
 # Fields every row has, whatever its kind.
 COMMON_FIELDS = ("schema", "kind", "measurement", "status", "experiment", "run_id", "time", "device", "model_spec",
@@ -71,9 +72,9 @@ def point_key(row: dict) -> tuple:
 
 
 def is_finished(row: dict) -> bool:
-    """A point counts as done when it was measured or ran out of memory (re-running would only OOM again).
-    Other errors are retried on resumption."""
-    return row.get("status") in ("ok", "oom")
+    """A point counts as done when it was measured, ran out of memory or is unsupported (re-running would only
+    give the same). Other errors are retried on resumption."""
+    return row.get("status") in ("ok", "oom", "unsupported")
 
 
 def validate_row(row: dict) -> None:

@@ -24,7 +24,13 @@ from tqdm.auto import tqdm
 from llm_attn.harness import flops
 from llm_attn.harness.devices import Device
 from llm_attn.harness.impls import OURS, STOCK_IMPLS, use_impl
-from llm_attn.harness.measure import measure_correctness, measure_decode_generate, measure_decode_static, measure_ttft
+from llm_attn.harness.measure import (
+    GraphCaptureUnsupported,
+    measure_correctness,
+    measure_decode_generate,
+    measure_decode_static,
+    measure_ttft,
+)
 from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
 
 PER_POINT = ("ttft", "decode_generate", "decode_graph")
@@ -160,6 +166,8 @@ class Sweep:
             fields = fn()
         except _OOM as e:
             failure = ("oom", type(e).__name__, str(e), traceback.format_exc())
+        except GraphCaptureUnsupported as e:
+            failure = ("unsupported", type(e).__name__, str(e), traceback.format_exc())
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
