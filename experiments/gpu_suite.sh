@@ -2,7 +2,7 @@
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [awq] [test] [sanitize] [bench] [bench_mha64] [decode]
-#                                              [ttft] [sweep]
+#                                              [ttft] [sweep] [profile]
 # awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
 # /tmp/site; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
 # experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
@@ -16,7 +16,7 @@ steps=${*:-build test sanitize bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-stamp=$(cat kernels/*.cu kernels/*.cuh kernels/*.h kernels/*.cpp setup.py | sha256sum | cut -c1-16)
+stamp=$(LC_ALL=C; cat kernels/*.cu kernels/*.cuh kernels/*.h kernels/*.cpp setup.py | sha256sum | cut -c1-16)
 # Run from the source tree without installing: llm_attn.patches is the top-level patches/ folder (setup.py maps
 # it when installed); a git-ignored link gives the same module path here.
 [ -e llm_attn/patches ] || ln -s ../patches llm_attn/patches
@@ -59,8 +59,12 @@ if has ttft; then
     | tee "$OUT/ttft.log" | grep -v -E "Warning|warn" | tail -30
 fi
 if has sweep; then
-  python3 -m llm_attn.experiment experiments/${EXPERIMENT:-default}.toml --no-progress 2>&1 | tee "$OUT/sweep.log" | tail -30
-  cp experiments/results/*/${EXPERIMENT:-default}.jsonl "$OUT/"
+  # Rows land under $OUT as they are measured, so a run cut short still brings back what it finished.
+  python3 -m llm_attn.experiment experiments/${EXPERIMENT:-default}.toml --results-dir "$OUT/results" --no-progress \
+    2>&1 | tee "$OUT/sweep.log" | grep -v -E "Warning|warn" | tail -30
+fi
+if has profile; then
+  python3 experiments/profile_decode.py ${PROFILE_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/profile.log" | grep -A14 "=="
 fi
 if has decode; then
   python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40

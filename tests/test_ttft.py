@@ -93,7 +93,7 @@ def test_cli_rows_schema_and_content(cli_run):
         assert r["env"]["transformers"] and "git_sha" in r["env"] and r["env"]["hostname"]
         assert r["model"]["name"] and r["model"]["quant"] and r["model"]["model_bytes"] > 0
         assert r["command"].startswith("python -m llm_attn.ttft ")
-    by = {(r["kind"], r["impl"], r["seq"]): r for r in rows}
+    by = {(r["measurement"], r["impl"], r["seq"]): r for r in rows}
     for impl in IMPLS:
         for seq in (16, 32):
             t = by[("ttft", impl, seq)]
@@ -303,7 +303,7 @@ def test_gpu_events_graph_and_kernel(tmp_path, capsys):
     rows = rows_of(out)
     assert code == 0, [r["error"] for r in rows if r["status"] != "ok"]
     assert len(rows) == 3 * 2 * 3 + 2
-    by = {(r["kind"], r["impl"], r["seq"]): r for r in rows}
+    by = {(r["measurement"], r["impl"], r["seq"]): r for r in rows}
     for r in rows:
         validate_row(r)
         assert r["env"]["compute_capability"] and r["env"]["sms"] > 0 and r["env"]["device_type"] == "cuda"
