@@ -2,7 +2,7 @@
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [awq] [test] [sanitize] [bench] [bench_mha64] [decode]
-#                                              [ttft] [sweep] [profile]
+#                                              [ttft] [sweep] [profile] [ncu]
 # awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
 # /tmp/site; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
 # experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
@@ -62,6 +62,18 @@ if has sweep; then
   # Rows land under $OUT as they are measured, so a run cut short still brings back what it finished.
   python3 -m llm_attn.experiment experiments/${EXPERIMENT:-default}.toml --results-dir "$OUT/results" --no-progress \
     2>&1 | tee "$OUT/sweep.log" | grep -v -E "Warning|warn" | tail -30
+fi
+if has ncu; then  # what limits the kernels (clocks left as they are)
+  sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+  for c in 0 1; do
+    ncu --clock-control none -k regex:flash_fwd_kernel --launch-skip 3 --launch-count 1 $sections \
+      python3 -m llm_attn.bench --seqs 4096 --dtypes bf16 --causal $c --impls ours --warmup 3 --repeats 1 --graph 0 \
+      >"$OUT/ncu_prefill_causal$c.txt" 2>&1
+  done
+  ncu --clock-control none -k regex:flash_decode_kernel --launch-skip 3 --launch-count 1 $sections \
+    python3 -m llm_attn.bench --mode decode --kv 8192 --dtypes bf16 --causal 1 --impls ours --warmup 3 --repeats 1 \
+    --graph 0 >"$OUT/ncu_decode.txt" 2>&1
+  grep -h -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slot|Executed Ipc|L1/TEX Hit|Shared Memory Configuration Size|Block Limit" "$OUT"/ncu_*.txt | head -60
 fi
 if has profile; then
   python3 experiments/profile_decode.py ${PROFILE_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/profile.log" | grep -A14 "=="

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
@@ -22,6 +23,10 @@ def _version(pkg: str) -> str | None:
 
 
 def git_sha() -> str | None:
+    """HEAD of this checkout (with -dirty), or $LLM_ATTN_GIT_SHA where the tree is a copy without .git (a GPU
+    machine that receives the working tree)."""
+    if not (REPO / ".git").exists():
+        return os.environ.get("LLM_ATTN_GIT_SHA")
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=5).stdout.strip()
