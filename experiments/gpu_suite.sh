@@ -63,17 +63,20 @@ if has sweep; then
   python3 -m llm_attn.experiment experiments/${EXPERIMENT:-default}.toml --results-dir "$OUT/results" --no-progress \
     2>&1 | tee "$OUT/sweep.log" | grep -v -E "Warning|warn" | tail -30
 fi
-if has ncu; then  # what limits the kernels (clocks left as they are)
+if has ncu; then  # what limits the kernels (clocks left as they are); one report file
   sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis"
+  : >"$OUT/ncu.txt"
   for c in 0 1; do
+    echo "##### prefill S=4096 bf16 causal=$c" >>"$OUT/ncu.txt"
     ncu --clock-control none -k regex:flash_fwd_kernel --launch-skip 3 --launch-count 1 $sections \
       python3 -m llm_attn.bench --seqs 4096 --dtypes bf16 --causal $c --impls ours --warmup 3 --repeats 1 --graph 0 \
-      >"$OUT/ncu_prefill_causal$c.txt" 2>&1
+      >>"$OUT/ncu.txt" 2>&1
   done
+  echo "##### decode KV=8192 B=1 bf16" >>"$OUT/ncu.txt"
   ncu --clock-control none -k regex:flash_decode_kernel --launch-skip 3 --launch-count 1 $sections \
     python3 -m llm_attn.bench --mode decode --kv 8192 --dtypes bf16 --causal 1 --impls ours --warmup 3 --repeats 1 \
-    --graph 0 >"$OUT/ncu_decode.txt" 2>&1
-  grep -h -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slot|Executed Ipc|L1/TEX Hit|Shared Memory Configuration Size|Block Limit" "$OUT"/ncu_*.txt | head -60
+    --graph 0 >>"$OUT/ncu.txt" 2>&1
+  grep -E "#####|Duration|Compute \(SM\) Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|Shared Memory Throughput|Waves Per SM" "$OUT/ncu.txt"
 fi
 if has profile; then
   python3 experiments/profile_decode.py ${PROFILE_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/profile.log" | grep -A14 "=="
