@@ -97,14 +97,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
         cp_async_commit();  // always commit: keeps the group count uniform for cp_async_wait
     }
 
-    float row_max[kMT][2], row_sum[kMT][2], acc_o[kMT][kDT][4];
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-        row_max[m][0] = row_max[m][1] = -INFINITY;
-        row_sum[m][0] = row_sum[m][1] = 0.f;
-#pragma unroll
-        for (int i = 0; i < kDT; ++i) acc_o[m][i][0] = acc_o[m][i][1] = acc_o[m][i][2] = acc_o[m][i][3] = 0.f;
-    }
+    SoftmaxState<kMT, kDT> st;
+    st.init();
     // One m16 tile of Q stays in registers; with two, Q is re-read from shared memory per k-step (64 more
     // registers would spill next to the 128 of the O accumulators).
     constexpr bool kQInRegs = kMT == 1;
@@ -168,48 +162,17 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
                             if (key0 + n * 8 + 2 * t + e > limit) acc_s[m][n][2 * r + e] = -INFINITY;
                 }
         }
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = fmaxf(fmaxf(acc_s[m][0][2 * r], acc_s[m][0][2 * r + 1]),
-                                 fmaxf(acc_s[m][1][2 * r], acc_s[m][1][2 * r + 1]));
-                mx = quad_max(mx);
-                const float new_max = fmaxf(row_max[m][r], mx * scale_log2);
-                const float mm = new_max == -INFINITY ? 0.f : new_max;
-                const float alpha = exp2f(row_max[m][r] - mm);
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    acc_s[m][n][2 * r] = exp2f(fmaf(acc_s[m][n][2 * r], scale_log2, -mm));
-                    acc_s[m][n][2 * r + 1] = exp2f(fmaf(acc_s[m][n][2 * r + 1], scale_log2, -mm));
-                    sum += acc_s[m][n][2 * r] + acc_s[m][n][2 * r + 1];
-                }
-                row_sum[m][r] = row_sum[m][r] * alpha + sum;
-                row_max[m][r] = new_max;
-#pragma unroll
-                for (int d = 0; d < kDT; ++d) {
-                    acc_o[m][d][2 * r] *= alpha;
-                    acc_o[m][d][2 * r + 1] *= alpha;
-                }
-            }
-        }
+        st.update(acc_s, scale_log2);
         uint32_t a[kMT][4];
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-            a[m][0] = pack2<T>(acc_s[m][0][0], acc_s[m][0][1]);
-            a[m][1] = pack2<T>(acc_s[m][0][2], acc_s[m][0][3]);
-            a[m][2] = pack2<T>(acc_s[m][1][0], acc_s[m][1][1]);
-            a[m][3] = pack2<T>(acc_s[m][1][2], acc_s[m][1][3]);
-        }
+        p_fragment<T>(a, acc_s, 0);
 #pragma unroll
         for (int dp = 0; dp < kDT / 2; ++dp) {
             uint32_t b[4];
             ldmatrix_x4_trans(b, cV + swz<kHeadDim>((lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
 #pragma unroll
             for (int m = 0; m < kMT; ++m) {
-                mma_16816<T>(acc_o[m][2 * dp], a[m], b[0], b[1]);
-                mma_16816<T>(acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
+                mma_16816<T>(st.acc_o[m][2 * dp], a[m], b[0], b[1]);
+                mma_16816<T>(st.acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
             }
         }
     }
@@ -222,9 +185,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
     for (int m = 0; m < kMT; ++m)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float s = quad_sum(row_sum[m][r]);
+            const float s = quad_sum(st.row_sum[m][r]);
             if (t == 0) {
-                s_max[warp][m * 16 + g + 8 * r] = row_max[m][r];
+                s_max[warp][m * 16 + g + 8 * r] = st.row_max[m][r];
                 s_sum[warp][m * 16 + g + 8 * r] = s;
             }
         }
@@ -242,11 +205,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
             float total = 0.f;
 #pragma unroll
             for (int w = 0; w < Traits::kNWarps; ++w) total += s_sum[w][row] * exp2f(s_max[w][row] - mm);
-            const float f = total > 0.f ? exp2f(row_max[m][r] - mm) / total : 0.f;
+            const float f = total > 0.f ? exp2f(st.row_max[m][r] - mm) / total : 0.f;
 #pragma unroll
             for (int d = 0; d < kDT; ++d)
                 *reinterpret_cast<float2*>(s_o + (warp * kRows + row) * kHeadDim + d * 8 + 2 * t) =
-                    make_float2(acc_o[m][d][2 * r] * f, acc_o[m][d][2 * r + 1] * f);
+                    make_float2(st.acc_o[m][d][2 * r] * f, st.acc_o[m][d][2 * r + 1] * f);
         }
     __syncthreads();
 

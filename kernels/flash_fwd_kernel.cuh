@@ -85,6 +85,71 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Online-softmax state of one thread: its two rows (g, g + 8) of each of kMT m16 tiles, the running max in the
+// base-2 scaled domain, the running (per-thread partial) sum, and the O accumulators of kDT n-tiles per tile.
+template <int kMT, int kDT>
+struct SoftmaxState {
+    float row_max[kMT][2];
+    float row_sum[kMT][2];
+    float acc_o[kMT][kDT][4];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+            row_max[m][0] = row_max[m][1] = -INFINITY;
+            row_sum[m][0] = row_sum[m][1] = 0.f;
+#pragma unroll
+            for (int i = 0; i < kDT; ++i) acc_o[m][i][0] = acc_o[m][i][1] = acc_o[m][i][2] = acc_o[m][i][3] = 0.f;
+        }
+    }
+
+    // Folds a tile of scores S (kNT n-tiles of C fragments, masked entries -inf) into the state: new running max,
+    // rescale of the old sum and O by exp2(old - new), and S replaced in place by P = exp2(S * scale - max).
+    template <int kNT>
+    __device__ __forceinline__ void update(float (&acc_s)[kMT][kNT][4], float scale_log2) {
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[m][nt][2 * r], acc_s[m][nt][2 * r + 1]));
+                mx = quad_max(mx);
+                const float new_max = fmaxf(row_max[m][r], mx * scale_log2);
+                // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+                const float mm = new_max == -INFINITY ? 0.f : new_max;
+                const float alpha = exp2f(row_max[m][r] - mm);
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+                    acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, -mm));
+                    acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
+                    sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
+                }
+                row_sum[m][r] = row_sum[m][r] * alpha + sum;  // per-thread partial; quad-reduced at the end
+                row_max[m][r] = new_max;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    acc_o[m][dt][2 * r] *= alpha;
+                    acc_o[m][dt][2 * r + 1] *= alpha;
+                }
+            }
+        }
+    }
+};
+
+// The P tile's n-tiles (2kk, 2kk + 1) of C fragments are exactly the A fragment of k-step kk of P V.
+template <typename T, int kMT, int kNT>
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[kMT][4], const float (&acc_s)[kMT][kNT][4], int kk) {
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+        a[m][0] = pack2<T>(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
+        a[m][1] = pack2<T>(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
+        a[m][2] = pack2<T>(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
+        a[m][3] = pack2<T>(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
+    }
+}
+
 template <typename T, typename Traits, bool kCausal, bool kSplit>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const FlashFwdParams params) {
     constexpr int kHeadDim = Traits::kHeadDim;
@@ -140,15 +205,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
     const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
 
-    // Running softmax state for this thread's rows (g and g + 8 of each m16 tile), base-2 scaled domain.
-    float row_max[kMT][2], row_sum[kMT][2], acc_o[kMT][kDT][4];
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-        row_max[m][0] = row_max[m][1] = -INFINITY;
-        row_sum[m][0] = row_sum[m][1] = 0.f;
-#pragma unroll
-        for (int i = 0; i < kDT; ++i) acc_o[m][i][0] = acc_o[m][i][1] = acc_o[m][i][2] = acc_o[m][i][3] = 0.f;
-    }
+    SoftmaxState<kMT, kDT> st;
+    st.init();
 
     if (n_block_min < n_block_max) {
         load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
@@ -234,47 +292,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
                         }
             }
 
-            // Online softmax: new running max, rescale factor for the old state, P = exp2(S*scale - max).
-#pragma unroll
-            for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    float mx = -INFINITY;
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[m][nt][2 * r], acc_s[m][nt][2 * r + 1]));
-                    mx = quad_max(mx);
-                    const float new_max = fmaxf(row_max[m][r], mx * scale_log2);
-                    // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-                    const float mm = new_max == -INFINITY ? 0.f : new_max;
-                    const float alpha = exp2f(row_max[m][r] - mm);
-                    float sum = 0.f;
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt) {
-                        acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, -mm));
-                        acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
-                        sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
-                    }
-                    row_sum[m][r] = row_sum[m][r] * alpha + sum;  // per-thread partial; quad-reduced at the end
-                    row_max[m][r] = new_max;
-#pragma unroll
-                    for (int dt = 0; dt < kDT; ++dt) {
-                        acc_o[m][dt][2 * r] *= alpha;
-                        acc_o[m][dt][2 * r + 1] *= alpha;
-                    }
-                }
-            }
+            st.update(acc_s, scale_log2);
 
-            // O += P V. The S accumulators of n-tiles (2kk, 2kk+1) are exactly the A fragment of k-step kk.
+            // O += P V.
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
                 uint32_t a[kMT][4];
-#pragma unroll
-                for (int m = 0; m < kMT; ++m) {
-                    a[m][0] = pack2<T>(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
-                    a[m][1] = pack2<T>(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
-                    a[m][2] = pack2<T>(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
-                    a[m][3] = pack2<T>(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
-                }
+                p_fragment<T>(a, acc_s, kk);
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     uint32_t b[4];
@@ -282,8 +306,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
                     ldmatrix_x4_trans(b, cV + swz<kHeadDim>(key, dp * 2 + lane / 16));
 #pragma unroll
                     for (int m = 0; m < kMT; ++m) {
-                        mma_16816<T>(acc_o[m][2 * dp], a[m], b[0], b[1]);
-                        mma_16816<T>(acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
+                        mma_16816<T>(st.acc_o[m][2 * dp], a[m], b[0], b[1]);
+                        mma_16816<T>(st.acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
                     }
                 }
             }
@@ -299,9 +323,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     for (int m = 0; m < kMT; ++m)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float s = quad_sum(row_sum[m][r]);
+            const float s = quad_sum(st.row_sum[m][r]);
             inv_sum[m][r] = s > 0.f ? 1.f / s : 0.f;
-            lse[m][r] = s > 0.f ? (row_max[m][r] + __log2f(s)) * kLn2 : -INFINITY;
+            lse[m][r] = s > 0.f ? (st.row_max[m][r] + __log2f(s)) * kLn2 : -INFINITY;
         }
 
     if constexpr (kSplit) {
@@ -318,7 +342,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
 #pragma unroll
                     for (int dt = 0; dt < kDT; ++dt) {
                         *reinterpret_cast<float2*>(o_acc + static_cast<int64_t>(row) * kHeadDim + dt * 8 + 2 * t) =
-                            make_float2(acc_o[m][dt][2 * r] * inv_sum[m][r], acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
+                            make_float2(st.acc_o[m][dt][2 * r] * inv_sum[m][r], st.acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
                     }
                     if (t == 0) l_acc[row] = lse[m][r];
                 }
@@ -335,7 +359,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
                     *reinterpret_cast<uint32_t*>(sO + swz<kHeadDim>(row, dt) + 2 * t) =
-                        pack2<T>(acc_o[m][dt][2 * r] * inv_sum[m][r], acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
+                        pack2<T>(st.acc_o[m][dt][2 * r] * inv_sum[m][r], st.acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
                 }
                 if (params.lse != nullptr && t == 0 && row0 + row < seqlen_q) {
                     params.lse[(static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + row0 + row] =
