@@ -9,7 +9,9 @@ which backend) or must take the stock path, and the runtime counts the answer in
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -266,3 +268,25 @@ def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, t
     report.notes.append("arbitrary attention masks (e.g. left padding) take the stock path for that call and are "
                         "counted below")
     return static_config_problems(config)
+
+
+# -- per-instance forward swaps (transformers 4.4x modules, AutoAWQ fused modules) ------------------------------------
+
+def swap_forward(module: torch.nn.Module, make: Callable[[Callable], Callable]) -> tuple:
+    """Replace what runs as ``module.forward`` by ``make(original)`` on this instance only (the class is untouched).
+    accelerate's hooks replace ``forward`` and call ``_old_forward``: patch what actually runs. Returns the record
+    ``restore_forwards`` needs to put back exactly what was there."""
+    attr = "_old_forward" if (hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__) else "forward"
+    had = attr in module.__dict__
+    previous = module.__dict__.get(attr)
+    original = previous if had else types.MethodType(type(module).forward, module)
+    module.__dict__[attr] = make(original)
+    return module, attr, had, previous
+
+
+def restore_forwards(records: list[tuple]) -> None:
+    for module, attr, had, previous in records:
+        if had:
+            module.__dict__[attr] = previous
+        else:
+            module.__dict__.pop(attr, None)

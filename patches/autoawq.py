@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import sys
-import types
 import weakref
 
 import torch
@@ -36,6 +35,8 @@ from ._common import (
     UnsupportedModelError,
     check_settings,
     module_device_dtype,
+    restore_forwards,
+    swap_forward,
 )
 
 TARGET_NAME = "AutoAWQ"
@@ -227,12 +228,7 @@ def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
     mask_check = _CausalMaskCheck()
     undo = []
     for name, m in fused:
-        attr = "_old_forward" if (hasattr(m, "_hf_hook") and "_old_forward" in m.__dict__) else "forward"
-        had = attr in m.__dict__
-        previous = m.__dict__.get(attr)
-        original = previous if had else types.MethodType(type(m).forward, m)
-        m.__dict__[attr] = _make_fused_forward(m, original, runtime, mask_check)
-        undo.append((m, attr, had, previous))
+        undo.append(swap_forward(m, lambda original, m=m: _make_fused_forward(m, original, runtime, mask_check)))
         report.patched_modules.append(name)
     return report, {"modules": undo}
 
@@ -242,8 +238,4 @@ def unpatch(model, undo: dict) -> None:
         target, inner, inner_undo = undo["delegate"]
         target.unpatch(inner, inner_undo)
         return
-    for m, attr, had, previous in undo["modules"]:
-        if had:
-            m.__dict__[attr] = previous
-        else:
-            m.__dict__.pop(attr, None)
+    restore_forwards(undo["modules"])

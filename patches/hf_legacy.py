@@ -23,7 +23,6 @@ what the stock class would:
 from __future__ import annotations
 
 import sys
-import types
 import weakref
 
 import torch
@@ -35,6 +34,8 @@ from ._common import (
     PatchReport,
     check_settings,
     module_device_dtype,
+    restore_forwards,
+    swap_forward,
 )
 
 TARGET_NAME = "transformers 4.4x attention modules (instance forward)"
@@ -207,20 +208,10 @@ def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
     analysis = _MaskAnalysis()
     undo = []
     for name, m in modules:
-        # accelerate's hooks replace module.forward and call module._old_forward: patch what actually runs.
-        attr = "_old_forward" if (hasattr(m, "_hf_hook") and "_old_forward" in m.__dict__) else "forward"
-        had = attr in m.__dict__
-        previous = m.__dict__.get(attr)
-        original = previous if had else types.MethodType(type(m).forward, m)
-        m.__dict__[attr] = _make_forward(m, original, runtime, analysis)
-        undo.append((m, attr, had, previous))
+        undo.append(swap_forward(m, lambda original, m=m: _make_forward(m, original, runtime, analysis)))
         report.patched_modules.append(name)
     return report, {"modules": undo}
 
 
 def unpatch(model, undo: dict) -> None:
-    for m, attr, had, previous in undo["modules"]:
-        if had:
-            m.__dict__[attr] = previous
-        else:
-            m.__dict__.pop(attr, None)
+    restore_forwards(undo["modules"])
