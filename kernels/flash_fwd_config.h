@@ -16,12 +16,12 @@ struct FwdConfig;
 // of shared memory: fits the 99 KB per-block limit of sm_86/sm_89 (RTX 4060 Ti) as well as sm_80/87/90.
 // Small: 64 rows (4 warps), for grids that would not fill the GPU (short prompts, decode).
 // Wide (used where an SM holds two blocks of it, sm_90): 4 warps x 32 rows (two m16 tiles each), so every K/V
-// fragment read from shared memory feeds two mma. For head_dim 128 its 128 + 32..64 accumulator registers spill
-// (12-72 bytes, kernels/NOTES.md v2), so head_dim 128 keeps the 16-rows-per-warp tile everywhere.
+// fragment read from shared memory feeds two mma. For head_dim 128 the 128 O accumulators leave room for a
+// 32-key S tile only (64 keys spill; kernels/NOTES.md v2-v4): 64 KB of smem, 2 blocks per SM by registers.
 template <>
 struct FwdConfig<128> {
     using Large = FwdTraits<128, 128, 64, 8, 1>;
-    using Wide = Large;
+    using Wide = FwdTraits<128, 128, 32, 4, 2>;
     using Small = FwdTraits<128, 64, 64, 4, 1>;
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 64;
 };

@@ -54,6 +54,22 @@ __device__ __forceinline__ int swz(int row, int chunk) {
     return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
+// Per-thread ldmatrix column offsets for a fragment loop over k-steps kk (two 16-byte chunks each), for rows whose
+// (row & 7) is this lane's (lane & 7) — every ldmatrix address pattern here. The swizzled chunk
+// (2 kk + cbit) ^ (lane & 7) equals 2 (kk & ~3) + [2 ((kk & 3) ^ ((lane & 7) >> 1)) + (cbit ^ (lane & 1))]: only 4
+// values depend on the lane, the rest is a compile-time immediate. Precomputing them keeps ptxas from hoisting a
+// separate 64-bit address per unrolled (kk, tile) into registers across the main loop.
+struct SwzCols {
+    int off[4];
+    __device__ __forceinline__ SwzCols(int lane, int cbit) {
+        const int s = (lane & 7) >> 1, c1 = cbit ^ (lane & 1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) off[j] = (2 * (j ^ s) + c1) * 8;
+    }
+    // Element offset within a row of k-step kk (a compile-time constant in unrolled loops).
+    __device__ __forceinline__ int operator()(int kk) const { return (kk & ~3) * 16 + off[kk & 3]; }
+};
+
 // Async copy of a [kRows][kHeadDim] tile; rows >= valid_rows are zero-filled (so masked keys multiply zeros).
 // Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + i * kRowStep: the swizzle term is the same for
 // all of its rows and the source pointer advances by a constant, so no per-row 64-bit offsets stay live in
@@ -228,6 +244,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
         }
 
         const float scale_log2 = params.scale_log2;
+        const SwzCols cols_k(lane, (lane / 8) % 2), cols_qv(lane, lane / 16);
+        const int k_row = (lane % 8) + (lane / 16) * 8;         // + 16 np: this lane's key row for K fragments
+        const int v_row = (lane % 8) + ((lane / 8) % 2) * 8;    // + 16 kk: this lane's key row for V fragments
+        const int q_row = warp * kWarpRows + lane % 16;         // + 16 m: this lane's query row for Q fragments
 
         for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
             const int stage = (n_block - n_block_min) & 1;
@@ -254,13 +274,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
                 if constexpr (!kQInRegs) {
 #pragma unroll
                     for (int m = 0; m < kMT; ++m)
-                        ldmatrix_x4(qa[m], sQ + swz<kHeadDim>(warp * kWarpRows + m * 16 + lane % 16, kk * 2 + lane / 16));
+                        ldmatrix_x4(qa[m], sQ + (q_row + m * 16) * kHeadDim + cols_qv(kk));
                 }
 #pragma unroll
                 for (int np = 0; np < kNT / 2; ++np) {
                     uint32_t b[4];
-                    const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
-                    ldmatrix_x4(b, cK + swz<kHeadDim>(key, kk * 2 + (lane / 8) % 2));
+                    ldmatrix_x4(b, cK + (k_row + np * 16) * kHeadDim + cols_k(kk));
 #pragma unroll
                     for (int m = 0; m < kMT; ++m) {
                         if constexpr (kQInRegs) {
@@ -302,8 +321,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     uint32_t b[4];
-                    const int key = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                    ldmatrix_x4_trans(b, cV + swz<kHeadDim>(key, dp * 2 + lane / 16));
+                    ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols_qv(dp));
 #pragma unroll
                     for (int m = 0; m < kMT; ++m) {
                         mma_16816<T>(st.acc_o[m][2 * dp], a[m], b[0], b[1]);

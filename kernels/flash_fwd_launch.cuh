@@ -28,20 +28,17 @@ cudaError_t launch_fwd(FlashFwdParams& params, cudaStream_t stream) {
 
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream) {
-    const bool small = use_small_tiles(params, num_sms_current_device());
-    if (small) {
-        using Traits = typename FwdConfig<kHeadDim>::Small;
-        return params.num_splits > 1 ? launch_fwd<T, Traits, kCausal, true>(params, stream)
-                                     : launch_fwd<T, Traits, kCausal, false>(params, stream);
+    using Config = FwdConfig<kHeadDim>;
+    if (use_small_tiles(params, num_sms_current_device())) {
+        return params.num_splits > 1 ? launch_fwd<T, typename Config::Small, kCausal, true>(params, stream)
+                                     : launch_fwd<T, typename Config::Small, kCausal, false>(params, stream);
     }
-    using Wide = typename FwdConfig<kHeadDim>::Wide;
-    if (max_smem_per_sm_current_device() >= 2 * Wide::kSmemBytes) {
-        return params.num_splits > 1 ? launch_fwd<T, Wide, kCausal, true>(params, stream)
-                                     : launch_fwd<T, Wide, kCausal, false>(params, stream);
+    if (params.num_splits > 1) return launch_fwd<T, typename Config::Large, kCausal, true>(params, stream);
+    // The wide tile needs two resident blocks per SM to keep 8 warps (sm_90); it has no split-KV variant.
+    if (max_smem_per_sm_current_device() >= 2 * Config::Wide::kSmemBytes) {
+        return launch_fwd<T, typename Config::Wide, kCausal, false>(params, stream);
     }
-    using Traits = typename FwdConfig<kHeadDim>::Large;
-    return params.num_splits > 1 ? launch_fwd<T, Traits, kCausal, true>(params, stream)
-                                 : launch_fwd<T, Traits, kCausal, false>(params, stream);
+    return launch_fwd<T, typename Config::Large, kCausal, false>(params, stream);
 }
 
 }  // namespace llm_attn
