@@ -15,13 +15,15 @@ struct FwdConfig;
 // head_dim 128. Large: 128 query rows (8 warps x 16) x 64 keys. Q 32 KB + 2 stages x (K 16 KB + V 16 KB) = 96 KB
 // of shared memory: fits the 99 KB per-block limit of sm_86/sm_89 (RTX 4060 Ti) as well as sm_80/87/90.
 // Small: 64 rows (4 warps), for grids that would not fill the GPU (short prompts, decode).
-// Wide (used where an SM holds two blocks of it, sm_90): 4 warps x 32 rows (two m16 tiles each), so every K/V
-// fragment read from shared memory feeds two mma. For head_dim 128 the 128 O accumulators leave room for a
-// 32-key S tile only (64 keys spill; kernels/NOTES.md v2-v4): 64 KB of smem, 2 blocks per SM by registers.
+// Wide (used where an SM holds two blocks of it, sm_90): 4 warps x 32 rows (two m16 tiles each), so every V
+// fragment read from shared memory feeds two mma. For head_dim 128 it does not fit: with 64 keys the 128 O
+// accumulators spill 40-52 bytes, with 32 keys the non-causal variant still spills 8 (kernels/NOTES.md v4; it
+// measured +4-8 % non-causal and -2-7 % causal on the H100 even so). head_dim 128 keeps the Large tile.
 template <>
 struct FwdConfig<128> {
     using Large = FwdTraits<128, 128, 64, 8, 1>;
-    using Wide = FwdTraits<128, 128, 32, 4, 2>;
+    using Wide = Large;
+    static constexpr bool kWideCausal = true;
     using Small = FwdTraits<128, 64, 64, 4, 1>;
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 64;
 };
@@ -33,6 +35,7 @@ template <>
 struct FwdConfig<64> {
     using Large = FwdTraits<64, 128, 128, 8, 1>;
     using Wide = FwdTraits<64, 128, 64, 4, 2>;
+    static constexpr bool kWideCausal = true;
     using Small = FwdTraits<64, 64, 64, 4, 1>;
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 128;
 };

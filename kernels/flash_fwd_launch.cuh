@@ -35,8 +35,10 @@ cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream) {
     }
     if (params.num_splits > 1) return launch_fwd<T, typename Config::Large, kCausal, true>(params, stream);
     // The wide tile needs two resident blocks per SM to keep 8 warps (sm_90); it has no split-KV variant.
-    if (max_smem_per_sm_current_device() >= 2 * Config::Wide::kSmemBytes) {
-        return launch_fwd<T, typename Config::Wide, kCausal, false>(params, stream);
+    if constexpr (!kCausal || Config::kWideCausal) {
+        if (max_smem_per_sm_current_device() >= 2 * Config::Wide::kSmemBytes) {
+            return launch_fwd<T, typename Config::Wide, kCausal, false>(params, stream);
+        }
     }
     return launch_fwd<T, typename Config::Large, kCausal, false>(params, stream);
 }
