@@ -15,15 +15,16 @@ struct FwdConfig;
 // head_dim 128. Large: 128 query rows (8 warps x 16) x 64 keys. Q 32 KB + 2 stages x (K 16 KB + V 16 KB) = 96 KB
 // of shared memory: fits the 99 KB per-block limit of sm_86/sm_89 (RTX 4060 Ti) as well as sm_80/87/90.
 // Small: 64 rows (4 warps), for grids that would not fill the GPU (short prompts, decode).
-// Wide (used where an SM holds two blocks of it, sm_90): 4 warps x 32 rows (two m16 tiles each), so every V
-// fragment read from shared memory feeds two mma. For head_dim 128 it does not fit: with 64 keys the 128 O
-// accumulators spill 40-52 bytes, with 32 keys the non-causal variant still spills 8 (kernels/NOTES.md v4; it
-// measured +4-8 % non-causal and -2-7 % causal on the H100 even so). head_dim 128 keeps the Large tile.
+// Wide (used where an SM holds two blocks of it, sm_90): 4 warps x 32 rows (two m16 tiles each), so every K/V
+// fragment read from shared memory feeds two mma. For head_dim 128 the 128 O accumulators leave room for a
+// 32-key S tile only (64 keys spill): 64 KB of smem, 2 blocks per SM by registers. On the H100 it gained 4-8 %
+// non-causal but lost 2-7 % causal at 2k-4k (twice the diagonal tiles to mask), so causal keeps the Large tile
+// (kernels/NOTES.md v4-v5).
 template <>
 struct FwdConfig<128> {
     using Large = FwdTraits<128, 128, 64, 8, 1>;
-    using Wide = Large;
-    static constexpr bool kWideCausal = true;
+    using Wide = FwdTraits<128, 128, 32, 4, 2>;
+    static constexpr bool kWideCausal = false;
     using Small = FwdTraits<128, 64, 64, 4, 1>;
     static constexpr int kBlockMLarge = 128, kBlockMSmall = 64, kBlockN = 64;
 };

@@ -57,17 +57,19 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 // Per-thread ldmatrix column offsets for a fragment loop over k-steps kk (two 16-byte chunks each), for rows whose
 // (row & 7) is this lane's (lane & 7) — every ldmatrix address pattern here. The swizzled chunk
 // (2 kk + cbit) ^ (lane & 7) equals 2 (kk & ~3) + [2 ((kk & 3) ^ ((lane & 7) >> 1)) + (cbit ^ (lane & 1))]: only 4
-// values depend on the lane, the rest is a compile-time immediate. Precomputing them keeps ptxas from hoisting a
-// separate 64-bit address per unrolled (kk, tile) into registers across the main loop.
+// values depend on the lane (shared by every pattern: `off`), plus the pattern's (cbit ^ (lane & 1)) * 8; the rest
+// is a compile-time immediate. Precomputing them keeps ptxas from hoisting a separate address per unrolled
+// (kk, tile) into registers across the main loop (kernels/NOTES.md v4).
 struct SwzCols {
     int off[4];
-    __device__ __forceinline__ SwzCols(int lane, int cbit) {
-        const int s = (lane & 7) >> 1, c1 = cbit ^ (lane & 1);
+    __device__ __forceinline__ explicit SwzCols(int lane) {
+        const int s = (lane & 7) >> 1;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) off[j] = (2 * (j ^ s) + c1) * 8;
+        for (int j = 0; j < 4; ++j) off[j] = (j ^ s) * 16;
     }
-    // Element offset within a row of k-step kk (a compile-time constant in unrolled loops).
-    __device__ __forceinline__ int operator()(int kk) const { return (kk & ~3) * 16 + off[kk & 3]; }
+    // Element offset within a row of k-step kk (a compile-time constant in unrolled loops); `cbit8` is
+    // (cbit ^ (lane & 1)) * 8 for the caller's fragment pattern.
+    __device__ __forceinline__ int operator()(int kk, int cbit8) const { return (kk & ~3) * 16 + off[kk & 3] + cbit8; }
 };
 
 // Async copy of a [kRows][kHeadDim] tile; rows >= valid_rows are zero-filled (so masked keys multiply zeros).
@@ -244,7 +246,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
         }
 
         const float scale_log2 = params.scale_log2;
-        const SwzCols cols_k(lane, (lane / 8) % 2), cols_qv(lane, lane / 16);
+        const SwzCols cols(lane);
+        const int cbit_k = (((lane / 8) % 2) ^ (lane & 1)) * 8, cbit_qv = ((lane / 16) ^ (lane & 1)) * 8;
         const int k_row = (lane % 8) + (lane / 16) * 8;         // + 16 np: this lane's key row for K fragments
         const int v_row = (lane % 8) + ((lane / 8) % 2) * 8;    // + 16 kk: this lane's key row for V fragments
         const int q_row = warp * kWarpRows + lane % 16;         // + 16 m: this lane's query row for Q fragments
@@ -270,24 +273,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
                 for (int i = 0; i < kNT; ++i) acc_s[m][i][0] = acc_s[m][i][1] = acc_s[m][i][2] = acc_s[m][i][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < kKQ; ++kk) {
-                uint32_t qa[kMT][4];
-                if constexpr (!kQInRegs) {
+                if constexpr (kQInRegs) {
 #pragma unroll
-                    for (int m = 0; m < kMT; ++m)
-                        ldmatrix_x4(qa[m], sQ + (q_row + m * 16) * kHeadDim + cols_qv(kk));
-                }
+                    for (int np = 0; np < kNT / 2; ++np) {
+                        uint32_t b[4];
+                        ldmatrix_x4(b, cK + (k_row + np * 16) * kHeadDim + cols(kk, cbit_k));
+                        mma_16816<T>(acc_s[0][2 * np], q_frag[kk], b[0], b[1]);
+                        mma_16816<T>(acc_s[0][2 * np + 1], q_frag[kk], b[2], b[3]);
+                    }
+                } else {
+                    // All of this k-step's K fragments first, then each m-tile's Q fragment: K is read once and
+                    // feeds every m-tile; one Q fragment is live at a time.
+                    uint32_t b[kNT / 2][4];
 #pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    uint32_t b[4];
-                    ldmatrix_x4(b, cK + (k_row + np * 16) * kHeadDim + cols_k(kk));
+                    for (int np = 0; np < kNT / 2; ++np) ldmatrix_x4(b[np], cK + (k_row + np * 16) * kHeadDim + cols(kk, cbit_k));
 #pragma unroll
                     for (int m = 0; m < kMT; ++m) {
-                        if constexpr (kQInRegs) {
-                            mma_16816<T>(acc_s[m][2 * np], q_frag[kk], b[0], b[1]);
-                            mma_16816<T>(acc_s[m][2 * np + 1], q_frag[kk], b[2], b[3]);
-                        } else {
-                            mma_16816<T>(acc_s[m][2 * np], qa[m], b[0], b[1]);
-                            mma_16816<T>(acc_s[m][2 * np + 1], qa[m], b[2], b[3]);
+                        uint32_t qa[4];
+                        ldmatrix_x4(qa, sQ + (q_row + m * 16) * kHeadDim + cols(kk, cbit_qv));
+#pragma unroll
+                        for (int np = 0; np < kNT / 2; ++np) {
+                            mma_16816<T>(acc_s[m][2 * np], qa, b[np][0], b[np][1]);
+                            mma_16816<T>(acc_s[m][2 * np + 1], qa, b[np][2], b[np][3]);
                         }
                     }
                 }
@@ -321,7 +328,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     uint32_t b[4];
-                    ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols_qv(dp));
+                    ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols(dp, cbit_qv));
 #pragma unroll
                     for (int m = 0; m < kMT; ++m) {
                         mma_16816<T>(st.acc_o[m][2 * dp], a[m], b[0], b[1]);
