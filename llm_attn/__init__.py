@@ -10,10 +10,24 @@ from llm_attn.reference import attention_naive, attention_tiled
 
 __version__ = "0.1.0"
 
+_PATCH_API = ("patch_model", "unpatch_model", "patched")
+
+
+def __getattr__(name):
+    # llm_attn.patch_model & co. without importing transformers on `import llm_attn`.
+    if name in _PATCH_API:
+        from llm_attn import patches
+
+        return getattr(patches, name)
+    raise AttributeError(f"module 'llm_attn' has no attribute {name!r}")
+
 __all__ = [
     "KernelNotBuiltError",
     "attention_naive",
     "attention_tiled",
     "flash_attn_func",
     "kernel_available",
+    "patch_model",
+    "patched",
+    "unpatch_model",
 ]

@@ -167,5 +167,6 @@ def test_kernel_missing_error_says_how_to_build():
 
 def test_import_is_build_free():
     """`import llm_attn` must work without the compiled extension and without touching CUDA."""
-    code = "import sys, llm_attn; assert 'llm_attn._C' not in sys.modules; print(llm_attn.__version__)"
+    code = ("import sys, llm_attn; assert 'llm_attn._C' not in sys.modules and 'transformers' not in sys.modules; "
+            "from llm_attn import patch_model; from llm_attn.patches import patch_model as p; assert patch_model is p")
     subprocess.run([sys.executable, "-c", code], check=True)
