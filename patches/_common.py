@@ -270,6 +270,16 @@ def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, t
     return static_config_problems(config)
 
 
+def start_patch(model, options: PatchOptions, target: str, modules: list) -> tuple[PatchReport, list[str]]:
+    """The report of a patch of `modules` (name, module) of `model`, and the settings problems that force the stock
+    path (raises under on_unsupported='error'), checked against the first module's device and dtype."""
+    report = PatchReport(target=target, impl=options.impl, backend=options.backend,
+                         on_unsupported=options.on_unsupported, model_type=model.config.model_type)
+    device, dtype = module_device_dtype(modules[0][1])
+    forced = check_settings(report, options, model.config, training=model.training, device=device, dtype=dtype)
+    return report, forced
+
+
 # -- per-instance forward swaps (transformers 4.4x modules, AutoAWQ fused modules) ------------------------------------
 
 def swap_forward(module: torch.nn.Module, make: Callable[[Callable], Callable]) -> tuple:

@@ -32,8 +32,7 @@ from ._common import (
     PatchReport,
     UnsupportedModelError,
     _is_compiling,
-    check_settings,
-    module_device_dtype,
+    start_patch,
 )
 
 NAME = "llm_attn"
@@ -233,11 +232,8 @@ def can_patch(model) -> tuple[bool, str]:
 
 
 def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
-    report = PatchReport(target=TARGET_NAME, impl=options.impl, backend=options.backend,
-                         on_unsupported=options.on_unsupported, model_type=model.config.model_type)
     modules = _attention_modules(model)
-    device, dtype = module_device_dtype(modules[0][1])
-    forced = check_settings(report, options, model.config, training=model.training, device=device, dtype=dtype)
+    report, forced = start_patch(model, options, TARGET_NAME, modules)
     register()
 
     configs = {}

@@ -32,9 +32,8 @@ from ._common import (
     AttentionRuntime,
     PatchOptions,
     PatchReport,
-    check_settings,
-    module_device_dtype,
     restore_forwards,
+    start_patch,
     swap_forward,
 )
 
@@ -199,11 +198,8 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
 
 
 def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
-    report = PatchReport(target=TARGET_NAME, impl=options.impl, backend=options.backend,
-                         on_unsupported=options.on_unsupported, model_type=model.config.model_type)
     modules = _attention_modules(model)
-    device, dtype = module_device_dtype(modules[0][1])
-    forced = check_settings(report, options, model.config, training=model.training, device=device, dtype=dtype)
+    report, forced = start_patch(model, options, TARGET_NAME, modules)
     runtime = AttentionRuntime(options, report, forced)
     analysis = _MaskAnalysis()
     undo = []
