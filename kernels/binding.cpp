@@ -7,22 +7,39 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 
 #include "flash.h"
 
 namespace {
 
+// Tile override for the prefill kernel (llm_attn.ops.force_tile): kTileAuto unless a test or benchmark forces one.
+int g_tile = llm_attn::kTileAuto;
+
 #define CHECK_INPUT(cond, ...) TORCH_CHECK(cond, "llm_attn.mha_fwd: ", __VA_ARGS__)
+
+// Numbers in error messages are formatted with std::to_string, never streamed: on the H100 image, streaming an
+// integer from this extension (its own instantiation of ostream::_M_insert<long>) segfaulted inside TORCH_CHECK,
+// turning a bad-input error into a crash (cuda-gdb backtrace in kernels/NOTES.md). Strings stream safely.
+template <typename N>
+std::string num(N v) {
+    return std::to_string(v);
+}
+std::string shape(at::IntArrayRef a) {
+    std::string r = "[";
+    for (size_t i = 0; i < a.size(); ++i) r += (i ? ", " : "") + std::to_string(a[i]);
+    return r + "]";
+}
 
 void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
     CHECK_INPUT(t.is_cuda(), name, " must be a CUDA tensor");
     CHECK_INPUT(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
     CHECK_INPUT(t.scalar_type() == q.scalar_type(), name, " dtype ", t.scalar_type(), " != q dtype ", q.scalar_type());
-    CHECK_INPUT(t.dim() == 4, name, " must be 4-D (batch, heads, seq, head_dim), got ", t.dim(), "-D");
+    CHECK_INPUT(t.dim() == 4, name, " must be 4-D (batch, heads, seq, head_dim), got ", num(t.dim()), "-D");
     CHECK_INPUT(t.stride(3) == 1, name, " must be contiguous in head_dim");
     for (int d = 0; d < 3; ++d) {
         CHECK_INPUT(t.stride(d) % 8 == 0 || t.size(d) == 1, name, " strides must be multiples of 8 elements (16 bytes), got ",
-                    t.strides());
+                    shape(t.strides()));
     }
     CHECK_INPUT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
@@ -37,15 +54,19 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     check_operand(out, "out", q);
     const int64_t batch = q.size(0), num_heads = q.size(1), seqlen_q = q.size(2), head_dim = q.size(3);
     const int64_t num_kv_heads = k.size(1), seqlen_k = k.size(2);
-    CHECK_INPUT(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", head_dim);
-    CHECK_INPUT(k.sizes() == v.sizes(), "k ", k.sizes(), " and v ", v.sizes(), " must have the same shape");
-    CHECK_INPUT(k.size(0) == batch && k.size(3) == head_dim, "k/v ", k.sizes(), " do not match q ", q.sizes());
-    CHECK_INPUT(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query heads (", num_heads,
-                ") must be a multiple of kv heads (", num_kv_heads, ")");
-    CHECK_INPUT(batch > 0 && num_heads > 0 && seqlen_q > 0 && seqlen_k > 0, "empty input: q ", q.sizes(), ", k ",
-                k.sizes());
+    CHECK_INPUT(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", num(head_dim));
+    CHECK_INPUT(k.sizes() == v.sizes(), "k ", shape(k.sizes()), " and v ", shape(v.sizes()), " must have the same shape");
+    CHECK_INPUT(k.size(0) == batch && k.size(3) == head_dim, "k/v ", shape(k.sizes()), " do not match q ", shape(q.sizes()));
+    CHECK_INPUT(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query heads (", num(num_heads),
+                ") must be a multiple of kv heads (", num(num_kv_heads), ")");
+    CHECK_INPUT(batch > 0 && num_heads > 0 && seqlen_q > 0 && seqlen_k > 0, "empty input: q ", shape(q.sizes()), ", k ",
+                shape(k.sizes()));
     CHECK_INPUT(seqlen_q < (1 << 30) && seqlen_k < (1 << 30), "sequence too long");
-    CHECK_INPUT(out.sizes() == q.sizes(), "out ", out.sizes(), " must match q ", q.sizes());
+    // Grid limits: heads in gridDim.y (or x), batch x KV splits in z; causal grids put the 64-row blocks in y.
+    CHECK_INPUT(num_heads <= 65535 && batch <= 65535, "at most 65535 heads and batch 65535, got ", num(num_heads), " and ",
+                num(batch));
+    CHECK_INPUT(!causal || seqlen_q <= 65535 * 64, "causal q_len must be <= ", num(65535 * 64), ", got ", num(seqlen_q));
+    CHECK_INPUT(out.sizes() == q.sizes(), "out ", shape(out.sizes()), " must match q ", shape(q.sizes()));
     CHECK_INPUT(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                     lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == num_heads && lse.size(2) == seqlen_q,
                 "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
@@ -75,6 +96,7 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     p.scale_log2 = static_cast<float>(scale * M_LOG2E);
     p.causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    p.tile = g_tile;
 
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     p.num_splits = llm_attn::flash_fwd_num_splits(p, num_sms);
@@ -104,6 +126,15 @@ int64_t num_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64
     return llm_attn::flash_fwd_num_splits(p, num_sms);
 }
 
+// Sets the prefill tile override (0 auto, 1 large, 2 wide, 3 small) and returns the previous one; an unknown id
+// changes nothing and returns -1 (llm_attn.ops.force_tile validates names first).
+int64_t set_tile(int64_t tile) {
+    if (tile < llm_attn::kTileAuto || tile > llm_attn::kTileSmall) return -1;
+    const int prev = g_tile;
+    g_tile = static_cast<int>(tile);
+    return prev;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -111,4 +142,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("mha_fwd", &mha_fwd, "FlashAttention forward into preallocated out/lse", py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("num_splits", &num_splits, "KV splits the forward would use for these shapes (1 = none)");
+    m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small); returns the previous");
 }

@@ -27,6 +27,7 @@ struct FlashFwdParams {
     float scale_log2;  // scale * log2(e): the kernel works in base 2 (exp2f)
     bool causal;       // bottom-right aligned: row i sees key j iff j <= i + seqused_k - seqlen_q
     bool is_bf16;
+    int tile;          // FwdTile: kTileAuto picks the prefill tile by shape and device; tests and benchmarks force one
 
     // Split-KV (flash-decoding). num_splits == 1: the kernel writes o/lse directly. Otherwise each split writes
     // float32 partials to o_accum (num_splits, batch, num_heads, seqlen_q, head_dim) and lse_accum
@@ -37,6 +38,9 @@ struct FlashFwdParams {
     // Decode path only, when it splits: (batch, num_kv_heads) int32 counters, zero before the launch.
     int* __restrict__ split_counters;
 };
+
+// Prefill tile configurations (kernels/flash_fwd_config.h). The decode kernel ignores this choice.
+enum FwdTile : int { kTileAuto = 0, kTileLarge = 1, kTileWide = 2, kTileSmall = 3 };
 
 // Launches the forward pass on `stream`. Returns cudaSuccess or the launch error; never synchronises.
 cudaError_t run_flash_fwd(FlashFwdParams& params, cudaStream_t stream);

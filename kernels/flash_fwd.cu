@@ -9,8 +9,11 @@ namespace llm_attn {
 
 static int device_attribute(cudaDeviceAttr attr, int fallback) {
     constexpr int kMaxDevices = 64;
-    static int cache[3][kMaxDevices] = {};
-    const int slot = attr == cudaDevAttrMultiProcessorCount ? 0 : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 1 : 2;
+    static int cache[4][kMaxDevices] = {};
+    const int slot = attr == cudaDevAttrMultiProcessorCount            ? 0
+                     : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 1
+                     : attr == cudaDevAttrMaxSharedMemoryPerMultiprocessor ? 2
+                                                                        : 3;  // compute capability major
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return fallback;
     if (cache[slot][dev] == 0 && cudaDeviceGetAttribute(&cache[slot][dev], attr, dev) != cudaSuccess) return fallback;
@@ -19,6 +22,7 @@ static int device_attribute(cudaDeviceAttr attr, int fallback) {
 int num_sms_current_device() { return device_attribute(cudaDevAttrMultiProcessorCount, 1); }
 int max_smem_per_block_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024); }
 int max_smem_per_sm_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 48 * 1024); }
+int cc_major_current_device() { return device_attribute(cudaDevAttrComputeCapabilityMajor, 0); }
 
 // Decode: enough (batch, KV head, split) blocks for ~2 per SM, each split keeping at least one 64-key tile.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
@@ -34,6 +38,7 @@ bool flash_fwd_uses_decode_kernel(const FlashFwdParams& p) { return use_decode_k
 
 int flash_fwd_num_splits(const FlashFwdParams& p, int num_sms) {
     if (use_decode_kernel(p)) return decode_num_splits(p, num_sms);
+    if (p.tile == kTileWide) return 1;
     const bool small = use_small_tiles(p, num_sms);
     const int block_m = small ? 64 : 128;
     const int block_n = p.head_dim == 64 ? FwdConfig<64>::kBlockN : FwdConfig<128>::kBlockN;

@@ -23,8 +23,12 @@ constexpr float kLn2 = 0.6931471805599453f;
 // kMTiles: m16 row tiles per warp. With 2, every K/V fragment read from shared memory feeds two mma (half the
 // shared-memory traffic per FLOP), at the price of 2x the accumulators; Q is then re-read from shared memory per
 // k-step instead of living in registers.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMTiles_>
+// kPipeline: S of key tile j + 1 is computed while tile j goes through softmax and P V (two S tiles live: one
+// m-tile per warp only, where the registers allow it).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMTiles_, bool kPipeline_, int kMinArch_ = 0>
 struct FwdTraits {
+    static constexpr bool kPipeline = kPipeline_;
+    static constexpr int kMinArch = kMinArch_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
@@ -41,6 +45,7 @@ struct FwdTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim must be 64 or 128");
     static_assert(kBlockM == kWarpRows * kNWarps, "warps split the block's query rows");
     static_assert(kMTiles == 1 || kMTiles == 2, "one or two m16 tiles per warp");
+    static_assert(!kPipeline || kMTiles == 1, "two live S tiles fit the registers with one m-tile per warp only");
     static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of the mma k-step (16)");
     static_assert(kChunks >= 8, "the XOR swizzle permutes 8 chunks per row");
     static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must divide evenly among threads");
@@ -121,10 +126,18 @@ struct SoftmaxState {
         }
     }
 
-    // Folds a tile of scores S (kNT n-tiles of C fragments, masked entries -inf) into the state: new running max,
-    // rescale of the old sum and O by exp2(old - new), and S replaced in place by P = exp2(S * scale - max).
+    // Folds a tile of scores S (kNT n-tiles of C fragments, masked entries -inf) into the state and replaces S in
+    // place by P = exp2(S * scale - max). Lazy rescaling: the running max of the warp's rows moves only when some
+    // row's tile max exceeds it by more than kRescaleLog2 (a warp-uniform vote). Otherwise the stale max stays,
+    // P stays below 2^kRescaleLog2 (exact in fp32 sums, no overflow in fp16/bf16) and the O accumulators skip the
+    // multiply by alpha — which otherwise sits on the critical path between S = QK^T and O += PV. The lse and the
+    // final 1/sum use the same max the P values were computed with, so the result is the same softmax.
+    static constexpr float kRescaleLog2 = 8.f;
+
     template <int kNT>
     __device__ __forceinline__ void update(float (&acc_s)[kMT][kNT][4], float scale_log2) {
+        float tile_max[kMT][2];
+        bool grow = false;
 #pragma unroll
         for (int m = 0; m < kMT; ++m) {
 #pragma unroll
@@ -132,11 +145,21 @@ struct SoftmaxState {
                 float mx = -INFINITY;
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[m][nt][2 * r], acc_s[m][nt][2 * r + 1]));
-                mx = quad_max(mx);
-                const float new_max = fmaxf(row_max[m][r], mx * scale_log2);
+                tile_max[m][r] = quad_max(mx) * scale_log2;
+                // -inf > -inf is false: rows that saw only masked keys never ask for a rescale.
+                grow |= tile_max[m][r] > row_max[m][r] + kRescaleLog2;
+            }
+        }
+        const bool rescale = __any_sync(0xffffffff, grow);
+        float alpha[kMT][2];
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float new_max = rescale ? fmaxf(row_max[m][r], tile_max[m][r]) : row_max[m][r];
                 // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
                 const float mm = new_max == -INFINITY ? 0.f : new_max;
-                const float alpha = exp2f(row_max[m][r] - mm);
+                alpha[m][r] = exp2f(row_max[m][r] - mm);
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt) {
@@ -144,14 +167,20 @@ struct SoftmaxState {
                     acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
                     sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
                 }
-                row_sum[m][r] = row_sum[m][r] * alpha + sum;  // per-thread partial; quad-reduced at the end
+                row_sum[m][r] = row_sum[m][r] * alpha[m][r] + sum;  // per-thread partial; quad-reduced at the end
                 row_max[m][r] = new_max;
+            }
+        }
+        if (rescale) {
+#pragma unroll
+            for (int m = 0; m < kMT; ++m)
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
-                    acc_o[m][dt][2 * r] *= alpha;
-                    acc_o[m][dt][2 * r + 1] *= alpha;
+                    acc_o[m][dt][0] *= alpha[m][0];
+                    acc_o[m][dt][1] *= alpha[m][0];
+                    acc_o[m][dt][2] *= alpha[m][1];
+                    acc_o[m][dt][3] *= alpha[m][1];
                 }
-            }
         }
     }
 };
@@ -168,8 +197,116 @@ __device__ __forceinline__ void p_fragment(uint32_t (&a)[kMT][4], const float (&
     }
 }
 
+// One warp's share of the tile math: its rows x one K/V tile in shared memory. Holds this lane's fragment
+// addressing (rows and swizzled columns of the K, V and Q ldmatrix patterns) and, with one m-tile per warp, the Q
+// fragments of every head_dim k-step, loaded once.
+template <typename T, typename Traits>
+struct WarpTile {
+    static constexpr int kHeadDim = Traits::kHeadDim;
+    static constexpr int kMT = Traits::kMTiles;
+    static constexpr int kNT = Traits::kBlockN / 8;  // n-tiles of S per m-tile
+    static constexpr int kDT = kHeadDim / 8;         // n-tiles of O per m-tile
+    static constexpr int kKQ = kHeadDim / 16;        // k-steps of Q K^T
+    static constexpr bool kQInRegs = kMT == 1;
+    using Scores = float[kMT][kNT][4];
+
+    const T* sQ;
+    SwzCols cols;
+    int cbit_k, cbit_qv;  // (cbit ^ (lane & 1)) * 8 of the K pattern and of the Q / V^T pattern
+    int k_row;            // + 16 np: this lane's key row for K fragments
+    int v_row;            // + 16 kk: this lane's key row for V fragments
+    int q_row;            // + 16 m: this lane's query row (within the block) for Q fragments
+    uint32_t q_frag[kQInRegs ? kKQ : 1][4];
+
+    __device__ __forceinline__ WarpTile(const T* sQ_, int warp, int lane)
+        : sQ(sQ_), cols(lane), cbit_k((((lane / 8) % 2) ^ (lane & 1)) * 8), cbit_qv(((lane / 16) ^ (lane & 1)) * 8),
+          k_row((lane % 8) + (lane / 16) * 8), v_row((lane % 8) + ((lane / 8) % 2) * 8),
+          q_row(warp * Traits::kWarpRows + lane % 16) {}
+
+    // Q must be in shared memory (and visible to the warp) before this.
+    __device__ __forceinline__ void load_q() {
+        if constexpr (kQInRegs) {
+#pragma unroll
+            for (int kk = 0; kk < kKQ; ++kk) ldmatrix_x4(q_frag[kk], sQ + q_row * kHeadDim + cols(kk, cbit_qv));
+        }
+    }
+
+    // S = Q K^T for the warp's rows x the tile's keys.
+    __device__ __forceinline__ void qk(Scores& acc_s, const T* cK) const {
+#pragma unroll
+        for (int m = 0; m < kMT; ++m)
+#pragma unroll
+            for (int i = 0; i < kNT; ++i) acc_s[m][i][0] = acc_s[m][i][1] = acc_s[m][i][2] = acc_s[m][i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKQ; ++kk) {
+            if constexpr (kQInRegs) {
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    uint32_t b[4];
+                    ldmatrix_x4(b, cK + (k_row + np * 16) * kHeadDim + cols(kk, cbit_k));
+                    mma_16816<T>(acc_s[0][2 * np], q_frag[kk], b[0], b[1]);
+                    mma_16816<T>(acc_s[0][2 * np + 1], q_frag[kk], b[2], b[3]);
+                }
+            } else {
+                // All of this k-step's K fragments first, then each m-tile's Q fragment: K is read once and feeds
+                // every m-tile; one Q fragment is live at a time.
+                uint32_t b[kNT / 2][4];
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) ldmatrix_x4(b[np], cK + (k_row + np * 16) * kHeadDim + cols(kk, cbit_k));
+#pragma unroll
+                for (int m = 0; m < kMT; ++m) {
+                    uint32_t qa[4];
+                    ldmatrix_x4(qa, sQ + (q_row + m * 16) * kHeadDim + cols(kk, cbit_qv));
+#pragma unroll
+                    for (int np = 0; np < kNT / 2; ++np) {
+                        mma_16816<T>(acc_s[m][2 * np], qa, b[np][0], b[np][1]);
+                        mma_16816<T>(acc_s[m][2 * np + 1], qa, b[np][2], b[np][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // -inf on keys past the end and (causal) above the diagonal; `row0`: the warp's first query row.
+    template <bool kCausal>
+    __device__ __forceinline__ static void mask(Scores& acc_s, int key0, int row0, int seqlen_k, int causal_offset,
+                                                int lane) {
+        const int g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int m = 0; m < kMT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + nt * 8 + 2 * t + (e & 1);
+                    const int row = row0 + m * 16 + g + (e >= 2 ? 8 : 0);
+                    if (key >= seqlen_k || (kCausal && key > row + causal_offset)) acc_s[m][nt][e] = -INFINITY;
+                }
+    }
+
+    // O += P V, P the softmax-updated scores (as A fragments, never written to memory).
+    __device__ __forceinline__ void pv(float (&acc_o)[kMT][kDT][4], const Scores& p, const T* cV) const {
+#pragma unroll
+        for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+            uint32_t a[kMT][4];
+            p_fragment<T>(a, p, kk);
+#pragma unroll
+            for (int dp = 0; dp < kDT / 2; ++dp) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols(dp, cbit_qv));
+#pragma unroll
+                for (int m = 0; m < kMT; ++m) {
+                    mma_16816<T>(acc_o[m][2 * dp], a[m], b[0], b[1]);
+                    mma_16816<T>(acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
+                }
+            }
+        }
+    }
+};
+
+// The body of the forward kernel: one block of kBlockM query rows of one (batch, head[, split]).
 template <typename T, typename Traits, bool kCausal, bool kSplit>
-__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const FlashFwdParams params) {
+__device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     constexpr int kHeadDim = Traits::kHeadDim;
     constexpr int kBlockM = Traits::kBlockM;
     constexpr int kBlockN = Traits::kBlockN;
@@ -177,8 +314,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     constexpr int kWarpRows = Traits::kWarpRows;
     constexpr int kNT = kBlockN / 8;    // n-tiles of S per m-tile
     constexpr int kDT = kHeadDim / 8;   // n-tiles of O per m-tile
-    constexpr int kKQ = kHeadDim / 16;  // k-steps of Q K^T
-    constexpr bool kQInRegs = kMT == 1;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -191,10 +326,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     const int g = lane / 4;
     const int t = lane % 4;
 
-    // Causal blocks with the most key tiles first (reverse order), so the longest work is not the wave's tail.
-    const int num_m_blocks = gridDim.x;
-    const int m_block = kCausal ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y;
+        // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
+    // so blocks launch longest first across all heads and the short ones fill the tail of the last wave.
+    constexpr bool kHeadsFirst = kCausal && !kSplit;
+    const int m_block = kHeadsFirst ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    const int head = kHeadsFirst ? blockIdx.x : blockIdx.y;
     const int batch = kSplit ? blockIdx.z / params.num_splits : blockIdx.z;
     const int split = kSplit ? blockIdx.z % params.num_splits : 0;
     const int kv_head = head / (params.num_heads / params.num_kv_heads);
@@ -227,118 +363,98 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
     st.init();
 
     if (n_block_min < n_block_max) {
-        load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
-        {
-            const int kv0 = n_block_min * kBlockN;
-            load_tile_async<Traits, kBlockN>(sK, k_ptr + kv0 * params.k_row_stride, params.k_row_stride, seqlen_k - kv0, tid);
-            load_tile_async<Traits, kBlockN>(sV, v_ptr + kv0 * params.v_row_stride, params.v_row_stride, seqlen_k - kv0, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-
-        // With one m-tile, Q fragments for all head_dim k-steps stay in registers for the whole loop.
-        uint32_t q_frag[kQInRegs ? kKQ : 1][4];
-        if constexpr (kQInRegs) {
-            const int r = warp * 16 + (lane % 16);
-#pragma unroll
-            for (int kk = 0; kk < kKQ; ++kk) ldmatrix_x4(q_frag[kk], sQ + swz<kHeadDim>(r, kk * 2 + lane / 16));
-        }
-
-        const float scale_log2 = params.scale_log2;
-        const SwzCols cols(lane);
-        const int cbit_k = (((lane / 8) % 2) ^ (lane & 1)) * 8, cbit_qv = ((lane / 16) ^ (lane & 1)) * 8;
-        const int k_row = (lane % 8) + (lane / 16) * 8;         // + 16 np: this lane's key row for K fragments
-        const int v_row = (lane % 8) + ((lane / 8) % 2) * 8;    // + 16 kk: this lane's key row for V fragments
-        const int q_row = warp * kWarpRows + lane % 16;         // + 16 m: this lane's query row for Q fragments
-
-        for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
-            const int stage = (n_block - n_block_min) & 1;
-            const T* cK = sK + stage * Traits::kSmemKV;
-            const T* cV = sV + stage * Traits::kSmemKV;
-            if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
-                const int kv = (n_block + 1) * kBlockN;
-                load_tile_async<Traits, kBlockN>(sK + (stage ^ 1) * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
-                                                 params.k_row_stride, seqlen_k - kv, tid);
-                load_tile_async<Traits, kBlockN>(sV + (stage ^ 1) * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
-                                                 params.v_row_stride, seqlen_k - kv, tid);
-            }
-            cp_async_commit();
-
-            // S = Q K^T for the warp's rows x kBlockN keys.
-            float acc_s[kMT][kNT][4];
-#pragma unroll
-            for (int m = 0; m < kMT; ++m)
-#pragma unroll
-                for (int i = 0; i < kNT; ++i) acc_s[m][i][0] = acc_s[m][i][1] = acc_s[m][i][2] = acc_s[m][i][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < kKQ; ++kk) {
-                if constexpr (kQInRegs) {
-#pragma unroll
-                    for (int np = 0; np < kNT / 2; ++np) {
-                        uint32_t b[4];
-                        ldmatrix_x4(b, cK + (k_row + np * 16) * kHeadDim + cols(kk, cbit_k));
-                        mma_16816<T>(acc_s[0][2 * np], q_frag[kk], b[0], b[1]);
-                        mma_16816<T>(acc_s[0][2 * np + 1], q_frag[kk], b[2], b[3]);
-                    }
-                } else {
-                    // All of this k-step's K fragments first, then each m-tile's Q fragment: K is read once and
-                    // feeds every m-tile; one Q fragment is live at a time.
-                    uint32_t b[kNT / 2][4];
-#pragma unroll
-                    for (int np = 0; np < kNT / 2; ++np) ldmatrix_x4(b[np], cK + (k_row + np * 16) * kHeadDim + cols(kk, cbit_k));
-#pragma unroll
-                    for (int m = 0; m < kMT; ++m) {
-                        uint32_t qa[4];
-                        ldmatrix_x4(qa, sQ + (q_row + m * 16) * kHeadDim + cols(kk, cbit_qv));
-#pragma unroll
-                        for (int np = 0; np < kNT / 2; ++np) {
-                            mma_16816<T>(acc_s[m][2 * np], qa, b[np][0], b[np][1]);
-                            mma_16816<T>(acc_s[m][2 * np + 1], qa, b[np][2], b[np][3]);
-                        }
-                    }
-                }
-            }
-
-            // Mask only tiles that reach past the last key or cross the causal diagonal.
+        auto load_k = [&](int n_block, int stage) {
+            const int kv = n_block * kBlockN;
+            load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
+                                             params.k_row_stride, seqlen_k - kv, tid);
+        };
+        auto load_v = [&](int n_block, int stage) {
+            const int kv = n_block * kBlockN;
+            load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
+                                             params.v_row_stride, seqlen_k - kv, tid);
+        };
+        // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
+        auto need_mask = [&](int n_block) {
             const int key0 = n_block * kBlockN;
-            const bool need_mask = key0 + kBlockN > seqlen_k ||
-                                   (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
-            if (need_mask) {
+            return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
+        };
+        // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
+        // the first warps of the block on its last key tile): the warp skips its softmax and P V.
+        auto warp_masked_out = [&](int n_block) {
+            return kCausal && n_block * kBlockN > warp_row0 + kWarpRows - 1 + causal_offset;
+        };
+        using Tile = WarpTile<T, Traits>;
+        Tile wt(sQ, warp, lane);
+        const float scale_log2 = params.scale_log2;
+
+        if constexpr (Traits::kPipeline) {
+            // Software pipeline: S of the next tile (tensor cores) is issued in the same straight-line stretch as the
+            // softmax of the current one (FMA/MUFU/shuffles), so each warp always has independent work in flight
+            // instead of alternating an mma phase and a softmax phase. K runs one tile ahead of V: the group in
+            // flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile j - 1 counterpart freed.
+            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
+            load_k(n_block_min, 0);
+            cp_async_commit();
+            load_v(n_block_min, 0);
+            if (n_block_min + 1 < n_block_max) load_k(n_block_min + 1, 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+            wt.load_q();
+            typename Tile::Scores acc_s;
+            wt.qk(acc_s, sK);
+            for (int n_block = n_block_min;; ++n_block) {
+                const int stage = (n_block - n_block_min) & 1;
+                cp_async_wait<0>();
+                __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
+                const bool last = n_block + 1 == n_block_max;
+                if (n_block + 2 < n_block_max) load_k(n_block + 2, stage);
+                if (!last) load_v(n_block + 1, stage ^ 1);
+                cp_async_commit();
+                if (need_mask(n_block)) Tile::template mask<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+                if (last) {
+                    if (!warp_masked_out(n_block)) {
+                        st.update(acc_s, scale_log2);
+                        wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
+                    }
+                    break;
+                }
+                typename Tile::Scores acc_next;
+                wt.qk(acc_next, sK + (stage ^ 1) * Traits::kSmemKV);
+                st.update(acc_s, scale_log2);
+                wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
 #pragma unroll
                 for (int m = 0; m < kMT; ++m)
 #pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
+                    for (int i = 0; i < kNT; ++i)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int key = key0 + nt * 8 + 2 * t + (e & 1);
-                            const int row = warp_row0 + m * 16 + g + (e >= 2 ? 8 : 0);
-                            const bool masked = key >= seqlen_k || (kCausal && key > row + causal_offset);
-                            if (masked) acc_s[m][nt][e] = -INFINITY;
-                        }
+                        for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
             }
-
-            st.update(acc_s, scale_log2);
-
-            // O += P V.
-#pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                uint32_t a[kMT][4];
-                p_fragment<T>(a, acc_s, kk);
-#pragma unroll
-                for (int dp = 0; dp < kDT / 2; ++dp) {
-                    uint32_t b[4];
-                    ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols(dp, cbit_qv));
-#pragma unroll
-                    for (int m = 0; m < kMT; ++m) {
-                        mma_16816<T>(st.acc_o[m][2 * dp], a[m], b[0], b[1]);
-                        mma_16816<T>(st.acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
-                    }
-                }
-            }
-
+        } else {
+            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
+            load_k(n_block_min, 0);
+            load_v(n_block_min, 0);
+            cp_async_commit();
             cp_async_wait<0>();
-            __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
+            __syncthreads();
+            wt.load_q();
+            for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+                const int stage = (n_block - n_block_min) & 1;
+                if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
+                    load_k(n_block + 1, stage ^ 1);
+                    load_v(n_block + 1, stage ^ 1);
+                }
+                cp_async_commit();
+                if (!warp_masked_out(n_block)) {
+                    typename Tile::Scores acc_s;
+                    wt.qk(acc_s, sK + stage * Traits::kSmemKV);
+                    if (need_mask(n_block)) Tile::template mask<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+                    st.update(acc_s, scale_log2);
+                    wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
+                }
+                cp_async_wait<0>();
+                __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
+            }
         }
     }
 
@@ -406,6 +522,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
             }
         }
     }
+}
+
+// Configurations with kMinArch (e.g. 900) have device code only from that architecture up: elsewhere the host
+// never selects them (flash_fwd_launch.cuh) and the body is a trap.
+template <typename T, typename Traits, bool kCausal, bool kSplit>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const FlashFwdParams params) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (__CUDA_ARCH__ < Traits::kMinArch) {
+        __trap();
+    } else {
+        flash_fwd_block<T, Traits, kCausal, kSplit>(params);
+    }
+#endif
 }
 
 // Merges the KV-split partials of one output row (row_id over (batch, head, q_row)) with one warp:

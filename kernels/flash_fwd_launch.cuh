@@ -16,7 +16,11 @@ cudaError_t launch_fwd(FlashFwdParams& params, cudaStream_t stream) {
         if (err != cudaSuccess) return err;
     }
     const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    dim3 grid(m_blocks, params.num_heads, params.batch * (kSplit ? params.num_splits : 1));
+    // Causal, not split: heads in x so that blocks launch longest first across heads (flash_fwd_kernel). The
+    // binding keeps m_blocks within gridDim.y's 65535.
+    constexpr bool kHeadsFirst = kCausal && !kSplit;
+    dim3 grid(kHeadsFirst ? params.num_heads : m_blocks, kHeadsFirst ? m_blocks : params.num_heads,
+              params.batch * (kSplit ? params.num_splits : 1));
     kernel<<<grid, Traits::kThreads, smem, stream>>>(params);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess || !kSplit) return err;
@@ -33,12 +37,23 @@ cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream) {
         return params.num_splits > 1 ? launch_fwd<T, typename Config::Small, kCausal, true>(params, stream)
                                      : launch_fwd<T, typename Config::Small, kCausal, false>(params, stream);
     }
-    if (params.num_splits > 1) return launch_fwd<T, typename Config::Large, kCausal, true>(params, stream);
-    // The wide tile needs two resident blocks per SM to keep 8 warps (sm_90); it has no split-KV variant.
-    if constexpr (!kCausal || Config::kWideCausal) {
-        if (max_smem_per_sm_current_device() >= 2 * Config::Wide::kSmemBytes) {
-            return launch_fwd<T, typename Config::Wide, kCausal, false>(params, stream);
+    const int smem_per_sm = max_smem_per_sm_current_device();
+    // The wide tiles have no split-KV variant (flash_fwd_num_splits returns 1 when one is forced).
+    if constexpr (!kCausal && Config::kHasWide64) {
+        if (params.tile != kTileLarge && params.num_splits == 1 && cc_major_current_device() >= 9 &&
+            smem_per_sm >= 2 * Config::Wide64::kSmemBytes) {
+            return launch_fwd<T, typename Config::Wide64, kCausal, false>(params, stream);
         }
+    }
+    if (params.tile == kTileWide) return launch_fwd<T, typename Config::Wide, kCausal, false>(params, stream);
+    if (params.num_splits > 1) return launch_fwd<T, typename Config::Large, kCausal, true>(params, stream);
+    // Automatic: the wide tile where two blocks of it fit an SM (8 warps per SM) and, causal, from the grid size
+    // where it measured faster than Large (kernels/NOTES.md).
+    const long blocks = static_cast<long>((params.seqlen_q + Config::Wide::kBlockM - 1) / Config::Wide::kBlockM) *
+                        params.num_heads * params.batch;
+    if (params.tile == kTileAuto && smem_per_sm >= 2 * Config::Wide::kSmemBytes &&
+        (!kCausal || blocks >= static_cast<long>(Config::kWideCausalMinBlocksPerSm) * num_sms_current_device())) {
+        return launch_fwd<T, typename Config::Wide, kCausal, false>(params, stream);
     }
     return launch_fwd<T, typename Config::Large, kCausal, false>(params, stream);
 }

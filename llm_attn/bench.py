@@ -47,6 +47,17 @@ def make_fn(impl: str, q, k, v, causal: bool):
         from llm_attn import flash_attn_func
 
         return (lambda: flash_attn_func(q, k, v, causal=causal, backend="cuda")), ""
+    if impl.startswith("ours-"):  # ours with one prefill tile forced (kernel tuning); set for each call/capture
+        from llm_attn import flash_attn_func
+        from llm_attn.ops import force_tile
+
+        tile = impl.removeprefix("ours-")
+
+        def forced():
+            with force_tile(tile):
+                return flash_attn_func(q, k, v, causal=causal, backend="cuda")
+
+        return forced, f"tile {tile}"
     from torch.nn.attention import sdpa_kernel
 
     backend = _sdpa_backends()[impl]
@@ -175,7 +186,8 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
     p.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
     p.add_argument("--impls", nargs="+", default=["ours", "flash", "cudnn", "efficient"],
-                   choices=["ours", "flash", "cudnn", "efficient", "math"])
+                   choices=["ours", "ours-large", "ours-wide", "ours-small", "flash", "cudnn", "efficient", "math"],
+                   help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,
@@ -230,9 +242,11 @@ def _table_row(mode, rows, dt, causal, b, s, graph):
         r["ours µs"] = r.pop("ours ms")
     for impl, row in rows.items():
         r[f"{impl} {'TF/s' if mode == 'prefill' else 'GB/s'}"] = row.get(metric, row.get("status"))
-    for impl in rows:
-        if impl != "ours" and "ours" in rows and rows[impl].get("ms") and ours.get("ms"):
-            r[f"ours/{impl}"] = rows[impl]["ms"] / ours["ms"]
+    # Speed ratios (>1: ours faster) of each of our variants against each reference backend.
+    for mine in (i for i in rows if i.startswith("ours")):
+        for impl in (i for i in rows if not i.startswith("ours")):
+            if rows[impl].get("ms") and rows[mine].get("ms"):
+                r[f"{mine}/{impl}"] = rows[impl]["ms"] / rows[mine]["ms"]
     return r
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Literal
 
@@ -11,6 +12,7 @@ from llm_attn import reference
 from llm_attn._ext import get_ext
 
 KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_MAX_CAUSAL_Q_LEN = 65535 * 64
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 Backend = Literal["auto", "cuda", "reference"]
@@ -63,6 +65,11 @@ def _check_inputs(q, k, v, causal, scale, seqused_k, backend) -> bool:
             raise TypeError(f"the CUDA kernel takes float16 or bfloat16, got {q.dtype}")
         if d not in KERNEL_HEAD_DIMS:
             raise ValueError(f"the CUDA kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}")
+        if hq > 65535 or b > 65535:
+            raise ValueError(f"the CUDA kernel takes at most 65535 heads and batch 65535, got {hq} and {b}")
+        if causal and sq > KERNEL_MAX_CAUSAL_Q_LEN:
+            raise ValueError(f"causal q_len must be <= {KERNEL_MAX_CAUSAL_Q_LEN} for the CUDA kernel (its grid holds "
+                             f"one 64-row block per y index), got {sq}; split the queries into chunks")
         get_ext()  # raises KernelNotBuiltError with build instructions
     elif q.dtype not in REFERENCE_DTYPES:
         raise TypeError(f"unsupported dtype {q.dtype}; use one of {REFERENCE_DTYPES}")
@@ -141,3 +148,24 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel)
     return (out, lse) if return_lse else out
+
+
+TILES = {"auto": 0, "large": 1, "wide": 2, "small": 3}
+
+
+@contextlib.contextmanager
+def force_tile(tile: str):
+    """Force the prefill kernel's tile configuration inside the block (tests and benchmarks).
+
+    ``auto`` (the default outside this block) picks by shape and device; ``large`` (128 rows, 8 warps x 16),
+    ``wide`` (128 rows, 4 warps x 32; no split-KV) and ``small`` (64 rows, 4 warps) force one. The decode kernel
+    (q_len x query heads per KV head <= 32) is not affected. Process-wide: not for concurrent use from threads.
+    """
+    if tile not in TILES:
+        raise ValueError(f"tile must be one of {sorted(TILES)}, got {tile!r}")
+    ext = get_ext()
+    prev = ext.set_tile(TILES[tile])
+    try:
+        yield
+    finally:
+        ext.set_tile(prev)

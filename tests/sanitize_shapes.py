@@ -1,4 +1,5 @@
-"""A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k.
+"""A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k,
+each prefill tile forced.
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
 """
 import math
@@ -15,15 +16,19 @@ SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 32, 8, 1, 4097, 128, True, None),        # split-KV
     (2, 8, 2, 3, 700, 64, True, [700, 5]),       # static cache lengths
 ]
-for dtype in (torch.float16, torch.bfloat16):
-    for b, hq, hkv, sq, sk, d, causal, used in SHAPES:
-        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
-        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-        out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
-        lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
-        su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
-        ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
-        torch.cuda.synchronize()
-        assert not out.isnan().any()
+runs = [(dtype, shape, 0) for dtype in (torch.float16, torch.bfloat16) for shape in SHAPES]
+# Each prefill tile forced (llm_attn.ops.TILES: 1 large, 2 wide, 3 small) per head_dim and mask, bf16.
+runs += [(torch.bfloat16, (1, 8, 2, 300, 1000, d, c, None), t) for t in (1, 2, 3) for d in (64, 128) for c in (0, 1)]
+for dtype, (b, hq, hkv, sq, sk, d, causal, used), tile in runs:
+    ext.set_tile(tile)
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+    out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
+    lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
+    su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
+    ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+ext.set_tile(0)
 print("sanitize shapes done")

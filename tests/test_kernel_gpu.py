@@ -60,6 +60,91 @@ def test_kernel_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
     check(cuda_ext, q, k, v, causal)
 
 
+TILE_PAIRS = [(63, 63), (1000, 1000), (129, 2049), (2049, 129), (300, 1000)]
+
+
+@pytest.mark.parametrize("tile", ["large", "wide", "small"])
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("sq,sk", TILE_PAIRS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forced_tiles(cuda_ext, dtype, causal, d, sq, sk, heads, tile):
+    """Every prefill tile configuration on every head_dim/mask, whichever the automatic choice would be on this
+    GPU (e.g. the H100 picks Wide for non-causal: Large non-causal is what an RTX 4060 Ti runs). Small grids
+    also take each tile's split-KV variant."""
+    from llm_attn.ops import force_tile
+
+    torch.manual_seed(zlib.crc32(repr((dtype, causal, d, sq, sk, heads, tile)).encode()))
+    hq, hkv = HEADS[heads]
+    dt = DTYPES[dtype]
+    q = torch.randn(2, hq, sq, d, device="cuda", dtype=dt)
+    k = torch.randn(2, hkv, sk, d, device="cuda", dtype=dt)
+    v = torch.randn(2, hkv, sk, d, device="cuda", dtype=dt)
+    with force_tile(tile):
+        check(cuda_ext, q, k, v, causal)
+
+
+@pytest.mark.parametrize("tile", ["auto", "large", "wide", "small"])
+@pytest.mark.parametrize("growth", ["rising", "falling"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_softmax_rescale_paths(cuda_ext, dtype, growth, tile):
+    """Scores whose row max keeps rising tile after tile (the running max moves past the lazy-rescale threshold
+    again and again, O is rescaled) or falls (the first tile's max holds: no rescale, P far below 1)."""
+    from llm_attn.ops import force_tile
+
+    torch.manual_seed(7)
+    dt = DTYPES[dtype]
+    sq, sk, d = 300, 1500, 128
+    ramp = torch.linspace(0.2, 3.0, sk, device="cuda")
+    ramp = ramp if growth == "rising" else ramp.flip(0)
+    q = torch.randn(1, 8, sq, d, device="cuda", dtype=dt) * 2
+    k = (torch.randn(1, 2, sk, d, device="cuda") * ramp[:, None]).to(dt)
+    v = torch.randn(1, 2, sk, d, device="cuda", dtype=dt)
+    with force_tile(tile):
+        for causal in (False, True):
+            check(cuda_ext, q, k, v, causal)
+
+
+def test_grid_limits_are_clear_errors(cuda_ext):
+    from llm_attn.ops import KERNEL_MAX_CAUSAL_Q_LEN
+
+    q = torch.randn(1, 1, KERNEL_MAX_CAUSAL_Q_LEN + 1, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="causal q_len must be"):
+        flash_attn_func(q, k, k, causal=True)
+    with pytest.raises(RuntimeError, match="causal q_len must be"):  # the raw binding checks too
+        run_raw(cuda_ext, q, k, k, True)
+
+
+def test_raw_binding_errors_raise(cuda_ext):
+    """Every check of the binding raises RuntimeError with its message (numbers included), never crashes."""
+    f16 = dict(device="cuda", dtype=torch.float16)
+    q, kv = torch.randn(1, 4, 8, 64, **f16), torch.randn(1, 2, 8, 64, **f16)
+    cases = [
+        ((torch.randn(1, 4, 8, 96, **f16), torch.randn(1, 2, 8, 96, **f16)), "head_dim must be 64 or 128, got 96"),
+        ((q, torch.randn(1, 3, 8, 64, **f16)), r"multiple of kv heads \(3\)"),
+        ((q, torch.randn(2, 2, 8, 64, **f16)), r"k/v \[2, 2, 8, 64\] do not match q \[1, 4, 8, 64\]"),
+        ((torch.randn(1, 4, 8, 68, **f16)[..., :64], kv), "strides must be multiples of 8"),
+    ]
+    for (qq, kk), msg in cases:
+        out = torch.empty_like(qq)
+        lse = torch.empty(qq.shape[:3], device="cuda")
+        with pytest.raises(RuntimeError, match=msg):
+            cuda_ext.mha_fwd(qq, kk, kk, out, lse, None, 0.125, False)
+    with pytest.raises(RuntimeError, match=r"out \[1, 4, 7, 64\] must match q"):
+        cuda_ext.mha_fwd(q, kv, kv, q[:, :, :7], torch.empty(1, 4, 8, device="cuda"), None, 0.125, False)
+
+
+def test_force_tile_rejects_unknown(cuda_ext):
+    from llm_attn.ops import force_tile
+
+    with pytest.raises(ValueError, match="tile must be one of"):
+        with force_tile("huge"):
+            pass
+    assert cuda_ext.set_tile(9) == -1 and cuda_ext.set_tile(0) == 0  # unknown id: nothing changed
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_transformers_layout(cuda_ext, dtype, causal):
