@@ -37,7 +37,7 @@ struct FwdConfig<128> {
 
 // head_dim 64: rows are half as wide, so the large tile takes twice the keys (Q 16 KB + 2 x (16 + 16) KB = 80 KB).
 // The small tile stays at 64 keys: with 128 keys its 4-warp variant runs out of registers (spills).
-// Wide for head_dim 64: 4 warps x 32 rows x 64 keys, 48 KB (4 blocks per sm_90 SM), 238-242 registers, no spills.
+// Wide for head_dim 64: 4 warps x 32 rows x 64 keys, 48 KB (2 blocks per sm_90 SM by registers), 222-239 registers.
 // Large is not pipelined for head_dim 64: two 128-key S tiles spill in its split-KV variant.
 template <>
 struct FwdConfig<64> {
