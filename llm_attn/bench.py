@@ -186,7 +186,7 @@ def main(argv=None):
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
     p.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
     p.add_argument("--impls", nargs="+", default=["ours", "flash", "cudnn", "efficient"],
-                   choices=["ours", "ours-large", "ours-wide", "ours-small", "flash", "cudnn", "efficient", "math"],
+                   choices=["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", "flash", "cudnn", "efficient", "math"],
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
