@@ -51,7 +51,7 @@ if has racecheck; then  # the Hopper kernel's asynchronous pipeline: shared-memo
   for tool in racecheck synccheck; do
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_shapes.py --hopper \
       >"$OUT/$tool.log" 2>&1
-    echo "compute-sanitizer $tool exit code $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/$tool.log") clean summaries)"
+    echo "compute-sanitizer $tool exit code $? ($(grep -c -E 'ERROR SUMMARY: 0 errors|SUMMARY: 0 hazards' "$OUT/$tool.log") clean summaries)"
     tail -2 "$OUT/$tool.log"
   done
 fi

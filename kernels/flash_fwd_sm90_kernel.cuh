@@ -10,7 +10,9 @@
 //                    (SoftmaxState: the same lazy-rescale update as the portable kernel)
 //     O += P V       wgmma m64n{head_dim}k16 with P straight from the S registers (A operand in registers) and V
 //                    read transposed (MN-major) from shared memory
-//   The two consumers run the same loop on different rows, so one's softmax overlaps the other's GEMMs.
+//   Inside a consumer the loop is software-pipelined: S of tile j and P V of tile j - 1 are issued back to back, and
+//   the softmax of tile j runs on the CUDA cores while P V still runs on the tensor cores. The two consumers run
+//   the same loop on different rows, so one's softmax also overlaps the other's GEMMs.
 // Key tiles are visited last to first, so the masked ones (diagonal, tail) come first. The O tile is staged in the
 // Q slot and written by TMA stores, which clip rows past the end of the sequence.
 //
@@ -166,65 +168,97 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
     };
     auto desc_v = [&](const uint8_t* v, int kk) { return make_smem_desc(v + kk * 16 * 128, Traits::kSlabBytesKV, 1024); };
 
-    mbar_wait(sm.bar_q, 0);
-    for (int it = 0; it < b.n_blocks; ++it) {
-        const int n_block = b.n_blocks - 1 - it;
-        const int stage = it % Traits::kStages;
-        const uint32_t parity = (it / Traits::kStages) & 1;
-        const uint8_t* k_tile = sm.k + stage * Traits::kTileBytesKV;
-        uint8_t* v_tile = sm.v + stage * Traits::kTileBytesKV;
-        const int key0 = n_block * kBlockN;
-
-        // S = Q K^T
-        mbar_wait(&sm.full_k[stage], parity);
+    // Keys in [kv_len, seqlen_k) that TMA loaded into the tail tile are real memory holding anything: zero their V
+    // rows (both consumer warpgroups share the work and meet at a named barrier; the fence orders these writes
+    // before wgmma reads them). Their scores are masked.
+    auto clean_v_tail = [&](uint8_t* v_tile, int key0) {
+        if (key0 + kBlockN <= b.kv_len || b.kv_len >= p.seqlen_k) return;
+        const int first = b.kv_len - key0;
+        const int chunks = (kBlockN - first) * Traits::kSlabs * 8;
+        for (int c = tid + wg * 128; c < chunks; c += 256) {
+            const int row = first + c / (Traits::kSlabs * 8);
+            const int slab = (c / 8) % Traits::kSlabs;
+            *reinterpret_cast<uint4*>(v_tile + slab * Traits::kSlabBytesKV + row * 128 + (c % 8) * 16) =
+                make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
+        named_barrier_sync(1, 256);
+    };
+    auto issue_qk = [&](const uint8_t* k_tile) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
             Wgmma<T, kBlockN>::template ss<0>(s_flat, desc_q(kk), desc_k(k_tile, kk), kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s_flat);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&sm.empty_k[stage]);
-
-        // Softmax (masking only where the tile reaches past the keys or crosses this warp's diagonal).
-        if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
-            WarpTile<T, Traits>::template mask<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
-        }
-        st.update(acc_s, p.scale_log2);
-
-        // O += P V
-        mbar_wait(&sm.full_v[stage], parity);
-        if (key0 + kBlockN > b.kv_len && b.kv_len < p.seqlen_k) {
-            // The tile holds loaded keys past seqused_k: zero their V rows (both consumer warpgroups share the
-            // work, then meet at a named barrier; the fence orders these writes before wgmma reads them).
-            const int first = b.kv_len - key0;
-            const int chunks = (kBlockN - first) * Traits::kSlabs * 8;
-            for (int c = tid + wg * 128; c < chunks; c += 256) {
-                const int row = first + c / (Traits::kSlabs * 8);
-                const int slab = (c / 8) % Traits::kSlabs;
-                *reinterpret_cast<uint4*>(v_tile + slab * Traits::kSlabBytesKV + row * 128 + (c % 8) * 16) =
-                    make_uint4(0, 0, 0, 0);
-            }
-            fence_proxy_async();
-            named_barrier_sync(1, 256);
-        }
-        // All of P is packed before the first wgmma reads it: registers written between asynchronous wgmmas
-        // would make ptxas serialise them (warning C7519).
-        uint32_t pa[kBlockN / 16][1][4];
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T>(pa[kk], acc_s, kk);
+    };
+    uint32_t pa[kBlockN / 16][1][4];  // P of the previous tile, packed as wgmma A fragments
+    auto issue_pv = [&](const uint8_t* v_tile) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[kk][0], desc_v(v_tile, kk), 1);
         }
         wgmma_commit();
+    };
+    // Softmax of the tile at key0, masking only where it reaches past the keys or crosses this warp's diagonal.
+    auto softmax = [&](int key0, float (&alpha)[1][2]) {
+        if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
+            WarpTile<T, Traits>::template mask<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
+        }
+        return st.update_scores(acc_s, p.scale_log2, alpha);
+    };
+    auto release = [&](uint64_t* bar) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar);
+    };
+
+    // Software pipeline inside the warpgroup: while the softmax of tile j runs on the CUDA cores, the tensor cores
+    // work on P V of tile j - 1 (issued just before). S of tile j is issued before that P V, so it is ready first.
+    mbar_wait(sm.bar_q, 0);
+    if (b.n_blocks > 0) {
+        mbar_wait(&sm.full_k[0], 0);
+        issue_qk(sm.k);
+        wgmma_wait<0>();
+        fence_regs(s_flat);
+        release(&sm.empty_k[0]);
+        float alpha[1][2];
+        softmax((b.n_blocks - 1) * kBlockN, alpha);  // O is still zero: no rescale needed
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T>(pa[kk], acc_s, kk);
+    }
+    for (int it = 1; it < b.n_blocks; ++it) {
+        const int stage = it % Traits::kStages, prev = (it - 1) % Traits::kStages;
+        const uint32_t parity = (it / Traits::kStages) & 1, prev_parity = ((it - 1) / Traits::kStages) & 1;
+        const int key0 = (b.n_blocks - 1 - it) * kBlockN;
+        uint8_t* v_prev = sm.v + prev * Traits::kTileBytesKV;
+
+        mbar_wait(&sm.full_k[stage], parity);
+        issue_qk(sm.k + stage * Traits::kTileBytesKV);
+        mbar_wait(&sm.full_v[prev], prev_parity);
+        if (it == 1) clean_v_tail(v_prev, key0 + kBlockN);
+        issue_pv(v_prev);
+        wgmma_wait<1>();  // S of this tile is in; P V of the previous one may still run
+        fence_regs(s_flat);
+        release(&sm.empty_k[stage]);
+        float alpha[1][2];
+        const bool rescale = softmax(key0, alpha);
         wgmma_wait<0>();
         fence_regs(o_flat);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&sm.empty_v[stage]);
+        release(&sm.empty_v[prev]);
+        if (rescale) st.rescale_o(alpha);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T>(pa[kk], acc_s, kk);
+    }
+    if (b.n_blocks > 0) {
+        const int last = (b.n_blocks - 1) % Traits::kStages;
+        uint8_t* v_last = sm.v + last * Traits::kTileBytesKV;
+        mbar_wait(&sm.full_v[last], ((b.n_blocks - 1) / Traits::kStages) & 1);
+        if (b.n_blocks == 1) clean_v_tail(v_last, (b.n_blocks - 1) * kBlockN);
+        issue_pv(v_last);
+        wgmma_wait<0>();
+        fence_regs(o_flat);
+        release(&sm.empty_v[last]);
     }
 
     // Epilogue: normalise; rows that saw no key write 0 and lse = -inf. O is staged (swizzled, as TMA expects) in
