@@ -55,6 +55,7 @@ struct Sm90Traits {
 // The kernel's parameters: the portable parameter struct plus the four tensor maps the host builds for it.
 struct Sm90Params {
     FlashFwdParams p;
+    int pingpong;  // 1: the consumers take turns issuing their GEMMs (see consumer())
     TmaDesc tma_q, tma_k, tma_v, tma_o;
 };
 
@@ -213,12 +214,27 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         if (lane == 0) mbar_arrive(bar);
     };
 
+    // Ping-pong: the two consumers take turns at issuing their batch of GEMMs (named barriers 4 and 5: one
+    // warpgroup waits at its own, the other arrives there once it has issued), so one's softmax runs while the
+    // other's GEMMs hold the tensor cores. Both issue n_blocks + 1 batches; consumer 1 opens with an arrival for
+    // consumer 0 and leaves out its last one, so every barrier phase is matched.
+    const bool pingpong = params.pingpong;
+    auto my_turn = [&] {
+        if (pingpong) named_barrier_sync(4 + wg, 256);
+    };
+    auto your_turn = [&] {
+        if (pingpong) named_barrier_arrive(4 + (1 - wg), 256);
+    };
+    if (pingpong && wg == 1 && b.n_blocks > 0) named_barrier_arrive(4, 256);
+
     // Software pipeline inside the warpgroup: while the softmax of tile j runs on the CUDA cores, the tensor cores
     // work on P V of tile j - 1 (issued just before). S of tile j is issued before that P V, so it is ready first.
     mbar_wait(sm.bar_q, 0);
     if (b.n_blocks > 0) {
         mbar_wait(&sm.full_k[0], 0);
+        my_turn();
         issue_qk(sm.k);
+        your_turn();
         wgmma_wait<0>();
         fence_regs(s_flat);
         release(&sm.empty_k[0]);
@@ -234,10 +250,12 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         uint8_t* v_prev = sm.v + prev * Traits::kTileBytesKV;
 
         mbar_wait(&sm.full_k[stage], parity);
-        issue_qk(sm.k + stage * Traits::kTileBytesKV);
         mbar_wait(&sm.full_v[prev], prev_parity);
-        if (it == 1) clean_v_tail(v_prev, key0 + kBlockN);
+        if (it == 1) clean_v_tail(v_prev, key0 + kBlockN);  // outside the turn: both consumers meet there
+        my_turn();
+        issue_qk(sm.k + stage * Traits::kTileBytesKV);
         issue_pv(v_prev);
+        your_turn();
         wgmma_wait<1>();  // S of this tile is in; P V of the previous one may still run
         fence_regs(s_flat);
         release(&sm.empty_k[stage]);
@@ -255,7 +273,9 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         uint8_t* v_last = sm.v + last * Traits::kTileBytesKV;
         mbar_wait(&sm.full_v[last], ((b.n_blocks - 1) / Traits::kStages) & 1);
         if (b.n_blocks == 1) clean_v_tail(v_last, (b.n_blocks - 1) * kBlockN);
+        my_turn();
         issue_pv(v_last);
+        if (wg == 0) your_turn();
         wgmma_wait<0>();
         fence_regs(o_flat);
         release(&sm.empty_v[last]);

@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <cstdlib>
+
 #include "flash_fwd_sm90_kernel.cuh"
 
 namespace llm_attn {
@@ -12,8 +14,15 @@ namespace sm90 {
 
 // Tiles per head_dim: 128 query rows (two consumer warpgroups) x 128 keys, two K/V stages.
 // head_dim 128: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB; head_dim 64: 80 KB.
-template <int kHeadDim>
-using Config = Sm90Traits<kHeadDim, 128, 2>;
+template <int kHeadDim, int kBlockN = 128>
+using Config = Sm90Traits<kHeadDim, kBlockN, 2>;
+
+// Tuning switches read once from the environment (kernel benchmarks compare variants in one build):
+// LLM_ATTN_SM90_BLOCKN=176 (head_dim 128 non-causal key tile), LLM_ATTN_SM90_PINGPONG=0|1.
+inline int tuning_env(const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
 
 static_assert(sizeof(TmaDesc) == sizeof(CUtensorMap) && alignof(TmaDesc) == alignof(CUtensorMap),
               "TmaDesc mirrors CUtensorMap");
@@ -56,11 +65,13 @@ bool make_tensor_map(TmaDesc* desc, const void* ptr, int head_dim, int seqlen, i
     return r == CUDA_SUCCESS;
 }
 
-template <typename T, int kHeadDim, bool kCausal>
-cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
-    using Traits = Config<kHeadDim>;
+template <typename T, typename Traits, bool kCausal>
+cudaError_t launch_tile(const FlashFwdParams& p, cudaStream_t stream) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    static const int pingpong = tuning_env("LLM_ATTN_SM90_PINGPONG", 1);
     Sm90Params sp;
     sp.p = p;
+    sp.pingpong = pingpong;
     const bool ok =
         make_tensor_map<T>(&sp.tma_q, p.q, kHeadDim, p.seqlen_q, p.num_heads, p.batch, p.q_batch_stride,
                            p.q_head_stride, p.q_row_stride, Traits::kBlockM) &&
@@ -78,6 +89,15 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
     const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : dim3(m_blocks, p.num_heads, p.batch);
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);
     return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
+    if constexpr (kHeadDim == 128 && !kCausal) {
+        static const int block_n = tuning_env("LLM_ATTN_SM90_BLOCKN", 128);
+        if (block_n == 176) return launch_tile<T, Config<128, 176>, kCausal>(p, stream);
+    }
+    return launch_tile<T, Config<kHeadDim>, kCausal>(p, stream);
 }
 
 // Whether this build holds sm_90a machine code for the kernel (built with LLM_ATTN_CUDA_ARCHS containing 9.0 and
