@@ -14,11 +14,12 @@ namespace sm90 {
 
 // Tiles per head_dim: 128 query rows (two consumer warpgroups) x 128 keys, two K/V stages.
 // head_dim 128: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB; head_dim 64: 80 KB.
-template <int kHeadDim, int kBlockN = 128>
-using Config = Sm90Traits<kHeadDim, kBlockN, 2>;
+template <int kHeadDim, int kBlockN = 128, int kStages = 2>
+using Config = Sm90Traits<kHeadDim, kBlockN, kStages>;
 
 // Tuning switches read once from the environment (kernel benchmarks compare variants in one build):
-// LLM_ATTN_SM90_BLOCKN=176 (head_dim 128 non-causal key tile), LLM_ATTN_SM90_PINGPONG=0|1.
+// LLM_ATTN_SM90_BLOCKN=176 (head_dim 128 non-causal key tile), LLM_ATTN_SM90_STAGES=3 (128-key tiles),
+// LLM_ATTN_SM90_PINGPONG=0|1.
 inline int tuning_env(const char* name, int fallback) {
     const char* v = std::getenv(name);
     return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
@@ -97,6 +98,8 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
         static const int block_n = tuning_env("LLM_ATTN_SM90_BLOCKN", 128);
         if (block_n == 176) return launch_tile<T, Config<128, 176>, kCausal>(p, stream);
     }
+    static const int stages = tuning_env("LLM_ATTN_SM90_STAGES", 2);
+    if (stages == 3) return launch_tile<T, Config<kHeadDim, 128, 3>, kCausal>(p, stream);
     return launch_tile<T, Config<kHeadDim>, kCausal>(p, stream);
 }
 
