@@ -161,13 +161,12 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
     float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&acc_s[0][0][0]);
     float(&o_flat)[kHeadDim / 2] = *reinterpret_cast<float(*)[kHeadDim / 2]>(&st.acc_o[0][0][0]);
 
-    // Descriptors (start addresses change per k-step and stage; the strides are fixed).
-    const uint8_t* q_rows = sm.q + wg * 64 * 128;
-    auto desc_q = [&](int kk) { return make_smem_desc(q_rows + (kk / 4) * Traits::kSlabBytesQ + (kk % 4) * 32, 16, 1024); };
-    auto desc_k = [&](const uint8_t* k, int kk) {
-        return make_smem_desc(k + (kk / 4) * Traits::kSlabBytesKV + (kk % 4) * 32, 16, 1024);
-    };
-    auto desc_v = [&](const uint8_t* v, int kk) { return make_smem_desc(v + kk * 16 * 128, Traits::kSlabBytesKV, 1024); };
+    // wgmma descriptors of this warpgroup's Q rows and of stage 0's K and V; a stage or k-step is a constant byte
+    // offset from these (a k-step of Q / K: 32 bytes inside a slab, a slab further every 4; of V: 16 rows).
+    const SmemDesc desc_q = SmemDesc::make(sm.q + wg * 64 * 128, 16, 1024);
+    const SmemDesc desc_k0 = SmemDesc::make(sm.k, 16, 1024);
+    const SmemDesc desc_v0 = SmemDesc::make(sm.v, Traits::kSlabBytesKV, 1024);
+    auto qk_step = [](int kk, int slab_bytes) { return static_cast<uint32_t>((kk / 4) * slab_bytes + (kk % 4) * 32); };
 
     // Keys in [kv_len, seqlen_k) that TMA loaded into the tail tile are real memory holding anything: zero their V
     // rows (both consumer warpgroups share the work and meet at a named barrier; the fence orders these writes
@@ -185,20 +184,23 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         fence_proxy_async();
         named_barrier_sync(1, 256);
     };
-    auto issue_qk = [&](const uint8_t* k_tile) {
+    auto issue_qk = [&](int stage) {
+        const SmemDesc k = desc_k0 + stage * Traits::kTileBytesKV;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            Wgmma<T, kBlockN>::template ss<0>(s_flat, desc_q(kk), desc_k(k_tile, kk), kk > 0);
+            Wgmma<T, kBlockN>::template ss<0>(s_flat, (desc_q + qk_step(kk, Traits::kSlabBytesQ)).u64(),
+                                              (k + qk_step(kk, Traits::kSlabBytesKV)).u64(), kk > 0);
         }
         wgmma_commit();
     };
     uint32_t pa[kBlockN / 16][1][4];  // P of the previous tile, packed as wgmma A fragments
-    auto issue_pv = [&](const uint8_t* v_tile) {
+    auto issue_pv = [&](int stage) {
+        const SmemDesc v = desc_v0 + stage * Traits::kTileBytesKV;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[kk][0], desc_v(v_tile, kk), 1);
+            Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[kk][0], (v + kk * 16 * 128).u64(), 1);
         }
         wgmma_commit();
     };
@@ -233,7 +235,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
     if (b.n_blocks > 0) {
         mbar_wait(&sm.full_k[0], 0);
         my_turn();
-        issue_qk(sm.k);
+        issue_qk(0);
         your_turn();
         wgmma_wait<0>();
         fence_regs(s_flat);
@@ -253,8 +255,8 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         mbar_wait(&sm.full_v[prev], prev_parity);
         if (it == 1) clean_v_tail(v_prev, key0 + kBlockN);  // outside the turn: both consumers meet there
         my_turn();
-        issue_qk(sm.k + stage * Traits::kTileBytesKV);
-        issue_pv(v_prev);
+        issue_qk(stage);
+        issue_pv(prev);
         your_turn();
         wgmma_wait<1>();  // S of this tile is in; P V of the previous one may still run
         fence_regs(s_flat);
@@ -274,7 +276,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         mbar_wait(&sm.full_v[last], ((b.n_blocks - 1) / Traits::kStages) & 1);
         if (b.n_blocks == 1) clean_v_tail(v_last, (b.n_blocks - 1) * kBlockN);
         my_turn();
-        issue_pv(v_last);
+        issue_pv(last);
         if (wg == 0) your_turn();
         wgmma_wait<0>();
         fence_regs(o_flat);

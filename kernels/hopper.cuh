@@ -101,11 +101,18 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 //     the start address by 32 bytes inside the swizzle atom.
 //   MN-major (V for O += P V: rows are keys = the reduction dim, columns the head dim): SBO = 1024 B between
 //     8-key groups, LBO = the distance from one 64-column slab to the next; a k-step of 16 keys advances 2048 B.
-__device__ __forceinline__ uint64_t make_smem_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-    const uint64_t addr = smem_u32(smem);
-    return ((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16) |
-           (static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);  // 1 = 128-byte swizzle
-}
+struct SmemDesc {
+    uint32_t lo, hi;  // lo: start address and LBO; hi: SBO and the swizzle mode
+
+    __device__ __forceinline__ static SmemDesc make(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+        return {((smem_u32(smem) & 0x3FFFF) >> 4) | (((lbo_bytes >> 4) & 0x3FFF) << 16),
+                ((sbo_bytes >> 4) & 0x3FFF) | (1u << 30)};  // bits 62-63 = 1: 128-byte swizzle
+    }
+    // The descriptor of the operand `bytes` further on: a shared-memory address is < 2^18, so the 14-bit start
+    // field never carries into LBO. With `bytes` a compile-time constant this is one add per wgmma.
+    __device__ __forceinline__ SmemDesc operator+(uint32_t bytes) const { return {lo + (bytes >> 4), hi}; }
+    __device__ __forceinline__ uint64_t u64() const { return (static_cast<uint64_t>(hi) << 32) | lo; }
+};
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
