@@ -4,7 +4,7 @@
 Modules, one job each:
 
 - ``stats``    — statistics derived from raw latency samples (p50/p90/min/stdev%).
-- ``env``      — the environment recorded with every result row (GPU, driver, CUDA, library versions, git SHA).
+- (the environment recorded with every row is ``llm_attn.envinfo``, shared with the kernel benchmark.)
 - ``results``  — the JSONL row schema, the crash-safe appending writer and the resumption keys.
 - ``devices``  — the datasheet table (``experiments/devices.toml``) used for %-of-peak and roofline projections.
 - ``flops``    — model geometry, prefill FLOPs and bytes moved per decoded token.

@@ -37,6 +37,10 @@ def backend_problem(backend: str, device: torch.device, dtype: torch.dtype, head
     return "reference", None
 
 
+def _select(device, dtype, head_dim, backend):
+    return backend_problem(backend, device, dtype, head_dim)
+
+
 def _run(q, k, v, *, causal, scale, seqused_k=None, backend="auto"):
     return flash_attn_func(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, backend=backend)
 
@@ -44,4 +48,4 @@ def _run(q, k, v, *, causal, scale, seqused_k=None, backend="auto"):
 register_attention("llm_attn", _run, dtypes=KERNEL_DTYPES + (torch.float32, torch.float64),
                    head_dims=None, devices=("cuda", "cpu"), supports_seqused_k=True,
                    description="this project's FlashAttention-2 kernel (mma.sync; the PyTorch reference on CPU)",
-                   default=True, select=backend_problem)
+                   default=True, select=_select)
