@@ -9,6 +9,7 @@ dynamic). On CPU the uncompiled flex_attention runs (correctness only; it says n
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -50,8 +51,12 @@ def flex(q, k, v, *, causal, scale, seqused_k=None):
     sq, sk = q.shape[2], k.shape[2]
     causal = causal and sq > 1
     mask = _causal_block_mask(sq, sk, str(q.device)) if causal else None
-    fn = _compiled() if q.is_cuda else flex_attention
-    out = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if q.is_cuda:
+        out = _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        with warnings.catch_warnings():  # "called without torch.compile": on CPU that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if causal and sq > sk:
         out[:, :, : sq - sk] = 0  # rows that see no key: 0 under the contract
     return out
