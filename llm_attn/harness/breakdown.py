@@ -147,7 +147,7 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
         "category_ms": times,
         "category_pct": {k: 100 * v / span if span > 0 else None for k, v in times.items()},
         "ttft_if_attention_zero_ms": max(0.0, span - times["attention"]),
-        "attention_calls": len(ranges),
+        "attention_ranges": len(ranges),
         "top": [{"category": c, "name": n, "ms": ms} for (c, n), ms in top.most_common(12)],
     }
 
