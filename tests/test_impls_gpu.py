@@ -56,7 +56,9 @@ def test_entry_against_float64(name, dtype):
     entry = _entry(name)
     torch.manual_seed(0)
     worst = []
-    for b, hq, hkv, sq, sk, d, causal, used in SHAPES:
+    # flex compiles per shape (then goes dynamic): a subset keeps the test within minutes.
+    shapes = SHAPES[1::2] if name == "flex" else SHAPES
+    for b, hq, hkv, sq, sk, d, causal, used in shapes:
         seq = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
         if seq is not None and not entry.supports_seqused_k:
             continue
