@@ -65,7 +65,7 @@ def _kernel(bf16: bool):
 
             @cuda.jit(device=True, inline=True)
             def load(x):
-                return libdevice.int_as_float((int32(x) & 0xFFFF) << 16)
+                return libdevice.int_as_float(int32((int32(x) & 0xFFFF) << 16))  # bits of the float32
 
             @cuda.jit(device=True, inline=True)
             def store(x):
