@@ -90,6 +90,41 @@ def test_gpu_breakdown_counts_kernels(impl):
     with use_impl(model, impl):
         r = measure_breakdown(model, ids, impl, get(impl).hf_name, warmup=2)
     ms = r["category_ms"]
-    assert r["device_type"] == "cuda" and r["attention_attribution"] == "ranges"
+    assert r["device_type"] == "cuda" and r["attention_attribution"] == "ranges (GPU timeline)"
     assert ms["attention"] > 0 and ms["gemm"] > 0 and r["busy_ms"] > 0
     assert r["span_ms"] >= r["busy_ms"] and ms["idle"] >= 0
+
+
+def test_gpu_event_layout_is_classified_by_the_attention_windows():
+    """The CUDA branch of ``classify`` on events laid out as torch 2.11's profiler reports them on an H100 (seen in
+    a run there): record_function ranges appear on the GPU timeline as annotations around the kernels launched
+    inside them; kernels carry no usable link to their CPU op. The annotations are not kernels; a cuDNN attention
+    kernel (a GEMM by name) inside an attention window is attention; idle is the uncovered part of the span."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from llm_attn.harness.breakdown import PREFILL_RANGE, classify
+
+    def ev(i, name, start, end, device=DeviceType.CUDA, activity="kernel"):
+        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                             activity_type=activity)
+
+    events = [
+        ev(1, PREFILL_RANGE, 0, 1000, DeviceType.CPU, "user_annotation"),
+        ev(2, PREFILL_RANGE, 50, 900, activity="gpu_user_annotation"),
+        ev(3, "nvjet_sm90_hsh_64x64_TNT", 100, 200),                          # GEMM
+        ev(4, "llm_attn.attention:sdpa", 250, 400, activity="gpu_user_annotation"),
+        ev(5, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", 250, 400),   # attention
+        ev(6, "awq_dequantize_kernel", 450, 500),                              # quantised weights
+        ev(7, "void at::native::elementwise_kernel<128, 4>", 600, 700),        # other
+        ev(8, "Memcpy DtoD (Device -> Device)", 800, 850, activity="gpu_memcpy"),
+    ]
+    r = classify(events, "cuda")
+    ms = r["category_ms"]
+    assert r["attention_attribution"] == "ranges (GPU timeline)"
+    assert ms["attention"] == pytest.approx(0.15) and ms["gemm"] == pytest.approx(0.1)
+    assert ms["quant"] == pytest.approx(0.05) and ms["other"] == pytest.approx(0.15)
+    assert r["span_ms"] == pytest.approx(1.0) and r["busy_ms"] == pytest.approx(0.45)
+    assert ms["idle"] == pytest.approx(0.55)
+    assert r["ttft_if_attention_zero_ms"] == pytest.approx(0.85)
+    assert not any(t["name"].startswith("llm_attn.") for t in r["top"])

@@ -67,3 +67,38 @@ def test_numba_kernel_in_the_cuda_simulator():
         assert not r["nan"], r
         tol = 2e-3 if "float16" in r["dtype"] and "bfloat16" not in r["dtype"] else 1.6e-2
         assert r["err"] < tol, r
+
+
+PTX = textwrap.dedent('''
+    import numpy as np
+    if hasattr(np, "row_stack"):
+        del np.row_stack          # as numpy >= 2.5 (the H100's): llm_attn puts the alias back before compiling
+    from numba import cuda, types
+    from llm_attn.impls import numba_fa2
+    out = {}
+    for bf16 in (False, True):
+        el = types.int16 if bf16 else types.float16
+        arr = types.Array(el, 4, "A")
+        sig = (arr, arr, arr, arr, types.Array(types.int32, 1, "A"), types.boolean, types.float64, types.boolean,
+               types.int64)
+        ptx, _ = cuda.compile_ptx(numba_fa2._kernel(bf16).py_func, sig, cc=(8, 0))
+        out["bf16" if bf16 else "fp16"] = (".entry" in ptx, ".shared" in ptx)
+    print(out)
+''')
+
+
+def test_numba_kernel_compiles_for_the_gpu():
+    """The real compile path (typing, lowering, NVVM -> PTX for sm_80) without a GPU; needs libnvvm (a CUDA
+    toolkit, as CI has for the ptxas check)."""
+    toolkit = next((p for p in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", "/usr/local/cuda-13.0")
+                    if p and Path(p, "bin").exists()), None)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(REPO)
+    if toolkit:
+        env.setdefault("CUDA_HOME", toolkit)
+    proc = subprocess.run([sys.executable, "-c", PTX], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=REPO)
+    if proc.returncode != 0 and "NVVM" in proc.stderr and ("not found" in proc.stderr or "Cannot" in proc.stderr):
+        pytest.skip(f"no libnvvm here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "{'fp16': (True, True), 'bf16': (True, True)}"

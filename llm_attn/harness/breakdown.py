@@ -4,7 +4,9 @@ handling, other kernels and idle (``python -m llm_attn.ttft --measure breakdown`
 Attention is attributed by *launch*, not by kernel name: every call of a registered implementation runs inside a
 ``llm_attn.attention:<impl>`` profiler range (``AttentionImpl.run``), and for stock implementations, which
 transformers calls directly, ``attention_ranges`` wraps transformers' attention function in the same range for
-the duration of the profile. A kernel is attention when the CPU op that launched it lies inside such a range.
+the duration of the profile. On the GPU the profiler draws each range on the device timeline too, around exactly
+the kernels launched inside it: a kernel is attention when it runs inside such a window (or, where the device
+timeline has none, when the runtime call that launched it nests in the range on the CPU).
 Where no range could be installed (transformers without ``AttentionInterface``) the SDPA ATen ops are used instead,
 and the row says so (``attention_attribution``).
 
@@ -20,6 +22,7 @@ the GPU then waits for the CPU instead).
 
 from __future__ import annotations
 
+import bisect
 import re
 import sys
 from collections import Counter
@@ -88,7 +91,9 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
         raise RuntimeError(f"expected one '{PREFILL_RANGE}' range in the profile, found {len(prefill)}")
     prefill = prefill[0]
     ranges = [e for e in cpu if e.name.startswith(RANGE_PREFIX)]
-    if attribution == "ranges" and not ranges:
+    gpu_ranges = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU
+                  and e.name.startswith(RANGE_PREFIX)]
+    if attribution == "ranges" and not ranges and not gpu_ranges:
         attribution = "op-names"  # no call went through a range (e.g. an implementation that was never called)
 
     def is_attention(chain) -> bool:
@@ -109,16 +114,29 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
     top = Counter()
     start_us, end_us = prefill.time_range.start, prefill.time_range.end
     if device_type == "cuda":
-        by_id = {e.id: e for e in cpu if getattr(e, "linked_correlation_id", 0) == 0}
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and getattr(e, "activity_type", "kernel") in DEVICE_ACTIVITIES]
+        device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        # record_function ranges also appear on the GPU timeline ("gpu_user_annotation"), spanning exactly the
+        # kernels launched inside them: the most direct attribution, and never counted as kernels themselves.
+        notes = [e for e in device if _is_annotation(e)]
+        windows = sorted((e.time_range.start, e.time_range.end) for e in notes if e.name.startswith(RANGE_PREFIX))
+        kernels = [e for e in device if not _is_annotation(e)
+                   and (getattr(e, "activity_type", None) or "kernel") in DEVICE_ACTIVITIES]
+        # The launch chain: a kernel shares its CUPTI correlation id with the runtime call that launched it, which
+        # nests (by time, on the launching thread) inside the ATen op and the ranges around it.
+        launches = {e.id: e for e in cpu if getattr(e, "activity_type", None) in ("cuda_runtime", "cuda_driver")}
+        ops = {e.id: e for e in cpu if getattr(e, "linked_correlation_id", 0) == 0}
+        if windows and attribution == "ranges":
+            attribution = "ranges (GPU timeline)"
         intervals = []
         for k in kernels:
-            chain = list(_ancestors(by_id.get(getattr(k, "linked_correlation_id", 0))))
-            if chain and not any(e is prefill for e in chain):
-                continue  # launched outside the profiled prefill (e.g. warm-up leftovers)
+            launch = launches.get(k.id) or ops.get(getattr(k, "linked_correlation_id", 0))
+            chain = list(_ancestors(launch))
+            if windows and attribution.startswith("ranges"):
+                cat = "attention" if _inside(windows, k.time_range.start, k.time_range.end) else \
+                    category(k.name, [e for e in chain if not e.name.startswith(RANGE_PREFIX)])
+            else:
+                cat = category(k.name, chain)
             dur = (k.time_range.end - k.time_range.start) / 1e3
-            cat = category(k.name, chain)
             times[cat] += dur
             top[(cat, k.name[:80])] += dur
             intervals.append((k.time_range.start, k.time_range.end))
@@ -150,6 +168,17 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
         "attention_ranges": len(ranges),
         "top": [{"category": c, "name": n, "ms": ms} for (c, n), ms in top.most_common(12)],
     }
+
+
+def _is_annotation(e) -> bool:
+    return (e.name == PREFILL_RANGE or e.name.startswith(RANGE_PREFIX)
+            or "annotation" in str(getattr(e, "activity_type", "") or ""))
+
+
+def _inside(windows, start: float, end: float) -> bool:
+    """Whether [start, end] lies in one of the sorted, non-overlapping ``windows`` (1 µs of slack: rounding)."""
+    i = bisect.bisect_right(windows, (start + 1.0, float("inf"))) - 1
+    return i >= 0 and windows[i][0] - 1.0 <= start and end <= windows[i][1] + 1.0
 
 
 def _union(intervals) -> float:

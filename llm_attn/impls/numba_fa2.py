@@ -47,6 +47,12 @@ def _missing() -> str | None:
 def _kernel(bf16: bool):
     """The kernel, specialised for fp16 (float16 arrays) or bf16 (int16 arrays of raw bits)."""
     global cuda, float32, int32  # module globals: the simulator swaps a kernel's global `cuda` for its own
+    import numpy as np  # noqa: PLC0415
+
+    if not hasattr(np, "row_stack"):
+        # numba-cuda 0.30 registers an overload for np.row_stack when it compiles its first kernel; numpy >= 2.5
+        # removed that alias of np.vstack, so compiling fails with AttributeError. Put the alias back.
+        np.row_stack = np.vstack
     from numba import cuda, float32, int32  # noqa: PLC0415
 
     if bf16:
