@@ -53,8 +53,9 @@ class PatchOptions:
 class PatchReport:
     """What ``patch_model`` did, and live counters of what every attention call since then did.
 
-    ``native_calls`` counts calls served by the implementation ``impl``, keyed by its variant (for llm_attn: 'cuda' =
-    the CUDA kernel, 'reference' = the tiled PyTorch reference; for other entries the device type). ``fallback_calls`` counts calls that took the stock path, keyed by the reason. Calls
+    ``native_calls`` counts calls served by the implementation ``impl``, keyed by its variant (for llm_attn: 'cuda'
+    = the CUDA kernel, 'reference' = the tiled PyTorch reference; for other entries the device type).
+    ``fallback_calls`` counts calls that took the stock path, keyed by the reason. Calls
     inside a ``torch.compile``d graph (e.g. transformers' auto-compiled decode with a static cache on GPU; pass
     ``disable_compile=True`` to ``generate`` to count them) are not counted: a Python counter bumped while dynamo
     traces would be replayed as a constant. ``compiled_native_seen`` / ``compiled_fallback_seen`` say which paths

@@ -3,8 +3,9 @@
 This is how transformers (>= 4.48, and all of 5.x) expects a custom attention to be plugged in: we register an
 attention function and a mask function under the name ``"llm_attn"`` and switch the model to it with
 ``model.set_attn_implementation("llm_attn")``. That one name serves every implementation of ``llm_attn.registry``:
-each patched module carries a runtime naming the implementation it calls. Nothing in the model is replaced; ``unpatch`` puts the previous
-implementation name back on every config we touched and removes the small per-module runtime pointer.
+each patched module carries a runtime naming the implementation it calls. Nothing in the model is replaced;
+``unpatch`` puts the previous implementation name back on every config we touched and removes the small per-module
+runtime pointer.
 
 How each call is served (stock sdpa semantics, reproduced exactly):
 

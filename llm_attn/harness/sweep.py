@@ -171,7 +171,8 @@ class Sweep:
             "schema": SCHEMA, "kind": measurement, "measurement": measurement, "status": "ok",
             "experiment": self.cfg.experiment, "run_id": self.run_id, "time": _now(),
             "device": self.env["device_slug"], "model_spec": self.cfg.model_spec, "model": self.info,
-            "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq, "new_tokens": self.cfg.new_tokens,
+            "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq,
+            "new_tokens": self.cfg.new_tokens,
             "env": self.env, "command": self.cfg.command(command_impls, batch, seq, [measurement]),
             "argv": shlex.join(self.argv),
         }

@@ -3,8 +3,9 @@
 Causality (bottom-right) is a block mask, built once per (q_len, kv_len, device) and cached; GQA through
 ``enable_gqa``. Prefill calls get one statically compiled function per shape (torch 2.11's flex template failed to
 lower with dynamic shapes on the H100: ``NoValidChoicesError``), each with its own code object so that dynamo's
-recompile limit never silently drops a shape back to uncompiled flex; decode calls (q_len 1, no mask, a new
-kv_len every token) share one function compiled with automatic dynamic shapes. On CPU the uncompiled flex_attention runs (correctness only; it says nothing about speed).
+recompile limit never silently drops a shape back to uncompiled flex; decode calls (q_len 1, no mask, a new kv_len
+every token) share one function compiled with automatic dynamic shapes. On CPU the uncompiled flex_attention runs
+(correctness only; it says nothing about speed).
 ``seqused_k`` would need a data-dependent block mask per call: such calls take the stock path.
 """
 
