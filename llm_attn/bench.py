@@ -173,8 +173,9 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
                        tflops=flops / ms / 1e9, gbps=kv_bytes / ms / 1e6)
         except torch.cuda.OutOfMemoryError as e:
             row.update(status="oom", error=str(e).splitlines()[0])
-        except RuntimeError as e:  # e.g. a backend that does not support this shape
-            row.update(status="error", error=str(e).splitlines()[0][:200])
+        except Exception as e:  # noqa: BLE001 (a backend or registry entry that cannot take this shape/mode)
+            msg = str(e).splitlines()[0][:200] if str(e) else ""
+            row.update(status="error", error=f"{type(e).__name__}: {msg}")
         rows[impl] = row
         torch.cuda.empty_cache()
     return rows

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from llm_attn.harness.devices import DEFAULT_TABLE, find_device, load_devices
-from llm_attn.envinfo import capture_env, device_name
 from llm_attn import registry
+from llm_attn.envinfo import capture_env, device_name
+from llm_attn.harness.devices import DEFAULT_TABLE, find_device, load_devices
 from llm_attn.harness.impls import available_impls, unavailable_reason
 from llm_attn.harness.results import ResultWriter, finished_keys
 from llm_attn.harness.sweep import (

@@ -259,11 +259,9 @@ def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, t
         report.fallbacks.append(f"every attention call: {p}")
     if backend == "reference":
         report.expected_path = "llm_attn PyTorch reference (tiled, same algorithm as the kernel)"
-        if impl.name == "llm_attn" and device.type == "cpu" and head_dim not in KERNEL_HEAD_DIMS:
+        if device.type == "cpu" and head_dim not in KERNEL_HEAD_DIMS:
             report.notes.append(f"head_dim {head_dim} runs on the reference only; the CUDA kernel supports "
                                 f"{KERNEL_HEAD_DIMS}")
-    elif backend == "cuda" and impl.name == "llm_attn":
-        report.expected_path = "llm_attn CUDA kernel"
     elif backend is not None:
         report.expected_path = f"{impl.name} on {backend} ({impl.description}; {impl.source_label})"
     if not impl.supports_seqused_k:

@@ -63,7 +63,7 @@ def attention_ranges(model, impl_name: str, hf_name: str | None):
     def wrapped(module, *args, **kwargs):
         fn = original
         if fn is None:  # eager: transformers falls back to the modeling module's own function
-            fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+            fn = sys.modules[type(module).__module__].eager_attention_forward
         with torch.profiler.record_function(name):
             return fn(module, *args, **kwargs)
 

@@ -21,10 +21,10 @@ import torch
 from tabulate import tabulate
 from tqdm.auto import tqdm
 
-from llm_attn.harness import flops
-from llm_attn.harness.devices import Device
 from llm_attn import registry
+from llm_attn.harness import flops
 from llm_attn.harness.breakdown import measure_breakdown
+from llm_attn.harness.devices import Device
 from llm_attn.harness.impls import BASE_IMPL, impl_info, is_stock, use_impl
 from llm_attn.harness.measure import (
     GraphCaptureUnsupported,
