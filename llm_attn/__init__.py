@@ -4,7 +4,7 @@ a harness that measures what it does to time-to-first-token and decode speed.
 Importing this package never needs the compiled extension; the CUDA kernel is loaded on first use.
 """
 
-from llm_attn._ext import KernelNotBuiltError, kernel_available
+from llm_attn._ext import KernelNotBuiltError, kernel_available, kernel_backend
 from llm_attn.ops import flash_attn_func
 from llm_attn.reference import attention_naive, attention_tiled
 
@@ -27,6 +27,7 @@ __all__ = [
     "attention_tiled",
     "flash_attn_func",
     "kernel_available",
+    "kernel_backend",
     "patch_model",
     "patched",
     "unpatch_model",

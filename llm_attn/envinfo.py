@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from llm_attn._ext import kernel_backend
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -58,6 +60,7 @@ def environment() -> dict:
         "gptqmodel": _version("gptqmodel"),
         "autoawq": _version("autoawq"),
         "llm_attn_git": git_sha(),
+        "kernel_backend": kernel_backend(),  # 'aot', 'nvrtc' or None (no kernel)
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
