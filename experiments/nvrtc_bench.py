@@ -4,12 +4,13 @@
     python experiments/nvrtc_bench.py --compile all         # cold compile of every instantiation, not just the needed
     python experiments/nvrtc_bench.py --out runs/nvrtc.json # also write the numbers as JSON
 
-Four tables:
+Five tables:
  1. cold compile: NVRTC compile time of each instantiation a default `python -m llm_attn.ttft --seq 2048` run needs
     (Llama 3 8B geometry: 32 query / 8 KV heads, head_dim 128, fp16; causal prefill of --seq tokens, then decode
     over --seq+1 .. --seq+32 keys), and their sum = what a first run pays once, on this CPU, for this GPU's arch;
     with --compile all, every instantiation (registers and local memory from ptxas as well);
- 2. warm cache: loading the same from the disk cache (read + cuModuleLoadData + cuModuleGetFunction);
+ 2. warm cache: loading the same from the disk cache (read + cuModuleLoadData + cuModuleGetFunction), and the
+    first calls of a new process with an empty cache, a warm cache, and the AOT extension;
  3. CPU time per call: host time of N back-to-back calls without synchronisation (flash_attn_func, the public op,
     and the raw mha_fwd), AOT vs NVRTC;
  4. kernel time: the same shapes, CUDA-graph timed (a graph of 20 calls replayed, median over repeats), the prefill
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +78,40 @@ def warm_load(index: int, kernels: dict[str, int]) -> list[dict]:
         rows.append({"kernel": k, "seconds": time.perf_counter() - t0,
                      "source": _nvrtc.compile_stats.get((device_arch(index), k), {}).get("source")})
     return rows
+
+
+FIRST_CALL = """
+import json, sys, time
+t_start = time.perf_counter()
+import torch
+from llm_attn import flash_attn_func, kernel_backend
+q = torch.randn(1, 32, {seq}, 128, device="cuda", dtype=torch.float16)
+k = torch.randn(1, 8, {seq}, 128, device="cuda", dtype=torch.float16)
+qd = q[:, :, :1].contiguous()
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+flash_attn_func(q, k, k, causal=True)
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+flash_attn_func(qd, k, k, causal=True)
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+flash_attn_func(q, k, k, causal=True)
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+print(json.dumps(dict(backend=kernel_backend(), prefill=t1 - t0, decode=t2 - t1, again=t3 - t2)))
+"""
+
+
+def first_calls(backend: str, cache: str, seq: int) -> dict:
+    """A new process: wall time of its first prefill call, its first decode call, and a second prefill call."""
+    env = {**os.environ, "LLM_ATTN_BACKEND": backend, "LLM_ATTN_CACHE": cache,
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", FIRST_CALL.format(seq=seq)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def device_arch(index: int) -> str:
@@ -187,9 +223,24 @@ def main() -> int:
             _nvrtc.get_cubin(arch, k)
         warm = warm_load(index, needed)
         results["warm"] = warm
-        print("\n2. warm cache (disk cubin -> module -> function):")
+        print("\n2. warm cache, in this process (disk cubin -> module -> function; the first load in a process also "
+              "pays the driver's one-time module setup):")
         print(tabulate([[short(r["kernel"]), f"{r['seconds'] * 1e3:.1f}", r["source"]] for r in warm],
                        headers=["instantiation", "ms", "from"]))
+
+        # 2b. what a new process pays on its first calls (prefill --seq, then decode), cold and warm cache
+        first = {}
+        with tempfile.TemporaryDirectory() as fresh:
+            first["nvrtc, cold cache"] = first_calls("nvrtc", fresh, args.seq)
+            first["nvrtc, warm cache"] = first_calls("nvrtc", fresh, args.seq)
+        if have_aot:
+            first["aot"] = first_calls("aot", cache, args.seq)
+        results["first_calls"] = first
+        print(f"\n2b. first calls in a new process, ms (prefill {args.seq} causal, then decode over {args.seq} keys, then "
+              f"the prefill again):")
+        print(tabulate([[name, *(f"{r[x] * 1e3:.1f}" if x in r else r.get("error", "") for x in
+                                 ("prefill", "decode", "again"))] for name, r in first.items()],
+                       headers=["process", "first prefill", "first decode", "second prefill"]))
 
         # 3/4. CPU per call and kernel time, both backends
         backends = ["aot", "nvrtc"] if have_aot else ["nvrtc"]

@@ -288,6 +288,7 @@ def unavailable_reason() -> str | None:
 
 
 # -- driver API: load and launch ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
 def _driver():
     from cuda.bindings import driver  # noqa: PLC0415
 
@@ -364,9 +365,15 @@ def _function(index: int, kernel: str, smem: int):
         return fn
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan_for(index: int, *shape) -> _plan.Plan:
+    """The plan per (device, shape, tile): the host-side choices cost nothing after the first call of a shape."""
+    return _plan.plan(_plan.Shape(*shape), device_info(index)[1])
+
+
 def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
     driver = _driver()
-    fn = _function(index, launch.kernel, launch.smem)
+    fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     _drv_check(driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, driver.CUstream(stream),
                                      ctypes.addressof(args), 0), f"launching {launch.kernel}")
@@ -456,10 +463,8 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         _fail("seqused_k must be a contiguous int32 tensor of shape (batch,)")
 
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    _, dev = device_info(index)
     is_bf16 = q.dtype == torch.bfloat16
-    shape = _plan.Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, bool(causal), is_bf16, _tile)
-    plan = _plan.plan(shape, dev)
+    plan = _plan_for(index, batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, bool(causal), is_bf16, _tile)
 
     p = FlashFwdParams()
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
