@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
 from llm_attn import ttft
 from llm_attn.harness.env import REPO_ROOT, capture_env
 from llm_attn.harness.impls import ALL_IMPLS, available_impls, unavailable_reason
-from llm_attn.harness.results import iter_rows
+from llm_attn.harness.results import OutputWriteError, iter_rows, output_file_problem
 from llm_attn.harness.sweep import ALL_MEASUREMENTS, DTYPES, SweepConfig, correctness_table, summary_table
 
 DEFAULT_RESULTS = REPO_ROOT / "experiments" / "results"
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         ttft.check_model_spec(cfg.model_spec, parser)
     out = results_path(args.results_dir, capture_env(device)["device_slug"], exp.name)
     cmd = [sys.executable, "-m", "llm_attn.experiment", *(sys.argv[1:] if argv is None else argv)]
+    if output_file_problem(out):
+        parser.error(f"--results-dir {args.results_dir}: {out}: {output_file_problem(out)}")
 
     if args.dry_run:
         n = sum(len(c.impls) * len(c.batches) * len(c.seqs) for c in configs)
@@ -190,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ninterrupted: every finished measurement is in {out}; run the same command again to continue",
                   file=sys.stderr)
             return 130
+        except OutputWriteError as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 2
         if skipped:
             print(f"resumed: {skipped} measurements already in {out} were skipped")
         if any(r["status"] == "error" for r in written):
