@@ -1,7 +1,10 @@
 """GPU tests of the CUDA kernel (skip without CUDA). Each case: fresh random inputs, output and lse buffers
 poisoned with NaN before the launch, result compared with a float64 reference. The bound is relative to PyTorch's
 own low-precision error on the same inputs (the same attention computed with fp16/bf16 matmuls), as in
-flash-attention's tests: our error must be within 2x of it (plus a tiny floor)."""
+flash-attention's tests: our error must be within 2x of it (plus a tiny floor).
+
+Every test that takes ``cuda_ext`` runs once per kernel backend (the compiled extension, NVRTC; conftest.py):
+``LLM_ATTN_BACKEND=nvrtc python -m pytest tests/test_kernel_gpu.py`` runs the NVRTC one only."""
 
 import itertools
 import math

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["--seq", "16", "32", "--repeats", "2", "--warmup", "1", "--new-tokens", "4", "--decode-repeats", "2",
         "--no-progress"]
 IMPLS = ["eager", "sdpa", "llm_attn"]
+# The harness checks below run the tiny model on the CPU on every machine ('auto' on a GPU is the 8B AWQ model).
+CPU = ["--device", "cpu"]
 
 
 def rows_of(path) -> list[dict]:
@@ -64,7 +66,7 @@ def cli_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ttft") / "rows.jsonl"
     # On a GPU machine 'auto' would be the 8B AWQ model: these checks are of the CPU path, so ask for it there
     # (test_gpu_events_graph_and_kernel covers the GPU path). Without a GPU the command is exactly the users' one.
-    cpu = ["--device", "cpu"] if torch.cuda.is_available() else []
+    cpu = CPU if torch.cuda.is_available() else []
     proc = subprocess.run([sys.executable, "-m", "llm_attn.ttft", *FAST, *cpu, "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, out
@@ -172,7 +174,7 @@ def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(sweep_mod, "measure_ttft",
                         _failing_measure({32: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")}))
     out = tmp_path / "rows.jsonl"
-    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, "--out", str(out)])
+    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, *CPU, "--out", str(out)])
     assert code == 0  # out of memory is a result, not a failure
     rows = rows_of(out)
     assert [(r["seq"], r["kind"], r["status"]) for r in rows] == [(16, "ttft", "ok"), (32, "error", "oom")]
@@ -186,7 +188,7 @@ def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys
 def test_failing_point_gives_error_row_and_exit_1(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep_mod, "measure_ttft", _failing_measure({16: RuntimeError("kernel exploded")}))
     out = tmp_path / "rows.jsonl"
-    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, "--out", str(out)])
+    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, *CPU, "--out", str(out)])
     assert code == 1
     rows = rows_of(out)
     assert [(r["seq"], r["status"]) for r in rows] == [(16, "error"), (32, "ok")]
@@ -196,7 +198,7 @@ def test_failing_point_gives_error_row_and_exit_1(tmp_path, monkeypatch, capsys)
 
 def test_ctrl_c_keeps_finished_rows_and_resume_completes(tmp_path, monkeypatch, capsys):
     out = tmp_path / "rows.jsonl"
-    args = ["--impl", "sdpa", "llm_attn", "--measure", "ttft", "decode_generate", *FAST, "--out", str(out)]
+    args = ["--impl", "sdpa", "llm_attn", "--measure", "ttft", "decode_generate", *FAST, *CPU, "--out", str(out)]
     real, calls = sweep_mod.measure_decode_generate, []
 
     def interrupted(*a, **kw):
@@ -360,7 +362,7 @@ def _bad_out(kind, tmp_path):
 def test_ttft_bad_out_is_refused_before_the_run(kind, tmp_path, capsys):
     out, message = _bad_out(kind, tmp_path)
     with pytest.raises(SystemExit) as e:
-        ttft.main(["--device", "cpu", *FAST, "--out", out])
+        ttft.main([*CPU, *FAST, "--out", out])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--out {out}: " in err and message in err and "Traceback" not in err
