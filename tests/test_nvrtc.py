@@ -120,7 +120,9 @@ def test_every_planned_kernel_is_in_the_compiled_set():
             assert all(0 < g for g in launch.grid) and launch.grid[1] <= 65535 and launch.grid[2] <= 65535
             seen.add(launch.kernel)
         assert (len(p.launches) == 2) == (p.num_splits > 1 and not p.decode)
-    assert len(seen) >= len(known) - 6, f"the shape grid reaches most instantiations, missed {known - seen}"
+    # Only the 2-stage head_dim-64 decode tile is never chosen here: 3 stages (50 KB) fit every GPU listed.
+    never = {_plan.decode_kernel_name(bf16, _plan.DecodeTraits(64, 1, 2)) for bf16 in (False, True)}
+    assert known - seen == never, known - seen
 
 
 def test_plan_known_cases():
