@@ -1,22 +1,31 @@
 """Builds the llm_attn package and, when a CUDA build of PyTorch and nvcc are present, its CUDA extension.
 
     pip install --no-build-isolation -e .        # uses the torch already installed; never pulls a CUDA torch
+    pip install --no-build-isolation .           # the same, as a regular install
+
+pyproject.toml names the setuptools backend (PEP 517/660); the metadata stays here so that setuptools 59 (JetPack)
+builds it too.
 
 Environment:
     LLM_ATTN_CUDA_ARCHS   semicolon list of compute capabilities (default "8.0;8.6;8.7;8.9;9.0"), e.g. "8.9" for an
-                          RTX 4060 Ti, "8.7" for Jetson Orin, "9.0" for H100. Fewer archs build faster.
-    LLM_ATTN_NO_CUDA=1    skip the extension even where it could be built.
+                          RTX 4060 Ti, "8.7" for Jetson Orin, "9.0" for H100. Fewer archs build faster. 9.0 (or 9.0a)
+                          compiles sm_90a: the Hopper-only kernels need its wgmma/TMA/setmaxnreg instructions.
+    LLM_ATTN_NO_CUDA=1    skip the extension even where it could be built (the kernel then runs through NVRTC).
     MAX_JOBS              parallel nvcc jobs (torch's ninja build).
 
-Without a CUDA torch (or without nvcc) the install still succeeds, fast, and the package runs on the PyTorch
-reference; asking for the kernel then raises an error that says how to build it.
+Without a CUDA torch (or without nvcc) the install still succeeds, fast, without the extension: on a GPU the kernel
+is then compiled at first use by NVRTC (llm_attn/_nvrtc.py, the `nvrtc` extra), on a CPU the package runs on the
+PyTorch reference. Where a CUDA torch and nvcc are present and the build fails, the install fails with a banner that
+says why and how to install without it.
 """
 
 import glob
 import os
+import shutil
 import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;8.6;8.7;8.9;9.0"
@@ -25,14 +34,50 @@ DEFAULT_ARCHS = "8.0;8.6;8.7;8.9;9.0"
 def _gencode_flags(archs: str) -> list[str]:
     flags = []
     for arch in filter(None, (a.strip() for a in archs.replace(",", ";").split(";"))):
-        num = arch.replace(".", "").removesuffix("a")
-        if not num.isdigit():
-            raise SystemExit(f"LLM_ATTN_CUDA_ARCHS: bad architecture {arch!r} (expected e.g. 8.9)")
-        # Hopper builds the arch-specific sm_90a target: the wgmma/TMA kernel exists only there, and the portable
-        # kernels run the same from it on every compute capability 9.0 GPU.
-        num = "90a" if num == "90" else num
+        num = arch.replace(".", "")
+        if num in ("90", "90a"):  # Hopper: the arch-specific target, so that wgmma/TMA code is compiled
+            num = "90a"
+        elif not num.isdigit():
+            raise SystemExit(f"LLM_ATTN_CUDA_ARCHS: bad architecture {arch!r} (expected e.g. 8.9 or 9.0a)")
         flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
     return flags
+
+
+def _banner(lines: list[str]) -> str:
+    bar = "#" * 100
+    return "\n".join(["", bar, *(f"# {line}" for line in lines), bar, ""])
+
+
+class BuildPy(build_py):
+    """Also ships the kernel headers (kernels/*.h, *.cuh) as llm_attn/_kernels, for the NVRTC backend of a
+    non-editable install (an editable one reads kernels/ in place)."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "llm_attn", "_kernels")
+        os.makedirs(dest, exist_ok=True)
+        for pattern in ("*.h", "*.cuh"):
+            for path in glob.glob(os.path.join(ROOT, "kernels", pattern)):
+                shutil.copy2(path, dest)
+
+
+def _loud_build_ext(base):
+    """The extension build, failing with a banner at the end of pip's output instead of a buried traceback."""
+
+    class LoudBuildExt(base):
+        def run(self):
+            try:
+                super().run()
+            except BaseException as e:  # noqa: BLE001  (compile errors arrive as SystemExit/CompileError/...)
+                print(_banner([
+                    "llm_attn: building the CUDA extension (llm_attn._C) FAILED with a CUDA torch and nvcc present:",
+                    f"  {type(e).__name__}: {str(e).strip()[:500]}",
+                    "The compiler output above says why (nvcc older than torch's CUDA, missing host compiler, ...).",
+                    "To install without it (the kernel then compiles at first use through NVRTC, no nvcc needed):",
+                    "  LLM_ATTN_NO_CUDA=1 pip install --no-build-isolation -e '.[nvrtc]'",
+                ]), file=sys.stderr, flush=True)
+                raise
+    return LoudBuildExt
 
 
 def _extensions():
@@ -46,8 +91,15 @@ def _extensions():
               "(use `pip install --no-build-isolation` to build it)", file=sys.stderr)
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None:
-        print(f"llm_attn: torch {torch.__version__} has no CUDA or nvcc was not found (CUDA_HOME={CUDA_HOME}); "
-              "installing without the CUDA extension", file=sys.stderr)
+        if torch.version.cuda is not None:  # a GPU machine without nvcc: fine, but say what happens instead
+            print(_banner([f"llm_attn: torch {torch.__version__} is a CUDA build but nvcc was not found "
+                           f"(CUDA_HOME={CUDA_HOME}):",
+                           "installing without the compiled extension; the kernel will be compiled at first use "
+                           "through NVRTC", "(install the `nvrtc` extra), or set CUDA_HOME and reinstall to build "
+                           "it now."]), file=sys.stderr)
+        else:
+            print(f"llm_attn: torch {torch.__version__} has no CUDA; installing without the CUDA extension",
+                  file=sys.stderr)
         return [], {}
     sources = sorted(glob.glob(os.path.join("kernels", "*.cu"))) + ["kernels/binding.cpp"]
     archs = os.environ.get("LLM_ATTN_CUDA_ARCHS", DEFAULT_ARCHS)
@@ -61,10 +113,11 @@ def _extensions():
         include_dirs=[os.path.join(ROOT, "kernels")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": _loud_build_ext(BuildExtension.with_options(use_ninja=True))}
 
 
 ext_modules, cmdclass = _extensions()
+cmdclass["build_py"] = BuildPy
 
 setup(
     name="llm-attn",
@@ -86,7 +139,15 @@ setup(
         "tqdm",
         "matplotlib",
     ],
-    extras_require={"dev": ["pytest"]},
+    extras_require={
+        "dev": ["pytest"],
+        # The runtime-compiled backend (llm_attn/_nvrtc.py): cuda-python, NVRTC and the CUDA headers of the CUDA
+        # major version of your torch. Ranges, not pins: a CUDA torch depends on some of these itself.
+        "nvrtc": ["cuda-bindings>=13.0,<14", "cuda-pathfinder>=1.2", "nvidia-cuda-nvrtc>=13.0,<14",
+                  "nvidia-cuda-runtime>=13.0,<14"],
+        "nvrtc-cu12": ["cuda-bindings>=12.8,<13", "nvidia-cuda-nvrtc-cu12>=12.4,<13",
+                       "nvidia-cuda-runtime-cu12>=12.4,<13"],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

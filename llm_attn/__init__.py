@@ -5,7 +5,7 @@ time-to-first-token and decode speed.
 Importing this package never needs the compiled extension; the CUDA kernel is loaded on first use.
 """
 
-from llm_attn._ext import KernelNotBuiltError, kernel_available
+from llm_attn._ext import KernelNotBuiltError, kernel_available, kernel_backend
 from llm_attn.ops import flash_attn_func
 from llm_attn.reference import attention_naive, attention_tiled
 from llm_attn.registry import AttentionImpl, load_plugin, register_attention
@@ -31,6 +31,7 @@ __all__ = [
     "flash_attn_func",
     "kernel_available",
     "load_plugin",
+    "kernel_backend",
     "patch_model",
     "patched",
     "register_attention",

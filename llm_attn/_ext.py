@@ -1,25 +1,33 @@
-"""Loads the compiled CUDA extension ``llm_attn._C`` and explains how to build it when it is missing."""
+"""Chooses the kernel backend: the compiled extension ``llm_attn._C`` ("aot") when it imports, otherwise the
+runtime-compiled NVRTC backend ("nvrtc", ``llm_attn._nvrtc``); ``LLM_ATTN_BACKEND=aot|nvrtc`` forces one. Both
+expose the same functions (``mha_fwd``, ``num_splits``, ``set_tile``), so the op does not care which runs.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
+
+BACKENDS = ("aot", "nvrtc")
 
 BUILD_HELP = (
-    "The llm_attn CUDA extension (llm_attn._C) is not built. It needs a CUDA build of PyTorch and nvcc at install "
-    "time. Build it with:\n"
-    "    pip install --no-build-isolation -e .          # or: python setup.py build_ext --inplace\n"
-    "Choose the GPU architectures with LLM_ATTN_CUDA_ARCHS, e.g. LLM_ATTN_CUDA_ARCHS=8.9 for an RTX 4060 Ti, 8.7 "
-    "for Jetson Orin, 9.0 for H100 (default: 8.0;8.6;8.7;8.9;9.0). See README.md, 'Building the kernel'. "
-    "Without the extension, flash_attn_func(..., backend='reference') runs the pure-PyTorch path."
+    "The llm_attn CUDA kernel is not available. Either backend works:\n"
+    "  - runtime-compiled (no build step): pip install 'llm-attn[nvrtc]' (CUDA 13 torch) or 'llm-attn[nvrtc-cu12]' "
+    "(CUDA 12 torch); the kernel is compiled with NVRTC for your GPU at first use;\n"
+    "  - compiled at install (needs nvcc): pip install --no-build-isolation -e .   (or: python setup.py build_ext "
+    "--inplace), with LLM_ATTN_CUDA_ARCHS e.g. 8.9 for an RTX 4060 Ti, 8.7 for Jetson Orin, 9.0 for H100 "
+    "(default: 8.0;8.6;8.7;8.9;9.0).\n"
+    "See README.md, 'Building the kernel'. Without either, flash_attn_func(..., backend='reference') runs the "
+    "pure-PyTorch path."
 )
 
 
 class KernelNotBuiltError(RuntimeError):
-    """Raised when the CUDA kernel is requested but the extension was not compiled."""
+    """Raised when the CUDA kernel is requested but no backend can run it."""
 
 
 @functools.lru_cache(maxsize=1)
-def _load():
+def _load_aot():
     try:
         from llm_attn import _C  # noqa: PLC0415  (import on first use keeps `import llm_attn` build-free)
     except ImportError as e:  # not built, or built against another torch
@@ -27,14 +35,59 @@ def _load():
     return _C, None
 
 
+def _load(name: str):
+    """(module, None) or (None, why not) for backend `name`."""
+    if name == "aot":
+        return _load_aot()
+    from llm_attn import _nvrtc  # noqa: PLC0415
+
+    reason = _nvrtc.unavailable_reason()
+    return (None, reason) if reason else (_nvrtc, None)
+
+
+_forced: str | None = None  # set_backend(); the environment variable otherwise
+
+
+def _requested() -> str:
+    name = _forced or os.environ.get("LLM_ATTN_BACKEND", "").strip().lower() or "auto"
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"LLM_ATTN_BACKEND must be 'aot', 'nvrtc' or unset, got {name!r}")
+    return name
+
+
+def set_backend(name: str | None) -> str | None:
+    """Force a backend for this process ('aot', 'nvrtc'; None: back to LLM_ATTN_BACKEND / automatic). Returns the
+    previous forced one. For tests and benchmarks."""
+    global _forced
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
+    prev, _forced = _forced, name
+    return prev
+
+
+def kernel_backend() -> str | None:
+    """The backend the kernel runs on: 'aot', 'nvrtc', or None where neither is available."""
+    req = _requested()
+    for name in BACKENDS if req == "auto" else (req,):
+        if _load(name)[0] is not None:
+            return name
+    return None
+
+
+def backend_status() -> dict[str, str]:
+    """{backend: 'available' or why not}: for messages and the tests' skip reasons."""
+    return {name: ("available" if mod is not None else err) for name in BACKENDS for mod, err in [_load(name)]}
+
+
 def kernel_available() -> bool:
-    """True when the compiled extension imports."""
-    return _load()[0] is not None
+    """True when a kernel backend can run here."""
+    return kernel_backend() is not None
 
 
 def get_ext():
-    """The extension module, or a KernelNotBuiltError that says how to build it."""
-    ext, err = _load()
-    if ext is None:
-        raise KernelNotBuiltError(f"{BUILD_HELP}\n(import error: {err})")
-    return ext
+    """The backend's module (the extension, or llm_attn._nvrtc), or a KernelNotBuiltError that says what to do."""
+    name = kernel_backend()
+    if name is not None:
+        return _load(name)[0]
+    why = "; ".join(f"{n}: {msg}" for n, msg in backend_status().items() if _requested() in ("auto", n))
+    raise KernelNotBuiltError(f"{BUILD_HELP}\n(requested: {_requested()}; {why})")

@@ -22,6 +22,7 @@ Each row of the JSONL output carries the environment and the command that reprod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -216,13 +217,16 @@ def main(argv=None):
             p.error(f"--{name} values must be positive")
     if args.heads % args.kv_heads:
         p.error("--heads must be a multiple of --kv-heads")
+    try:  # --out is opened before anything is measured: a bad path is an argument error
+        out = open(args.out, "a") if args.out else nullcontext()  # noqa: SIM115 (closed by the with below)
+    except OSError as e:
+        p.error(f"--out {args.out}: {e.strerror or e}")
     if not torch.cuda.is_available():
         p.error("the kernel benchmark needs a CUDA GPU")
     graphs = args.graph if args.graph is not None else ([0, 1] if args.mode == "decode" else [1])
 
     env = environment()
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = open(args.out, "a") if args.out else nullcontext()
     table = []
     with out as f:
         for dt in args.dtypes:
@@ -238,8 +242,14 @@ def main(argv=None):
                             for row in rows.values():
                                 row.update(env=env, command=command)
                                 if f:
-                                    f.write(json.dumps(row) + "\n")
-                                    f.flush()
+                                    try:
+                                        f.write(json.dumps(row) + "\n")
+                                        f.flush()
+                                    except OSError as e:  # e.g. the disk is full
+                                        with contextlib.suppress(OSError):
+                                            f.close()  # closes even when the buffered line cannot be flushed
+                                        p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
+                                                  f"{e.strerror or e}\n")
                             table.append(_table_row(args.mode, rows, dt, causal, b, s, graph))
                             print(_fmt_last(table), flush=True)
     headers = list(table[0].keys())

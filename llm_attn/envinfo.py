@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from llm_attn._ext import kernel_backend
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPO = REPO_ROOT  # older name
 
@@ -92,6 +94,7 @@ def environment() -> dict:
         "triton": _version("triton"),
         "numba_cuda": _version("numba-cuda"),
         "llm_attn_git": git_sha(),
+        "kernel_backend": kernel_backend(),  # 'aot', 'nvrtc' or None (no kernel)
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -31,8 +31,8 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
 from llm_attn import registry, ttft
 from llm_attn.envinfo import REPO_ROOT, capture_env
 from llm_attn.harness.impls import available_impls, unavailable_reason
-from llm_attn.harness.results import iter_rows
-from llm_attn.harness.sweep import DTYPES, SweepConfig, SweepParams, breakdown_table, correctness_table, summary_table
+from llm_attn.harness.results import OutputWriteError, iter_rows, output_file_problem
+from llm_attn.harness.sweep import ALL_MEASUREMENTS, DTYPES, SweepConfig, SweepParams, breakdown_table, correctness_table, summary_table
 
 DEFAULT_RESULTS = REPO_ROOT / "experiments" / "results"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         ttft.check_model_spec(cfg.model_spec, parser)
     out = results_path(args.results_dir, capture_env(device)["device_slug"], exp.name)
     cmd = [sys.executable, "-m", "llm_attn.experiment", *(sys.argv[1:] if argv is None else argv)]
+    if output_file_problem(out):
+        parser.error(f"--results-dir {args.results_dir}: {out}: {output_file_problem(out)}")
 
     if args.dry_run:
         n = sum(len(c.impls) * len(c.batches) * len(c.seqs) for c in configs)
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ninterrupted: every finished measurement is in {out}; run the same command again to continue",
                   file=sys.stderr)
             return 130
+        except OutputWriteError as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 2
         if skipped:
             print(f"resumed: {skipped} measurements already in {out} were skipped")
         if any(r["status"] == "error" for r in written):

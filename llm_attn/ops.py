@@ -70,7 +70,8 @@ def _check_inputs(q, k, v, causal, scale, seqused_k, backend) -> bool:
         if causal and sq > KERNEL_MAX_CAUSAL_Q_LEN:
             raise ValueError(f"causal q_len must be <= {KERNEL_MAX_CAUSAL_Q_LEN} for the CUDA kernel (its grid holds "
                              f"one 64-row block per y index), got {sq}; split the queries into chunks")
-        get_ext()  # raises KernelNotBuiltError with build instructions
+        if not torch.compiler.is_compiling():  # traced code must not look up the backend (the op's body does)
+            get_ext()  # raises KernelNotBuiltError with build instructions
     elif q.dtype not in REFERENCE_DTYPES:
         raise TypeError(f"unsupported dtype {q.dtype}; use one of {REFERENCE_DTYPES}")
     return use_kernel

@@ -684,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
                               args.no_projection)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
+    except OSError as e:  # --out is a file, not writable, or the disk is full
+        p.error(f"cannot write the report to --out {args.out}: {e.filename or ''}{': ' if e.filename else ''}"
+                f"{e.strerror or e}")
     print(f"wrote {report} and {len(list(report.parent.glob('*.png')))} plots in {report.parent}")
     return 0
 

@@ -38,7 +38,7 @@ from llm_attn import registry
 from llm_attn.envinfo import capture_env, device_name
 from llm_attn.harness.devices import DEFAULT_TABLE, find_device, load_devices
 from llm_attn.harness.impls import available_impls, unavailable_reason
-from llm_attn.harness.results import ResultWriter, finished_keys
+from llm_attn.harness.results import OutputWriteError, ResultWriter, finished_keys, output_file_problem
 from llm_attn.harness.sweep import (
     ALL_MEASUREMENTS,
     DEFAULT_MEASUREMENTS,
@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--impl lists an implementation twice: {impls}")
     dtype = args.dtype if args.dtype != "auto" else default_dtype(args.model, device)
     check_model_spec(args.model, parser)
+    if output_file_problem(args.out):
+        parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
 
     print(f"loading model {args.model!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
     try:
@@ -285,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ninterrupted: every finished measurement is in {args.out}; run again with --resume to continue",
               file=sys.stderr)
         return 130
+    except OutputWriteError as e:
+        print(f"{parser.prog}: error: --out: {e}", file=sys.stderr)
+        return 2
     if skipped:
         print(f"--resume: {skipped} measurements already in {args.out} were skipped")
     return report_rows(written, args.out)

@@ -89,7 +89,8 @@ def test_cli_errors_exit_2(tmp_path, capsys):
 
 def test_dry_run_measures_nothing(tmp_path, capsys):
     path = write_def(tmp_path)
-    assert experiment.main([str(path), "--results-dir", str(tmp_path / "res"), "--dry-run"]) == 0
+    # --device cpu: the CPU path on every machine ('auto' on a GPU would be the 8B AWQ model)
+    assert experiment.main([str(path), "--results-dir", str(tmp_path / "res"), "--dry-run", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "4 points" in out and str(tmp_path / "res" / "cpu" / "tiny-sweep.jsonl") in out
     assert not (tmp_path / "res").exists()
@@ -98,7 +99,7 @@ def test_dry_run_measures_nothing(tmp_path, capsys):
 def test_runner_resumes_an_interrupted_sweep_and_feeds_the_report(tmp_path, monkeypatch, capsys):
     path = write_def(tmp_path)
     res = tmp_path / "res"
-    args = [str(path), "--results-dir", str(res), "--no-progress"]
+    args = [str(path), "--results-dir", str(res), "--no-progress", "--device", "cpu"]
     out = res / "cpu" / "tiny-sweep.jsonl"
 
     real, calls = sweep_mod.measure_decode_static, []

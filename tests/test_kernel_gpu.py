@@ -1,8 +1,12 @@
 """GPU tests of the CUDA kernel (skip without CUDA). Each case: fresh random inputs, output and lse buffers
 poisoned with NaN before the launch, result compared with a float64 reference. The bound is relative to PyTorch's
 own low-precision error on the same inputs (the same attention computed with fp16/bf16 matmuls), as in
-flash-attention's tests: our error must be within 2x of it (plus a tiny floor)."""
+flash-attention's tests: our error must be within 2x of it (plus a tiny floor).
 
+Every test that takes ``cuda_ext`` runs once per kernel backend (the compiled extension, NVRTC; conftest.py):
+``LLM_ATTN_BACKEND=nvrtc python -m pytest tests/test_kernel_gpu.py`` runs the NVRTC one only."""
+
+import itertools
 import math
 import zlib
 
@@ -330,3 +334,49 @@ def test_decode_static_cache_mask(cuda_ext, sq):
     k[1, :, 777:] = float("nan")
     v[2, :, 8:] = 3e4
     check(cuda_ext, q, k, v, causal=True, seqused_k=used)
+
+
+def test_plan_mirror_matches_the_extension():
+    """llm_attn/_plan.py (the NVRTC backend's host-side choices) against the C++ flash_fwd_num_splits, over shapes
+    and SM counts of other GPUs too (Orin 16, 4060 Ti 34, A100 108, H100 132)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from llm_attn import _ext, _plan
+
+    aot, err = _ext._load_aot()
+    if aot is None:
+        pytest.skip(f"the compiled extension is needed to compare with: {err}")
+    n = 0
+    for sms in (16, 34, 108, 132, torch.cuda.get_device_properties(0).multi_processor_count):
+        for (b, hq, hkv), sq, sk, d in itertools.product(((1, 32, 8), (2, 8, 8), (3, 32, 32), (1, 28, 4), (8, 8, 1)),
+                                                       (1, 2, 5, 17, 64, 127, 128, 129, 1000, 4096),
+                                                       (1, 63, 64, 255, 256, 1000, 4097, 32768), (64, 128)):
+            ours = _plan.num_splits(_plan.Shape(b, hq, hkv, sq, sk, d), sms)
+            assert ours == aot.num_splits(b, hq, hkv, sq, sk, d, sms), (sms, b, hq, hkv, sq, sk, d)
+            n += 1
+    assert n > 4000
+
+
+def test_nvrtc_compiles_only_what_runs_and_caches_it(tmp_path, monkeypatch):
+    """A fresh cache: one call compiles exactly the planned instantiation (cold), a new process-level load reads
+    the cubin back from disk (warm), and the result is the same."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from llm_attn import _ext, _nvrtc, _plan
+
+    if _ext.backend_status()["nvrtc"] != "available":
+        pytest.skip(f"nvrtc backend not available: {_ext.backend_status()['nvrtc']}")
+    monkeypatch.setenv("LLM_ATTN_CACHE", str(tmp_path))
+    monkeypatch.setattr(_nvrtc, "_functions", {})
+    monkeypatch.setattr(_nvrtc, "compile_stats", {})
+    q = torch.randn(1, 4, 77, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16)
+    arch, dev = _nvrtc.device_info(torch.cuda.current_device())
+    want = {(arch, launch.kernel) for launch in _plan.plan(_plan.Shape(1, 4, 2, 77, 300, 64, True), dev).launches}
+    out1, _ = run_raw(_nvrtc, q, k, k, True)
+    assert set(_nvrtc.compile_stats) == want and all(s["source"] == "nvrtc" for s in _nvrtc.compile_stats.values())
+    assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == len(want)
+    monkeypatch.setattr(_nvrtc, "_functions", {})
+    out2, _ = run_raw(_nvrtc, q, k, k, True)
+    assert all(_nvrtc.compile_stats[w]["source"] == "cache" for w in want)
+    assert torch.equal(out1, out2)

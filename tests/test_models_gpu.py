@@ -20,6 +20,8 @@ import torch
 from llm_attn import models
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+if torch.cuda.is_available():  # every test here loads AWQ through gptqmodel, which the README installs separately
+    pytest.importorskip("gptqmodel", reason="gptqmodel is not installed (README 'Models')")
 
 TINY = models.PRESETS["tiny"]
 

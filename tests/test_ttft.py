@@ -19,6 +19,7 @@ import torch
 
 from llm_attn import ttft
 from llm_attn.harness import sweep as sweep_mod
+from llm_attn.harness.impls import flash_attn_installed
 from llm_attn.harness.results import ResultWriter, iter_rows, point_key, validate_row
 from llm_attn.harness.stats import summarize
 
@@ -27,6 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["--seq", "16", "32", "--repeats", "2", "--warmup", "1", "--new-tokens", "4", "--decode-repeats", "2",
         "--no-progress"]
 IMPLS = ["eager", "sdpa", "llm_attn"]
+# The harness checks below run the tiny model on the CPU on every machine ('auto' on a GPU is the 8B AWQ model).
+CPU = ["--device", "cpu"]
 
 
 def rows_of(path) -> list[dict]:
@@ -61,7 +64,10 @@ def test_summarize_single_sample_and_bad_input():
 def cli_run(tmp_path_factory):
     """One real run of the CLI as users start it (a subprocess), shared by the checks below."""
     out = tmp_path_factory.mktemp("ttft") / "rows.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "llm_attn.ttft", *FAST, "--out", str(out)], cwd=REPO,
+    # On a GPU machine 'auto' would be the 8B AWQ model: these checks are of the CPU path, so ask for it there
+    # (test_gpu_events_graph_and_kernel covers the GPU path). Without a GPU the command is exactly the users' one.
+    cpu = CPU if torch.cuda.is_available() else []
+    proc = subprocess.run([sys.executable, "-m", "llm_attn.ttft", *FAST, *cpu, "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, out
 
@@ -168,7 +174,7 @@ def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(sweep_mod, "measure_ttft",
                         _failing_measure({32: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")}))
     out = tmp_path / "rows.jsonl"
-    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, "--out", str(out)])
+    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, *CPU, "--out", str(out)])
     assert code == 0  # out of memory is a result, not a failure
     rows = rows_of(out)
     assert [(r["seq"], r["kind"], r["status"]) for r in rows] == [(16, "ttft", "ok"), (32, "error", "oom")]
@@ -182,7 +188,7 @@ def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys
 def test_failing_point_gives_error_row_and_exit_1(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep_mod, "measure_ttft", _failing_measure({16: RuntimeError("kernel exploded")}))
     out = tmp_path / "rows.jsonl"
-    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, "--out", str(out)])
+    code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, *CPU, "--out", str(out)])
     assert code == 1
     rows = rows_of(out)
     assert [(r["seq"], r["status"]) for r in rows] == [(16, "error"), (32, "ok")]
@@ -192,7 +198,7 @@ def test_failing_point_gives_error_row_and_exit_1(tmp_path, monkeypatch, capsys)
 
 def test_ctrl_c_keeps_finished_rows_and_resume_completes(tmp_path, monkeypatch, capsys):
     out = tmp_path / "rows.jsonl"
-    args = ["--impl", "sdpa", "llm_attn", "--measure", "ttft", "decode_generate", *FAST, "--out", str(out)]
+    args = ["--impl", "sdpa", "llm_attn", "--measure", "ttft", "decode_generate", *FAST, *CPU, "--out", str(out)]
     real, calls = sweep_mod.measure_decode_generate, []
 
     def interrupted(*a, **kw):
@@ -240,7 +246,7 @@ def test_writer_survives_a_row_cut_by_a_crash(tmp_path):
     (["--seq", "abc"], "--seq: must be a positive integer, got 'abc'"),
     (["--batch", "0"], "--batch: must be a positive integer"),
     (["--impl", "bogus"], "--impl: invalid choice: 'bogus'"),
-    (["--impl", "flash_attention_2"], "flash_attention_2 needs a CUDA GPU"),
+    (["--impl", "flash_attention_2", "--device", "cpu"], "flash_attention_2 needs a CUDA GPU"),
     (["--impl", "sdpa", "sdpa"], "lists an implementation twice"),
     (["--model", "/nonexistent/llama-3-8b-awq"], "--model /nonexistent/llama-3-8b-awq: no such file or directory"),
     (["--model", "no-such-preset"], "not a preset"),
@@ -257,18 +263,28 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or flash_attn_installed(),
+                    reason="checks the message on a GPU machine without the flash_attn package")
+def test_flash_attention_2_without_flash_attn(capsys):
+    with pytest.raises(SystemExit) as e:
+        ttft.main(["--impl", "flash_attention_2"])
+    assert e.value.code == 2
+    assert "flash_attention_2 needs the flash_attn package" in capsys.readouterr().err
+
+
 def test_seq_longer_than_the_model_allows(capsys, tmp_path):
     from llm_attn.models import load_model, max_seq_len
 
+    # The tiny CPU model on every machine ('auto' on a GPU is the 8B AWQ checkpoint).
     model, _ = load_model("auto", device="cpu", dtype=torch.float32)
     limit = max_seq_len(model)
     with pytest.raises(SystemExit) as e:
-        ttft.main(["--seq", str(limit + 1), "--out", str(tmp_path / "x.jsonl")])
+        ttft.main(["--device", "cpu", "--seq", str(limit + 1), "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 2
     assert f"--seq {limit + 1}: longer than the model allows ({limit} positions)" in capsys.readouterr().err
     # Fits as a prompt, but not with the decoded tokens after it.
     with pytest.raises(SystemExit) as e:
-        ttft.main(["--seq", str(limit), "--new-tokens", "4", "--out", str(tmp_path / "x.jsonl")])
+        ttft.main(["--device", "cpu", "--seq", str(limit), "--new-tokens", "4", "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 2
     assert f"seq + --new-tokens = {limit + 4} positions" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists()  # nothing measured, nothing written
@@ -327,3 +343,85 @@ def test_gpu_events_graph_and_kernel(tmp_path, capsys):
     for seq in (64, 200):
         c = by[("correctness", "llm_attn", seq)]
         assert c["max_abs_logit_diff"] < 0.1 and c["greedy_agreement"] >= 0.5, c
+
+
+# -- bad --out: a clear message and exit status 2, never a traceback -----------------------------------------------
+BAD_OUTS = {
+    "directory": (lambda tmp: tmp, "is a directory"),
+    "under a file": (lambda tmp: (tmp / "afile").joinpath("rows.jsonl"), "is not a directory"),
+}
+
+
+def _bad_out(kind, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    make, message = BAD_OUTS[kind]
+    return str(make(tmp_path)), message
+
+
+@pytest.mark.parametrize("kind", list(BAD_OUTS))
+def test_ttft_bad_out_is_refused_before_the_run(kind, tmp_path, capsys):
+    out, message = _bad_out(kind, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        ttft.main([*CPU, *FAST, "--out", out])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: " in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to simulate a full disk")
+def test_cli_full_disk_exits_2_with_a_message():
+    """The real CLI writing to /dev/full (every write fails with ENOSPC) after measuring one point."""
+    proc = subprocess.run([sys.executable, "-m", "llm_attn.ttft", "--device", "cpu", "--seq", "16", "--repeats", "1",
+                           "--warmup", "0", "--impl", "sdpa", "--measure", "ttft", "--no-progress", "--out",
+                           "/dev/full"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot write results to /dev/full: No space left on device" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_result_writer_reports_output_errors(tmp_path):
+    from llm_attn.harness.results import OutputWriteError
+
+    with pytest.raises(OutputWriteError, match="cannot write results to"):
+        ResultWriter(tmp_path)
+    if os.path.exists("/dev/full"):
+        w = ResultWriter("/dev/full")
+        with pytest.raises(OutputWriteError, match="No space left on device"):
+            w.write({"a": 1})
+
+
+@pytest.mark.parametrize("kind", list(BAD_OUTS))
+def test_experiment_report_bench_bad_out(kind, tmp_path, capsys):
+    from llm_attn import bench, experiment, report
+
+    out, message = _bad_out(kind, tmp_path)
+    definition = tmp_path / "x.toml"
+    definition.write_text('name = "x"\nmodels = ["auto"]\nimpls = ["sdpa"]\nseqs = [16]\n')
+    results_dir = out
+    if kind == "directory":  # --results-dir is a folder: make the results file in it a directory instead
+        results_dir = str(tmp_path / "res")
+        (tmp_path / "res" / "cpu" / "x.jsonl").mkdir(parents=True)
+    calls = [(experiment.main, [str(definition), "--device", "cpu", "--results-dir", results_dir]),
+             (bench.main, ["--out", out])]
+    if kind == "under a file":
+        calls.append((report.main, [str(REPO / "tests" / "fixtures"), "--out", str(tmp_path / "afile")]))
+    for main, args in calls:
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        assert e.value.code == 2, (main, args)
+        err = capsys.readouterr().err
+        assert ("directory" in err or "exists" in err) and "Traceback" not in err, err
+
+
+def test_report_full_disk(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from llm_attn import report
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "r" / "report.md"))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(SystemExit) as e:
+        report.main([str(REPO / "tests" / "fixtures"), "--out", str(tmp_path / "r")])
+    assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err

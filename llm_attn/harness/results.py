@@ -103,14 +103,42 @@ def validate_row(row: dict) -> None:
         raise ValueError(f"{row['kind']} row has no samples")
 
 
+class OutputWriteError(RuntimeError):
+    """The results file cannot be created or written (a directory, no permission, disk full): the CLIs turn it
+    into a one-line message and exit status 2."""
+
+    def __init__(self, path, err: OSError):
+        super().__init__(f"cannot write results to {path}: {err.strerror or err}")
+
+
+def output_file_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot take a results file, checked before a long run starts; None when it looks writable.
+    (A full disk shows only when writing: ResultWriter raises OutputWriteError then.)"""
+    p = Path(path)
+    if p.is_dir():
+        return "is a directory; give a file name, e.g. --out runs/results.jsonl"
+    if p.exists():
+        return None if os.access(p, os.W_OK) else "is not writable"
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot create files in {parent}"
+
+
 class ResultWriter:
-    """Appends rows to a JSONL file; each row is flushed and fsync'ed before ``write`` returns."""
+    """Appends rows to a JSONL file; each row is flushed and fsync'ed before ``write`` returns. Any OSError of the
+    file (a directory, no permission, disk full) is raised as OutputWriteError."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._repair_partial_last_line()
-        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._repair_partial_last_line()
+            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        except OSError as e:
+            raise OutputWriteError(self.path, e) from e
         self.rows_written = 0
 
     def _repair_partial_last_line(self) -> None:
@@ -124,13 +152,19 @@ class ResultWriter:
 
     def write(self, row: dict) -> None:
         line = json.dumps(jsonable(row), allow_nan=False, separators=(",", ":"))
-        self._fh.write(line + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        try:
+            self._fh.write(line + "\n")
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+        except OSError as e:
+            raise OutputWriteError(self.path, e) from e
         self.rows_written += 1
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError as e:  # the buffered tail could not be written
+            raise OutputWriteError(self.path, e) from e
 
     def __enter__(self):
         return self

@@ -1,0 +1,501 @@
+"""The runtime-compiled kernel backend: the kernels/ headers compiled with NVRTC for the GPU that is present, at
+first use, one instantiation at a time, cached on disk, and launched through the CUDA driver API on torch's
+current stream. Needs NVIDIA's cuda-python (``cuda-bindings``), NVRTC and the CUDA runtime headers
+(``pip install "llm-attn[nvrtc]"``; a CUDA build of torch usually brings the last two); no nvcc, no host compiler,
+no torch headers.
+
+It is a drop-in for the compiled extension: ``mha_fwd``, ``num_splits`` and ``set_tile`` behave as in
+kernels/binding.cpp (same checks and messages, same host-side choices through ``llm_attn._plan``, workspace from
+torch's caching allocator, no synchronisation), so ``flash_attn_func``, the custom op, CUDA graphs and
+torch.compile run on it unchanged.
+
+The cache (``$LLM_ATTN_CACHE/nvrtc`` or ``~/.cache/llm_attn/nvrtc``) holds one cubin per instantiation and arch,
+keyed by a hash of the kernel headers, the generated source, the NVRTC version, the arch and the options. Cubin
+(SASS) rather than PTX: PTX from a newer NVRTC cannot be loaded by an older driver.
+
+On sm_90 this backend compiles for plain sm_90 and runs the portable mma.sync kernel (the AOT build's Hopper-only
+code needs sm_90a and host-built TMA descriptors).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from llm_attn import _plan
+
+CACHE_FORMAT = 1
+# NVRTC has no C++ standard library: flash.h and ptx.cuh include <cstdint>, which this in-memory header provides
+# (LP64: int64_t is long, as in glibc, so the struct layout matches the host's).
+_SHIM_HEADERS = {
+    "cstdint": "#pragma once\n"
+               "typedef signed char int8_t; typedef short int16_t; typedef int int32_t; typedef long int64_t;\n"
+               "typedef unsigned char uint8_t; typedef unsigned short uint16_t; typedef unsigned int uint32_t;\n"
+               "typedef unsigned long uint64_t; typedef unsigned long uintptr_t; typedef long intptr_t;\n",
+}
+# What nvcc gets from setup.py, in NVRTC's words. -default-device: flash.h declares host functions, which NVRTC
+# would otherwise reject; INFINITY comes from <cmath> under nvcc.
+BASE_OPTIONS = ("-std=c++17", "--use_fast_math", "-lineinfo", "-default-device",
+                "-DINFINITY=__int_as_float(0x7f800000)", "--ptxas-options=-v")
+
+
+class NvrtcUnavailableError(RuntimeError):
+    """cuda-python, NVRTC, the CUDA headers or a GPU is missing."""
+
+
+def _kernels_dir() -> Path:
+    """kernels/ of a source checkout (editable install), else the copy a wheel carries in llm_attn/_kernels."""
+    pkg = Path(__file__).resolve().parent
+    for d in (pkg.parent / "kernels", pkg / "_kernels"):
+        if (d / "flash_fwd_kernel.cuh").is_file():
+            return d
+    raise NvrtcUnavailableError(f"the kernel headers were not found (looked in {pkg.parent / 'kernels'} and "
+                                f"{pkg / '_kernels'})")
+
+
+def _cuda_include_dir() -> Path:
+    """A folder with cuda_fp16.h: the pip wheel nvidia-cuda-runtime (CUDA 13 or 12 layout), CUDA_HOME, /usr/local/cuda
+    (JetPack)."""
+    candidates = []
+    try:
+        from cuda import pathfinder  # noqa: PLC0415
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            candidates.append(Path(found))
+    except Exception:  # noqa: BLE001  (an older cuda-pathfinder, or none: fall through to the usual places)
+        pass
+    for sp in sys.path:
+        candidates += [Path(sp) / "nvidia" / "cu13" / "include", Path(sp) / "nvidia" / "cuda_runtime" / "include"]
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates += [Path("/usr/local/cuda/include")]
+    for c in candidates:
+        if (c / "cuda_fp16.h").is_file():
+            return c
+    raise NvrtcUnavailableError("the CUDA headers (cuda_fp16.h) were not found: pip install nvidia-cuda-runtime "
+                                "(CUDA 13; nvidia-cuda-runtime-cu12 for CUDA 12) or set CUDA_HOME")
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc  # noqa: PLC0415
+    except ImportError as e:
+        raise NvrtcUnavailableError(f"cuda-python is not installed ({e}): pip install 'llm-attn[nvrtc]' (CUDA 13) or "
+                                    f"'llm-attn[nvrtc-cu12]' (CUDA 12)") from None
+    return nvrtc
+
+
+def _check(result, what: str):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"llm_attn (NVRTC backend): {what} failed: {err!r}")
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    try:
+        major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    except Exception as e:  # noqa: BLE001  (libnvrtc not found: cuda-pathfinder raises its own types)
+        raise NvrtcUnavailableError(f"libnvrtc could not be loaded ({type(e).__name__}: {e}): pip install "
+                                    f"nvidia-cuda-nvrtc (CUDA 13; nvidia-cuda-nvrtc-cu12 for CUDA 12)") from None
+    return int(major), int(minor)
+
+
+def params_struct_asserts(offsets: bool = False) -> str:
+    """static_asserts that FlashFwdParams has the layout of the ctypes mirror below. NVRTC has no offsetof, so every
+    program checks the size; tests/test_nvrtc.py checks each offset with the host C++ compiler (offsets=True)."""
+    lines = [f"static_assert(sizeof(llm_attn::FlashFwdParams) == {ctypes.sizeof(FlashFwdParams)}, "
+             f"\"FlashFwdParams changed: update llm_attn/_nvrtc.py\");"]
+    for name, *_ in FlashFwdParams._fields_ if offsets else ():
+        off = getattr(FlashFwdParams, name).offset
+        lines.append(f"static_assert(offsetof(llm_attn::FlashFwdParams, {name}) == {off}, "
+                     f"\"FlashFwdParams.{name} moved: update llm_attn/_nvrtc.py\");")
+    return "\n".join(lines) + "\n"
+
+
+def program_source(kernels: list[str]) -> str:
+    header = "flash_decode_kernel.cuh" if any("flash_decode_kernel<" in k for k in kernels) else "flash_fwd_kernel.cuh"
+    return f'#include "{header}"\n' + params_struct_asserts()
+
+
+@functools.lru_cache(maxsize=1)
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    d = _kernels_dir()
+    for p in sorted(list(d.glob("*.h")) + list(d.glob("*.cuh"))):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for name, text in sorted(_SHIM_HEADERS.items()):
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _options(arch: str) -> list[str]:
+    return [f"--gpu-architecture={arch}", *BASE_OPTIONS, f"-I{_kernels_dir()}", f"-I{_cuda_include_dir()}"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLM_ATTN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llm_attn")
+    return Path(root) / "nvrtc"
+
+
+def cache_key(arch: str, kernels: list[str]) -> str:
+    h = hashlib.sha256()
+    opts = [o for o in _options(arch) if not o.startswith("-I")]  # include folders move; their content is hashed
+    for part in (str(CACHE_FORMAT), _headers_digest(), program_source(kernels), arch, repr(nvrtc_version()),
+                 repr(opts), repr(kernels)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def compile_cubin(arch: str, kernels: list[str]) -> tuple[bytes, dict[str, str], str]:
+    """Compile `kernels` (C++ name expressions of __global__ instantiations) for `arch` (e.g. "sm_89"). Returns the
+    cubin, {name expression: lowered (mangled) name} and NVRTC's log (ptxas -v lines included). Needs no GPU."""
+    nvrtc = _nvrtc()
+    src = program_source(kernels)
+    names = [n.encode() for n in _SHIM_HEADERS]
+    bodies = [t.encode() for t in _SHIM_HEADERS.values()]
+    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"llm_attn_nvrtc.cu", len(names), bodies, names),
+                  "nvrtcCreateProgram")
+    try:
+        for k in kernels:
+            _check(nvrtc.nvrtcAddNameExpression(prog, k.encode()), "nvrtcAddNameExpression")
+        opts = [o.encode() for o in _options(arch)]
+        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        log = log.rstrip(b"\0").decode(errors="replace")
+        if int(err) != 0:
+            raise RuntimeError(f"llm_attn (NVRTC backend): compiling {kernels} for {arch} failed ({err!r}):\n{log}")
+        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        lowered = {}
+        for k in kernels:
+            low = _check(nvrtc.nvrtcGetLoweredName(prog, k.encode()), "nvrtcGetLoweredName")
+            lowered[k] = low.decode() if isinstance(low, bytes) else str(low)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return cubin, lowered, log
+
+
+_PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)")
+
+
+def local_memory_report(log: str) -> dict[str, tuple[int, int, int]]:
+    """{mangled kernel: (stack frame, spill stores, spill loads) bytes} from the ptxas -v lines of a compile log."""
+    out, current = {}, None
+    for line in log.splitlines():
+        m = _PTXAS_FUNC.search(line)
+        if m:
+            current = m.group(1) or m.group(2)
+            continue
+        m = _PTXAS_PROPS.search(line)
+        if m and current:
+            out[current] = tuple(int(x) for x in m.groups())
+    return out
+
+
+_compile_lock = threading.Lock()
+# (arch, kernel) -> seconds it took in this process (0 when it came from the disk cache): llm_attn.ttft and
+# experiments/nvrtc_bench.py report it.
+compile_stats: dict[tuple[str, str], dict] = {}
+
+
+def get_cubin(arch: str, kernel: str) -> tuple[bytes, str]:
+    """The cubin and lowered name of one instantiation, from the disk cache or compiled (then cached)."""
+    key = cache_key(arch, [kernel])
+    d = cache_dir()
+    cubin_path, meta_path = d / f"{key}.cubin", d / f"{key}.json"
+    t0 = time.perf_counter()
+    with _compile_lock:
+        try:
+            meta = json.loads(meta_path.read_text())
+            cubin = cubin_path.read_bytes()
+            if meta.get("kernel") == kernel and len(cubin) == meta.get("size"):
+                compile_stats[(arch, kernel)] = {"source": "cache", "seconds": time.perf_counter() - t0}
+                return cubin, meta["lowered"]
+        except (OSError, ValueError):
+            pass
+        cubin, lowered, _ = compile_cubin(arch, [kernel])
+        compile_stats[(arch, kernel)] = {"source": "nvrtc", "seconds": time.perf_counter() - t0}
+        try:  # atomic: another process may read the cache at the same time
+            d.mkdir(parents=True, exist_ok=True)
+            for path, data in ((cubin_path, cubin),
+                               (meta_path, json.dumps({"kernel": kernel, "arch": arch, "lowered": lowered[kernel],
+                                                       "nvrtc": nvrtc_version(), "size": len(cubin)}).encode())):
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+        except OSError as e:  # a read-only or full cache only costs the next process a compile
+            print(f"llm_attn: could not write the NVRTC cache in {d}: {e}", file=sys.stderr)
+    return cubin, lowered[kernel]
+
+
+# -- FlashFwdParams, passed by value ------------------------------------------------------------------------------
+class FlashFwdParams(ctypes.Structure):
+    """Mirror of llm_attn::FlashFwdParams (kernels/flash.h); every compiled program static_asserts this layout."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
+        ("q_batch_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
+        ("k_batch_stride", ctypes.c_int64), ("k_head_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
+        ("v_batch_stride", ctypes.c_int64), ("v_head_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
+        ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        ("batch", ctypes.c_int), ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("head_dim", ctypes.c_int),
+        ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
+        ("causal", ctypes.c_bool), ("is_bf16", ctypes.c_bool),
+        ("tile", ctypes.c_int),
+        ("num_splits", ctypes.c_int),
+        ("o_accum", ctypes.c_void_p), ("lse_accum", ctypes.c_void_p), ("split_counters", ctypes.c_void_p),
+    ]
+
+
+# -- availability ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """None when this backend can run here, else why not (cheap: imports and file look-ups, no compile)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is not a CUDA build"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    try:
+        nvrtc_version()
+        _kernels_dir()
+        _cuda_include_dir()
+        from cuda.bindings import driver  # noqa: F401, PLC0415
+    except (NvrtcUnavailableError, ImportError) as e:
+        return str(e)
+    return None
+
+
+# -- driver API: load and launch ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _driver():
+    from cuda.bindings import driver  # noqa: PLC0415
+
+    return driver
+
+
+def _drv_check(result, what: str):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        driver = _driver()
+        name = driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"llm_attn (NVRTC backend): {what} failed: {name.decode() if name else err!r}")
+    if isinstance(result, tuple):
+        return result[1] if len(result) == 2 else result[1:]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def device_info(index: int) -> tuple[str, _plan.Device]:
+    """("sm_XY", the device facts the dispatch reads) of CUDA device `index`."""
+    driver = _driver()
+    _drv_check(driver.cuInit(0), "cuInit")
+    dev = _drv_check(driver.cuDeviceGet(index), "cuDeviceGet")
+    A = driver.CUdevice_attribute
+
+    def attr(a):
+        return int(_drv_check(driver.cuDeviceGetAttribute(a, dev), "cuDeviceGetAttribute"))
+
+    major = attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+    minor = attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+    facts = _plan.Device(num_sms=attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+                         smem_per_sm=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+                         smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+                         cc_major=major)
+    return f"sm_{major}{minor}", facts
+
+
+_functions: dict[tuple[int, str], object] = {}
+_load_lock = threading.Lock()
+
+
+def _function(index: int, kernel: str, smem: int):
+    """The CUfunction of `kernel` in device `index`'s primary context (torch's), loaded once."""
+    fn = _functions.get((index, kernel))
+    if fn is not None:
+        return fn
+    with _load_lock:
+        fn = _functions.get((index, kernel))
+        if fn is not None:
+            return fn
+        driver = _driver()
+        arch, _ = device_info(index)
+        cubin, lowered = get_cubin(arch, kernel)
+        t0 = time.perf_counter()
+        ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if not int(ctx):  # a thread torch has not used yet: bind the primary context torch uses
+            dev = _drv_check(driver.cuDeviceGet(index), "cuDeviceGet")
+            _drv_check(driver.cuCtxSetCurrent(_drv_check(driver.cuDevicePrimaryCtxRetain(dev), "retain")), "set ctx")
+        try:
+            module = _drv_check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        except RuntimeError as e:
+            drv = _drv_check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+            raise RuntimeError(f"{e}: a cubin from NVRTC {'.'.join(map(str, nvrtc_version()))} for {arch} did not "
+                               f"load on a driver for CUDA {drv // 1000}.{drv % 1000 // 10}; use an NVRTC no newer "
+                               f"than the driver (pip install 'nvidia-cuda-nvrtc-cu12' for CUDA 12)") from None
+        fn = _drv_check(driver.cuModuleGetFunction(module, lowered.encode()), "cuModuleGetFunction")
+        if smem > 48 * 1024:
+            _drv_check(driver.cuFuncSetAttribute(
+                fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        stats = compile_stats.setdefault((arch, kernel), {})
+        stats["load_seconds"] = time.perf_counter() - t0
+        _functions[(index, kernel)] = fn
+        return fn
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_for(index: int, *shape) -> _plan.Plan:
+    """The plan per (device, shape, tile): the host-side choices cost nothing after the first call of a shape."""
+    return _plan.plan(_plan.Shape(*shape), device_info(index)[1])
+
+
+def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
+    driver = _driver()
+    fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    _drv_check(driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, driver.CUstream(stream),
+                                     ctypes.addressof(args), 0), f"launching {launch.kernel}")
+
+
+# -- the extension's interface ---------------------------------------------------------------------------------
+_tile = _plan.TILE_AUTO
+
+
+def set_tile(tile: int) -> int:
+    """Force the prefill tile (0 auto, 1 large, 2 wide, 3 small); returns the previous one, -1 for an unknown id."""
+    global _tile
+    if not _plan.TILE_AUTO <= int(tile) <= _plan.TILE_SMALL:
+        return -1
+    prev, _tile = _tile, int(tile)
+    return prev
+
+
+def num_splits(batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+               num_sms: int) -> int:
+    return _plan.num_splits(_plan.Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim), num_sms)
+
+
+def _fail(*parts) -> None:
+    raise RuntimeError("llm_attn.mha_fwd: " + "".join(str(p) for p in parts))
+
+
+def _shape(t) -> str:
+    return "[" + ", ".join(str(x) for x in t) + "]"
+
+
+def _check_operand(t: torch.Tensor, name: str, q: torch.Tensor) -> None:
+    if not t.is_cuda:
+        _fail(name, " must be a CUDA tensor")
+    if t.device != q.device:
+        _fail(name, " is on ", t.device, " but q is on ", q.device)
+    if t.dtype != q.dtype:
+        _fail(name, " dtype ", t.dtype, " != q dtype ", q.dtype)
+    if t.dim() != 4:
+        _fail(name, " must be 4-D (batch, heads, seq, head_dim), got ", t.dim(), "-D")
+    st = t.stride()
+    if st[3] != 1:
+        _fail(name, " must be contiguous in head_dim")
+    for d in range(3):
+        if st[d] % 8 and t.shape[d] != 1:
+            _fail(name, " strides must be multiples of 8 elements (16 bytes), got ", _shape(st))
+    if t.data_ptr() % 16:
+        _fail(name, " must be 16-byte aligned")
+
+
+def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            seqused_k: torch.Tensor | None, scale: float, causal: bool) -> None:
+    """FlashAttention forward into preallocated out/lse: kernels/binding.cpp's mha_fwd, same checks."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        _fail("only float16 and bfloat16 are supported, got ", q.dtype)
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")):
+        _check_operand(t, name, q)
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if head_dim not in (64, 128):
+        _fail("head_dim must be 64 or 128, got ", head_dim)
+    if k.shape != v.shape:
+        _fail("k ", _shape(k.shape), " and v ", _shape(v.shape), " must have the same shape")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        _fail("k/v ", _shape(k.shape), " do not match q ", _shape(q.shape))
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        _fail("query heads (", num_heads, ") must be a multiple of kv heads (", num_kv_heads, ")")
+    if min(batch, num_heads, seqlen_q, seqlen_k) <= 0:
+        _fail("empty input: q ", _shape(q.shape), ", k ", _shape(k.shape))
+    if seqlen_q >= 1 << 30 or seqlen_k >= 1 << 30:
+        _fail("sequence too long")
+    if num_heads > 65535 or batch > 65535:
+        _fail("at most 65535 heads and batch 65535, got ", num_heads, " and ", batch)
+    if causal and seqlen_q > 65535 * 64:
+        _fail("causal q_len must be <= ", 65535 * 64, ", got ", seqlen_q)
+    if out.shape != q.shape:
+        _fail("out ", _shape(out.shape), " must match q ", _shape(q.shape))
+    if not (lse.is_cuda and lse.device == q.device and lse.dtype == torch.float32 and lse.is_contiguous()
+            and tuple(lse.shape) == (batch, num_heads, seqlen_q)):
+        _fail("lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device")
+    if not math.isfinite(scale):
+        _fail("scale must be finite")
+    if seqused_k is not None and not (seqused_k.is_cuda and seqused_k.device == q.device):
+        _fail("seqused_k must be on q's device")
+    if seqused_k is not None and not (seqused_k.dtype == torch.int32 and seqused_k.dim() == 1
+                                      and seqused_k.shape[0] == batch and seqused_k.is_contiguous()):
+        _fail("seqused_k must be a contiguous int32 tensor of shape (batch,)")
+
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    is_bf16 = q.dtype == torch.bfloat16
+    plan = _plan_for(index, batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, bool(causal), is_bf16, _tile)
+
+    p = FlashFwdParams()
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    p.lse = lse.data_ptr()
+    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
+    (p.q_batch_stride, p.q_head_stride, p.q_row_stride) = q.stride()[:3]
+    (p.k_batch_stride, p.k_head_stride, p.k_row_stride) = k.stride()[:3]
+    (p.v_batch_stride, p.v_head_stride, p.v_row_stride) = v.stride()[:3]
+    (p.o_batch_stride, p.o_head_stride, p.o_row_stride) = out.stride()[:3]
+    p.batch, p.num_heads, p.num_kv_heads = batch, num_heads, num_kv_heads
+    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.scale = scale
+    p.scale_log2 = scale * 1.4426950408889634  # M_LOG2E, rounded to float as binding.cpp does
+    p.causal, p.is_bf16, p.tile = bool(causal), is_bf16, _tile
+    p.num_splits = plan.num_splits
+    keep = []  # the workspace lives until the launches are queued; torch's allocator orders its reuse by stream
+    if plan.num_splits > 1:
+        o_accum = torch.empty((plan.num_splits, batch, num_heads, seqlen_q, head_dim), dtype=torch.float32,
+                              device=q.device)
+        lse_accum = torch.empty((plan.num_splits, batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+        p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
+        keep += [o_accum, lse_accum]
+        if plan.decode:  # zeroed per call, as in binding.cpp (one memset node in a CUDA graph)
+            counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+            p.split_counters = counters.data_ptr()
+            keep.append(counters)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    if index == torch.cuda.current_device():
+        for launch in plan.launches:
+            _launch(index, launch, p, stream)
+    else:
+        with torch.cuda.device(index):
+            for launch in plan.launches:
+                _launch(index, launch, p, stream)

@@ -1,0 +1,232 @@
+"""The host-side choices of the CUDA kernels, in Python, for the NVRTC backend: which instantiation runs, with how
+many KV splits, on what grid and with how much shared memory.
+
+This is a mirror of C++ code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits``
+(kernels/flash_fwd.cu), ``use_small_tiles`` / ``use_decode_kernel`` and the tile tables ``FwdConfig``
+(kernels/flash_fwd_config.h), ``run_flash_fwd_`` / ``launch_fwd`` (kernels/flash_fwd_launch.cuh),
+``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), and the smem formulas of
+``FwdTraits`` / ``DecodeTraits``. tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+tests/test_nvrtc.py compiles every instantiation listed here. Pure Python: importable without CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TILE_AUTO, TILE_LARGE, TILE_WIDE, TILE_SMALL = 0, 1, 2, 3
+DECODE_MAX_ROWS = 32  # kDecodeMaxRows
+DTYPE_NAMES = {False: "half", True: "__nv_bfloat16"}  # is_bf16 -> the C++ element type
+
+
+@dataclass(frozen=True)
+class FwdTraits:
+    """FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kMTiles, kPipeline, kMinArch>."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    n_warps: int
+    m_tiles: int
+    pipeline: bool
+    min_arch: int
+
+    @property
+    def threads(self) -> int:
+        return self.n_warps * 32
+
+    @property
+    def smem_bytes(self) -> int:  # Q tile + two stages of (K, V), 2-byte elements
+        return (self.block_m * self.head_dim + 4 * self.block_n * self.head_dim) * 2
+
+    def cpp(self) -> str:
+        return (f"llm_attn::FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, {self.n_warps}, "
+                f"{self.m_tiles}, {str(self.pipeline).lower()}, {self.min_arch}>")
+
+
+@dataclass(frozen=True)
+class DecodeTraits:
+    """DecodeTraits<kHeadDim, kMTiles, kStages>."""
+
+    head_dim: int
+    m_tiles: int
+    stages: int
+    threads: int = 128
+    block_n: int = 64
+
+    @property
+    def smem_bytes(self) -> int:
+        return (16 * self.m_tiles * self.head_dim + 2 * self.stages * self.block_n * self.head_dim) * 2
+
+    def cpp(self) -> str:
+        return f"llm_attn::DecodeTraits<{self.head_dim}, {self.m_tiles}, {self.stages}>"
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    large: FwdTraits
+    small: FwdTraits
+    wide: FwdTraits
+    wide64: FwdTraits | None  # None where kHasWide64 is false
+    wide_causal_min_blocks_per_sm: int
+    block_n: int  # FwdConfig<D>::kBlockN, what flash_fwd_num_splits counts key tiles with
+
+
+CONFIGS = {
+    128: FwdConfig(large=FwdTraits(128, 128, 64, 8, 1, True, 0), small=FwdTraits(128, 64, 64, 4, 1, True, 0),
+                   wide=FwdTraits(128, 128, 32, 4, 2, False, 0), wide64=FwdTraits(128, 128, 64, 4, 2, False, 900),
+                   wide_causal_min_blocks_per_sm=3, block_n=64),
+    64: FwdConfig(large=FwdTraits(64, 128, 128, 8, 1, False, 0), small=FwdTraits(64, 64, 64, 4, 1, True, 0),
+                  wide=FwdTraits(64, 128, 64, 4, 2, False, 0), wide64=None,
+                  wide_causal_min_blocks_per_sm=0, block_n=128),
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """The device facts the C++ dispatch reads (flash_fwd.cu's device_attribute)."""
+
+    num_sms: int
+    smem_per_sm: int         # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+    smem_per_block_optin: int  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    cc_major: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool = False
+    is_bf16: bool = False
+    tile: int = TILE_AUTO
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str          # the C++ name expression of the __global__ instantiation
+    grid: tuple[int, int, int]
+    threads: int
+    smem: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_splits: int
+    decode: bool         # the split-KV decode kernel (needs zeroed split counters when it splits)
+    launches: tuple[Launch, ...]  # in order: the kernel, then the combine kernel for a split prefill
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def use_decode_kernel(s: Shape) -> bool:
+    return s.num_heads // s.num_kv_heads * s.seqlen_q <= DECODE_MAX_ROWS
+
+
+def use_small_tiles(s: Shape, num_sms: int) -> bool:
+    if s.tile != TILE_AUTO:
+        return s.tile == TILE_SMALL
+    return _cdiv(s.seqlen_q, 128) * s.num_heads * s.batch < num_sms
+
+
+def decode_num_splits(s: Shape, num_sms: int) -> int:
+    blocks = s.batch * s.num_kv_heads
+    splits = min(_cdiv(2 * num_sms, blocks), _cdiv(s.seqlen_k, 64), 128)
+    return splits if splits > 1 else 1
+
+
+def num_splits(s: Shape, num_sms: int) -> int:
+    """flash_fwd_num_splits."""
+    if use_decode_kernel(s):
+        return decode_num_splits(s, num_sms)
+    if s.tile == TILE_WIDE:
+        return 1
+    block_m = 64 if use_small_tiles(s, num_sms) else 128
+    blocks = _cdiv(s.seqlen_q, block_m) * s.num_heads * s.batch
+    n_blocks = _cdiv(s.seqlen_k, CONFIGS[s.head_dim].block_n)
+    if blocks * 10 >= num_sms * 8 or n_blocks < 4:
+        return 1
+    splits = min(_cdiv(2 * num_sms, blocks), n_blocks // 2, 64)
+    return splits if splits > 1 else 1
+
+
+def fwd_kernel_name(is_bf16: bool, traits: FwdTraits, causal: bool, split: bool) -> str:
+    return (f"llm_attn::flash_fwd_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}, "
+            f"{str(split).lower()}>")
+
+
+def combine_kernel_name(is_bf16: bool, head_dim: int) -> str:
+    return f"llm_attn::flash_combine_kernel<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
+
+
+def decode_kernel_name(is_bf16: bool, traits: DecodeTraits) -> str:
+    return f"llm_attn::flash_decode_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}>"
+
+
+def _fwd_launches(s: Shape, traits: FwdTraits, split: bool, splits: int) -> tuple[Launch, ...]:
+    """launch_fwd."""
+    m_blocks = _cdiv(s.seqlen_q, traits.block_m)
+    heads_first = s.causal and not split
+    grid = ((s.num_heads, m_blocks) if heads_first else (m_blocks, s.num_heads)) + (s.batch * (splits if split else 1),)
+    main = Launch(fwd_kernel_name(s.is_bf16, traits, s.causal, split), grid, traits.threads, traits.smem_bytes)
+    if not split:
+        return (main,)
+    rows = s.batch * s.num_heads * s.seqlen_q
+    return main, Launch(combine_kernel_name(s.is_bf16, s.head_dim), (_cdiv(rows, 4), 1, 1), 128, 0)
+
+
+def decode_traits(s: Shape, smem_per_block_optin: int) -> DecodeTraits:
+    """run_flash_decode_."""
+    if s.num_heads // s.num_kv_heads * s.seqlen_q > 16:
+        return DecodeTraits(s.head_dim, 2, 2)
+    deep = DecodeTraits(s.head_dim, 1, 3)
+    return deep if smem_per_block_optin >= deep.smem_bytes else DecodeTraits(s.head_dim, 1, 2)
+
+
+def plan(s: Shape, dev: Device) -> Plan:
+    """run_flash_fwd with the split count the binding computes (flash_fwd_num_splits with the current tile)."""
+    if s.head_dim not in CONFIGS:
+        raise ValueError(f"head_dim must be 64 or 128, got {s.head_dim}")
+    splits = num_splits(s, dev.num_sms)
+    if use_decode_kernel(s):
+        t = decode_traits(s, dev.smem_per_block_optin)
+        return Plan(splits, True, (Launch(decode_kernel_name(s.is_bf16, t), (splits, s.num_kv_heads, s.batch),
+                                          t.threads, t.smem_bytes),))
+    cfg = CONFIGS[s.head_dim]
+    if use_small_tiles(s, dev.num_sms):
+        return Plan(splits, False, _fwd_launches(s, cfg.small, splits > 1, splits))
+    if (not s.causal and cfg.wide64 is not None and s.tile != TILE_LARGE and splits == 1 and dev.cc_major >= 9
+            and dev.smem_per_sm >= 2 * cfg.wide64.smem_bytes):
+        return Plan(splits, False, _fwd_launches(s, cfg.wide64, False, 1))
+    if s.tile == TILE_WIDE:
+        return Plan(splits, False, _fwd_launches(s, cfg.wide, False, 1))
+    if splits > 1:
+        return Plan(splits, False, _fwd_launches(s, cfg.large, True, splits))
+    blocks = _cdiv(s.seqlen_q, cfg.wide.block_m) * s.num_heads * s.batch
+    if (s.tile == TILE_AUTO and dev.smem_per_sm >= 2 * cfg.wide.smem_bytes
+            and (not s.causal or blocks >= cfg.wide_causal_min_blocks_per_sm * dev.num_sms)):
+        return Plan(splits, False, _fwd_launches(s, cfg.wide, False, 1))
+    return Plan(splits, False, _fwd_launches(s, cfg.large, False, 1))
+
+
+def all_kernels() -> list[str]:
+    """Every __global__ instantiation the AOT build compiles (the .cu files' run_flash_fwd_/run_flash_decode_ reach
+    exactly these): per (head_dim, dtype, causal) Small and Large with and without split, Wide, Wide64 (non-causal); the combine
+    kernel per (head_dim, dtype); the decode kernel's three traits per (head_dim, dtype)."""
+    names = []
+    for d, cfg in CONFIGS.items():
+        for bf16 in (False, True):
+            for causal in (False, True):
+                for traits, split in ((cfg.small, False), (cfg.small, True), (cfg.large, False), (cfg.large, True),
+                                      (cfg.wide, False)):
+                    names.append(fwd_kernel_name(bf16, traits, causal, split))
+                if cfg.wide64 is not None and not causal:  # run_flash_fwd_: `if constexpr (!kCausal && ...)`
+                    names.append(fwd_kernel_name(bf16, cfg.wide64, causal, False))
+            names.append(combine_kernel_name(bf16, d))
+            for mt, st in ((2, 2), (1, 3), (1, 2)):
+                names.append(decode_kernel_name(bf16, DecodeTraits(d, mt, st)))
+    return names
