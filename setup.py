@@ -147,7 +147,13 @@ setup(
                   "nvidia-cuda-runtime>=13.0,<14"],
         "nvrtc-cu12": ["cuda-bindings>=12.8,<13", "nvidia-cuda-nvrtc-cu12>=12.4,<13",
                        "nvidia-cuda-runtime-cu12>=12.4,<13"],
+        # The `numba` attention entry (llm_attn/impls/numba_fa2.py) and the Thunder executor (llm_attn/thunder.py).
+        "numba": ["numba-cuda>=0.30.4"],
+        "thunder": ["lightning-thunder==0.2.6"],
     },
+    # Installed packages register attention implementations here (llm_attn.registry reads the group), e.g.
+    #   [project.entry-points."llm_attn.attention"] mine = "my_pkg.attention:register"
+    entry_points={"llm_attn.attention": []},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
