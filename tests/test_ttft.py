@@ -6,6 +6,7 @@ statistics, error rows (out of memory, failures), the crash-safe writer, and cle
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -19,7 +20,6 @@ import torch
 
 from llm_attn import ttft
 from llm_attn.harness import sweep as sweep_mod
-from llm_attn.harness.impls import flash_attn_installed
 from llm_attn.harness.results import ResultWriter, iter_rows, point_key, validate_row
 from llm_attn.harness.stats import summarize
 
@@ -263,7 +263,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or flash_attn_installed(),
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is not None,
                     reason="checks the message on a GPU machine without the flash_attn package")
 def test_flash_attention_2_without_flash_attn(capsys):
     with pytest.raises(SystemExit) as e:
