@@ -8,6 +8,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flash.h"
 
@@ -137,6 +138,26 @@ int64_t set_tile(int64_t tile) {
 
 
 // ---- Backward ------------------------------------------------------------------------------------------------------
+// Key-block split override for the backward (llm_attn.backward.force_bwd_splits): 0 = automatic.
+int g_bwd_splits = 0;
+
+int64_t set_bwd_splits(int64_t splits) {
+    if (splits < 0) return -1;
+    const int prev = g_bwd_splits;
+    g_bwd_splits = static_cast<int>(splits);
+    return prev;
+}
+
+// The (num_splits, iters_per_split) the backward would use for these shapes (tests).
+std::vector<int64_t> bwd_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q,
+                                int64_t seqlen_k, int64_t head_dim, bool causal, int64_t num_sms) {
+    llm_attn::FlashBwdParams p{};
+    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
+    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim, p.causal = causal;
+    llm_attn::flash_bwd_set_splits(p, num_sms, g_bwd_splits);
+    return {p.num_splits, p.iters_per_split};
+}
+
 #define CHECK_BWD(cond, ...) TORCH_CHECK(cond, "llm_attn.mha_bwd: ", __VA_ARGS__)
 
 void check_bwd_operand(const at::Tensor& t, const char* name, const at::Tensor& q, at::IntArrayRef sizes) {
@@ -230,6 +251,14 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     p.scale_log2 = static_cast<float>(scale * M_LOG2E);
     p.causal = causal;
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits);
+    at::Tensor dk_accum, dv_accum;
+    if (p.num_splits > 1) {
+        dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
+        dv_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
+        p.dk_accum = dk_accum.data_ptr<float>();
+        p.dv_accum = dv_accum.data_ptr<float>();
+    }
     const cudaError_t err = llm_attn::run_flash_bwd(p, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_bwd: kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -245,4 +274,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("mha_bwd", &mha_bwd, "FlashAttention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
+    m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");
 }

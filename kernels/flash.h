@@ -96,7 +96,20 @@ struct FlashBwdParams {
     float scale, scale_log2;
     bool causal;  // bottom-right aligned, as the forward
     bool is_bf16;
+
+    // Split key blocks: with num_splits > 1, each key block's query steps (query heads x query blocks) are shared
+    // by num_splits thread blocks of at most iters_per_split steps, which add float32 partial dK/dV into
+    // dk_accum / dv_accum ((batch, num_kv_heads, seqlen_k, head_dim), zero before the launch); a conversion pass
+    // writes dk/dv. Fills the GPU when there are few key blocks and balances causal blocks (the first keys are
+    // seen by every query). num_splits == 1: dK/dV are written directly.
+    int num_splits, iters_per_split;
+    float* __restrict__ dk_accum;
+    float* __restrict__ dv_accum;
 };
+
+// The split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets num_splits and
+// iters_per_split); `force_splits` > 0 asks for that many (tests). The binding sizes the workspaces from it.
+void flash_bwd_set_splits(FlashBwdParams& params, int num_sms, int force_splits);
 
 // Launches preprocessing, the dK/dV kernel (which also accumulates dQ) and the dQ conversion on `stream`.
 cudaError_t run_flash_bwd(FlashBwdParams& params, cudaStream_t stream);

@@ -4,7 +4,43 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 namespace llm_attn {
+
+// Must match BwdConfig (flash_bwd_launch.cuh): query rows per step, keys per block.
+static int bwd_block_m(int head_dim) { return head_dim == 128 ? 32 : 64; }
+constexpr int kBwdBlockN = 64;
+
+void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits) {
+    const int block_m = bwd_block_m(p.head_dim);
+    const int group = p.num_heads / p.num_kv_heads;
+    const int num_m = (p.seqlen_q + block_m - 1) / block_m;
+    const int n_blocks = (p.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
+    const long max_iters = static_cast<long>(group) * num_m;  // steps of a key block that sees every query block
+    // Steps of all key blocks of one (batch, KV head); causal key blocks start at their diagonal (seqused_k is on
+    // the device: the full length stands in for it here).
+    long total = 0;
+    for (int n = 0; n < n_blocks; ++n) {
+        const int m_min = p.causal ? std::max(n * kBwdBlockN - (p.seqlen_k - p.seqlen_q), 0) / block_m : 0;
+        total += static_cast<long>(group) * std::max(num_m - m_min, 0);
+    }
+    total *= static_cast<long>(p.num_kv_heads) * p.batch;
+    const long blocks = static_cast<long>(n_blocks) * p.num_kv_heads * p.batch;
+    // Two 4-warp blocks per SM (registers). Below ~4 waves of key blocks, split them so that ~4 waves of blocks of
+    // about equal work result; at least 8 steps per block amortise its K/V load and atomic epilogue.
+    const long waves4 = 4L * 2 * num_sms;
+    long splits = 1;
+    if (force_splits > 0) {
+        splits = force_splits;
+    } else if (blocks < waves4) {
+        const long per = std::max((total + waves4 - 1) / waves4, 8L);
+        splits = (max_iters + per - 1) / per;
+    }
+    splits = std::max(1L, std::min({splits, max_iters, 65535L / p.batch}));
+    p.iters_per_split = static_cast<int>((max_iters + splits - 1) / splits);
+    p.num_splits = static_cast<int>((max_iters + p.iters_per_split - 1) / p.iters_per_split);
+}
 
 cudaError_t run_flash_bwd(FlashBwdParams& p, cudaStream_t stream) {
 #define LLM_ATTN_BWD_CAUSAL_SWITCH(T, D) \

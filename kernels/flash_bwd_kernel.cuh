@@ -12,6 +12,9 @@
 //      writes dS^T to shared memory and adds its share of dQ = dS K into a float32 buffer with atomics (each warp 16
 //      query rows).
 //   3. flash_bwd_convert_dq_kernel: dq = scale * dq_accum in the input dtype, with dq's strides.
+// Small or unbalanced grids (few key blocks; causal, where the first key blocks see every query) split each key
+// block's steps over several thread blocks, which add float32 partial dK/dV with atomics; then
+// flash_bwd_convert_dkdv_kernel writes dk/dv (FlashBwdParams::num_splits).
 //
 // Register budget (the seed's failure was spills): per thread dK and dV accumulators (head_dim / 2 floats each) plus
 // the S^T and dP^T tiles of 16 keys x kBlockM queries (kBlockM / 2 floats each). kernels/NOTES.md "Backward" has
@@ -156,6 +159,36 @@ struct LdsmAddr {
     }
 };
 
+// dk, dv from the float32 accumulators of a split launch (dK already carries the softmax scale).
+template <typename T, int kHeadDim>
+__global__ void flash_bwd_convert_dkdv_kernel(const FlashBwdParams params) {
+    constexpr int kChunks = kHeadDim / 8;
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t rows = static_cast<int64_t>(params.batch) * params.num_kv_heads * params.seqlen_k;
+    if (idx >= rows * kChunks) return;
+    const int64_t row_id = idx / kChunks;
+    const int chunk = idx % kChunks;
+    const int row = row_id % params.seqlen_k;
+    const int head = (row_id / params.seqlen_k) % params.num_kv_heads;
+    const int batch = row_id / (static_cast<int64_t>(params.seqlen_k) * params.num_kv_heads);
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+        const float* acc = (which == 0 ? params.dk_accum : params.dv_accum) + row_id * kHeadDim + chunk * 8;
+        const float4 a = reinterpret_cast<const float4*>(acc)[0], b = reinterpret_cast<const float4*>(acc)[1];
+        uint4 out;
+        out.x = pack2<T>(a.x, a.y);
+        out.y = pack2<T>(a.z, a.w);
+        out.z = pack2<T>(b.x, b.y);
+        out.w = pack2<T>(b.z, b.w);
+        T* dst = which == 0
+                     ? reinterpret_cast<T*>(params.dk) + batch * params.dk_batch_stride + head * params.dk_head_stride +
+                           static_cast<int64_t>(row) * params.dk_row_stride
+                     : reinterpret_cast<T*>(params.dv) + batch * params.dv_batch_stride + head * params.dv_head_stride +
+                           static_cast<int64_t>(row) * params.dv_row_stride;
+        *reinterpret_cast<uint4*>(dst + chunk * 8) = out;
+    }
+}
+
 // Adds two adjacent floats of a C fragment into the float32 dQ buffer (one vector atomic on sm_90).
 __device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -197,7 +230,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
     // query) launch first across heads.
     const int n_block = kCausal ? blockIdx.y : blockIdx.x;
     const int kv_head = kCausal ? blockIdx.x : blockIdx.y;
-    const int batch = blockIdx.z;
+    const int batch = blockIdx.z / params.num_splits;
+    const int split = blockIdx.z % params.num_splits;
     const int group = params.num_heads / params.num_kv_heads;
 
     const int seqlen_q = params.seqlen_q;
@@ -211,6 +245,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
     if (kCausal) m_block_min = max(n0 - causal_offset, 0) / kBlockM;
     const int per_head = num_m - m_block_min;
     const int n_iters = (n0 < seqlen_k && per_head > 0) ? group * per_head : 0;
+    // This block's steps (query head, query block) of its key block: all, or one split's share.
+    const int it_begin = split * params.iters_per_split;
+    const int it_end = min(n_iters, it_begin + params.iters_per_split);
+    // A split with nothing to add exits at once (the float32 accumulators start at zero).
+    if (params.num_splits > 1 && it_begin >= it_end) return;
 
     float acc_dk[kDT][4], acc_dv[kDT][4];
 #pragma unroll
@@ -218,7 +257,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
-    if (n_iters > 0) {
+    if (it_begin < it_end) {
         const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride +
                          kv_head * params.k_head_stride + static_cast<int64_t>(n0) * params.k_row_stride;
         const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride +
@@ -244,7 +283,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                 sDsum[tid] = row < seqlen_q ? params.dsum[idx] : 0.f;
             }
         };
-        load_step(0);
+        load_step(it_begin);
         cp_async_commit();
 
         // Fragment addressing (same patterns as the forward, kernels/flash_fwd_kernel.cuh), as byte addresses in
@@ -268,7 +307,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         const float scale_log2 = params.scale_log2;
         const int key_row0 = n0 + warp * 16 + g;  // this thread's keys: key_row0 and key_row0 + 8
 
-        for (int it = 0; it < n_iters; ++it) {
+        for (int it = it_begin; it < it_end; ++it) {
             const int head = kv_head * group + it / per_head;
             const int m0 = (m_block_min + it % per_head) * kBlockM;
             cp_async_wait<0>();
@@ -383,7 +422,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                 }
             }
             __syncthreads();  // dS^T complete; every warp is done with Q, dO, lse, dsum of this step
-            if (it + 1 < n_iters) load_step(it + 1);  // overlaps the dQ step below
+            if (it + 1 < it_end) load_step(it + 1);  // overlaps the dQ step below
             cp_async_commit();
 
             // dQ[m0 + 16 dq_mt .. +16, dq_col0 .. + kColsDQ] += dS K, 32 columns at a time; A fragments (dS) loaded
@@ -419,12 +458,31 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         }
     }
 
+    const float scale = params.scale;
+    if (params.num_splits > 1) {
+        // Split: float32 partials added into the accumulators (converted by flash_bwd_convert_dkdv_kernel).
+        const int64_t base = (static_cast<int64_t>(batch) * params.num_kv_heads + kv_head) * params.seqlen_k;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = n0 + warp * 16 + g + r * 8;
+            if (row < seqlen_k) {
+                float* dk_acc = params.dk_accum + (base + row) * kHeadDim + 2 * t;
+                float* dv_acc = params.dv_accum + (base + row) * kHeadDim + 2 * t;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    atomic_add2(dk_acc + dt * 8, acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
+                    atomic_add2(dv_acc + dt * 8, acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
+                }
+            }
+        }
+        return;
+    }
+
     // Epilogue: dK (times the softmax scale) and dV through shared memory (the K and V buffers) for 16-byte stores.
     // Keys past seqused_k get 0: their P was masked to 0, or the block did no step at all.
     __syncthreads();
     T* sdV = sV;
     T* sdK = sK;
-    const float scale = params.scale;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = warp * 16 + g + r * 8;

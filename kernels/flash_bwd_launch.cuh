@@ -35,7 +35,8 @@ cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     // Causal: KV heads in x so the longest key blocks (the first ones) launch first across heads (the binding keeps
     // n_blocks within gridDim.y's 65535).
-    dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads, params.batch);
+    dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads,
+              params.batch * params.num_splits);
     kernel<<<grid, Traits::kThreads, smem, stream>>>(params);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -43,6 +44,12 @@ cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     constexpr int kConvThreads = 256;
     const int64_t conv_blocks = (rows * kChunks + kConvThreads - 1) / kConvThreads;
     flash_bwd_convert_dq_kernel<T, kHeadDim><<<static_cast<unsigned>(conv_blocks), kConvThreads, 0, stream>>>(params);
+    if (params.num_splits == 1) return cudaGetLastError();
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    const int64_t kv_rows = static_cast<int64_t>(params.batch) * params.num_kv_heads * params.seqlen_k;
+    const int64_t kv_blocks = (kv_rows * kChunks + kConvThreads - 1) / kConvThreads;
+    flash_bwd_convert_dkdv_kernel<T, kHeadDim><<<static_cast<unsigned>(kv_blocks), kConvThreads, 0, stream>>>(params);
     return cudaGetLastError();
 }
 

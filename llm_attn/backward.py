@@ -14,6 +14,8 @@ Imported by ``llm_attn.ops`` (registration is a side effect of the import).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from llm_attn import reference
@@ -81,3 +83,18 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("llm_attn::flash_fwd", _backward, setup_context=_setup_context)
+
+
+@contextlib.contextmanager
+def force_bwd_splits(splits: int):
+    """Force how many thread blocks share each key block of the backward kernel inside the block (tests,
+    benchmarks): 1 = one block per key block writing dK/dV directly, n > 1 = float32 atomics of n partials,
+    0 = automatic (the default: split when the grid has under ~4 waves of key blocks). Process-wide."""
+    if not isinstance(splits, int) or splits < 0:
+        raise ValueError(f"splits must be an int >= 0, got {splits!r}")
+    ext = get_ext()
+    prev = ext.set_bwd_splits(splits)
+    try:
+        yield
+    finally:
+        ext.set_bwd_splits(prev)

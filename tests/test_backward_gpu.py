@@ -83,6 +83,31 @@ def test_backward_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
     check_grads(got, q, k, v, dout, causal)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("sq,sk", [(63, 63), (129, 1000), (1000, 129), (300, 300)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_forced_splits(cuda_ext, causal, d, sq, sk, heads, splits):
+    """Each key block's steps shared by 1 (direct dK/dV stores), 2 or 5 thread blocks (float32 atomics), whatever
+    the automatic choice for the shape would be."""
+    from llm_attn.backward import force_bwd_splits
+
+    hq, hkv = HEADS[heads]
+    q, k, v, dout = _qkv(2, hq, hkv, sq, sk, d, torch.bfloat16, zlib.crc32(repr((causal, d, sq, sk, heads, splits)).encode()))
+    with force_bwd_splits(splits):
+        assert cuda_ext.bwd_splits(2, hq, hkv, sq, sk, d, causal, 132)[0] <= splits
+        got = run_raw(cuda_ext, q, k, v, dout, causal)
+    check_grads(got, q, k, v, dout, causal)
+
+
+def test_backward_split_heuristic(cuda_ext):
+    """Few key blocks (short S, B=1, 8 KV heads) are split; a grid of many waves is not."""
+    assert cuda_ext.bwd_splits(1, 32, 8, 512, 512, 128, True, 132)[0] > 1
+    assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, False, 132)[0] > 1
+    assert cuda_ext.bwd_splits(4, 32, 32, 8192, 8192, 64, False, 132)[0] == 1
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1, 4, 300])
 def test_backward_seqused_k(cuda_ext, causal, sq):
