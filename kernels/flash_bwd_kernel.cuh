@@ -39,7 +39,8 @@ struct BwdTraits {
     static constexpr int kSmemQ = kBlockM * kHeadDim;   // Q and dO tiles
     static constexpr int kSmemK = kBlockN * kHeadDim;   // K and V tiles
     static constexpr int kSmemDS = kBlockN * kBlockM;   // dS^T tile [key][query]
-    static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + kSmemDS) * 2 + 2 * kBlockM * 4;
+    // K, V; two stages of (Q, dO) so that step j + 1 loads during step j; dS^T; two stages of (lse, dsum).
+    static constexpr int kSmemBytes = (4 * kSmemQ + 2 * kSmemK + kSmemDS) * 2 + 4 * kBlockM * 4;
     // dP^T is computed in this many slices of the queries (register pressure: 2 for head_dim 128).
     static constexpr int kSplitDp = kSplitDp_;
 
@@ -129,6 +130,12 @@ __device__ __forceinline__ int swz_ds(int row, int chunk) {
     return row * kW + ((chunk ^ (kW == 64 ? (row & 7) : ((row >> 1) & 3))) << 3);
 }
 
+// 4-byte global->shared copy (through L1); when !valid nothing is read and the 4 bytes are zero-filled.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 4 : 0));
+}
+
 // ldmatrix from a 32-bit shared-memory byte address.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -214,11 +221,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sK = reinterpret_cast<T*>(smem_raw);
     T* sV = sK + Traits::kSmemK;
-    T* sQ = sV + Traits::kSmemK;
-    T* sdO = sQ + Traits::kSmemQ;
-    T* sdS = sdO + Traits::kSmemQ;  // [kBlockN keys][kBlockM queries], swizzled (swz_ds)
-    float* sLse = reinterpret_cast<float*>(sdS + Traits::kSmemDS);
-    float* sDsum = sLse + kBlockM;
+    T* sQ = sV + Traits::kSmemK;     // stage s: Q at sQ + 2 s kSmemQ, dO right after it
+    T* sdS = sQ + 4 * Traits::kSmemQ;  // [kBlockN keys][kBlockM queries], swizzled (swz_ds)
+    float* sLse = reinterpret_cast<float*>(sdS + Traits::kSmemDS);  // [2 stages][kBlockM]
+    float* sDsum = sLse + 2 * kBlockM;                               // [2 stages][kBlockM]
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -265,31 +271,35 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         load_tile_async<Traits, kBlockN>(sK, k_ptr, params.k_row_stride, seqlen_k - n0, tid);
         load_tile_async<Traits, kBlockN>(sV, v_ptr, params.v_row_stride, seqlen_k - n0, tid);
 
-        // Q, dO (async) and the rows' lse / dsum (plain loads into shared memory) of step `it`.
-        auto load_step = [&](int it) {
+        // Q, dO and the rows' lse / dsum of step `it` into stage `stage`, all with cp.async. Rows past the end
+        // are zero-filled: there Q = 0 gives S = 0 and P = exp2(0 - 0) = 1, but dO = 0 and dsum = 0 make their
+        // dV and dS contributions 0, and their dQ rows are not stored.
+        auto load_step = [&](int it, int stage) {
             const int head = kv_head * group + it / per_head;
             const int m0 = (m_block_min + it % per_head) * kBlockM;
             const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
                              head * params.q_head_stride + static_cast<int64_t>(m0) * params.q_row_stride;
             const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
                               head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
-            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
-            load_tile_async<Traits, kBlockM>(sdO, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
+            T* sq = sQ + stage * 2 * Traits::kSmemQ;
+            load_tile_async<Traits, kBlockM>(sq, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
+            load_tile_async<Traits, kBlockM>(sq + Traits::kSmemQ, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
             if (tid < kBlockM) {
-                const int row = m0 + tid;
-                const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + row;
-                // Rows past the end: lse +inf makes P = 0 there (Q and dO are zero-filled too).
-                sLse[tid] = row < seqlen_q ? params.lse_log2[idx] : INFINITY;
-                sDsum[tid] = row < seqlen_q ? params.dsum[idx] : 0.f;
+                const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + m0 + tid;
+                const bool ok = m0 + tid < seqlen_q;
+                cp_async_4(sLse + stage * kBlockM + tid, ok ? params.lse_log2 + idx : params.lse_log2, ok);
+                cp_async_4(sDsum + stage * kBlockM + tid, ok ? params.dsum + idx : params.dsum, ok);
             }
         };
-        load_step(it_begin);
+        load_step(it_begin, 0);
         cp_async_commit();
 
         // Fragment addressing (same patterns as the forward, kernels/flash_fwd_kernel.cuh), as byte addresses in
         // shared memory; buffers at element offsets kOff* from sK.
+        // Q and dO offsets are those of stage 0; stage 1 adds kStageBytes at run time.
         constexpr int kOffK = 0, kOffV = Traits::kSmemK, kOffQ = 2 * Traits::kSmemK;
-        constexpr int kOffdO = kOffQ + Traits::kSmemQ, kOffdS = kOffdO + Traits::kSmemQ;
+        constexpr int kOffdO = kOffQ + Traits::kSmemQ, kOffdS = kOffQ + 4 * Traits::kSmemQ;
+        constexpr uint32_t kStageBytes = 4 * Traits::kSmemQ;
         const uint32_t smem = smem_u32(sK);
         const SwzCols cols(lane);
         const int b_row = (lane % 8) + (lane / 16) * 8;
@@ -310,7 +320,15 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         for (int it = it_begin; it < it_end; ++it) {
             const int head = kv_head * group + it / per_head;
             const int m0 = (m_block_min + it % per_head) * kBlockM;
-            cp_async_wait<0>();
+            const int stage = (it - it_begin) & 1;
+            const uint32_t so = stage * kStageBytes;
+            const float* cLse = sLse + stage * kBlockM;
+            const float* cDsum = sDsum + stage * kBlockM;
+            // Step it + 1 into the other stage: every warp finished reading it in step it - 1 (before that step's
+            // second barrier, which every warp has passed).
+            if (it + 1 < it_end) load_step(it + 1, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
             __syncthreads();  // Q, dO, lse, dsum of this step (and K, V on the first) visible to all warps
 
             // S^T = K Q^T: this warp's 16 keys x kBlockM queries.
@@ -324,7 +342,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                 for (int np = 0; np < kNT / 2; ++np) {
                     uint32_t b[4];
-                    ldsm_x4(b, addr_b(kk, kOffQ + np * 16 * kHeadDim));
+                    ldsm_x4(b, addr_b(kk, kOffQ + np * 16 * kHeadDim) + so);
                     mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
                     mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
                 }
@@ -347,7 +365,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[nt][e] = exp2f(fmaf(acc_s[nt][e], scale_log2, -sLse[nt * 8 + 2 * t + (e & 1)]));
+                for (int e = 0; e < 4; ++e) acc_s[nt][e] = exp2f(fmaf(acc_s[nt][e], scale_log2, -cLse[nt * 8 + 2 * t + (e & 1)]));
 
             // dV += P^T dO (dO as the B operand through ldmatrix.trans). n-tiles (2kk, 2kk + 1) of the C fragments
             // are the A fragment of k-step kk (as p_fragment in the forward).
@@ -361,7 +379,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     uint32_t b[4];
-                    ldsm_x4_t(b, addr_bt(dp, kOffdO + kk * 16 * kHeadDim));
+                    ldsm_x4_t(b, addr_bt(dp, kOffdO + kk * 16 * kHeadDim) + so);
                     mma_16816<T>(acc_dv[2 * dp], ap, b[0], b[1]);
                     mma_16816<T>(acc_dv[2 * dp + 1], ap, b[2], b[3]);
                 }
@@ -382,7 +400,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                     for (int np = 0; np < kSNT / 2; ++np) {
                         uint32_t b[4];
-                        ldsm_x4(b, addr_b(kk, kOffdO + (sl * kSNT / 2 + np) * 16 * kHeadDim));
+                        ldsm_x4(b, addr_b(kk, kOffdO + (sl * kSNT / 2 + np) * 16 * kHeadDim) + so);
                         mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
                         mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
                     }
@@ -392,7 +410,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int nt = sl * kSNT + i;
-                        acc_dp[i][e] = acc_s[nt][e] * (acc_dp[i][e] - sDsum[nt * 8 + 2 * t + (e & 1)]);
+                        acc_dp[i][e] = acc_s[nt][e] * (acc_dp[i][e] - cDsum[nt * 8 + 2 * t + (e & 1)]);
                     }
 #pragma unroll
                 for (int j = 0; j < kSNT / 2; ++j) {
@@ -405,7 +423,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                     for (int dp = 0; dp < kDT / 2; ++dp) {
                         uint32_t b[4];
-                        ldsm_x4_t(b, addr_bt(dp, kOffQ + kk * 16 * kHeadDim));
+                        ldsm_x4_t(b, addr_bt(dp, kOffQ + kk * 16 * kHeadDim) + so);
                         mma_16816<T>(acc_dk[2 * dp], ads, b[0], b[1]);
                         mma_16816<T>(acc_dk[2 * dp + 1], ads, b[2], b[3]);
                     }
@@ -422,8 +440,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                 }
             }
             __syncthreads();  // dS^T complete; every warp is done with Q, dO, lse, dsum of this step
-            if (it + 1 < it_end) load_step(it + 1);  // overlaps the dQ step below
-            cp_async_commit();
 
             // dQ[m0 + 16 dq_mt .. +16, dq_col0 .. + kColsDQ] += dS K, 32 columns at a time; A fragments (dS) loaded
             // once.
@@ -451,8 +467,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                     }
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                    // One 16-byte atomic per lane instead of two 8-byte ones (half the L2 atomic operations): lanes
+                    // t and t ^ 1 swap halves so that even t holds row g, columns 2t .. 2t + 3 and odd t row g + 8,
+                    // columns 2t - 2 .. 2t + 1.
+                    const bool odd = t & 1;
+                    const float x0 = __shfl_xor_sync(0xffffffff, odd ? acc[i][0] : acc[i][2], 1);
+                    const float x1 = __shfl_xor_sync(0xffffffff, odd ? acc[i][1] : acc[i][3], 1);
+                    const float4 val = odd ? make_float4(x0, x1, acc[i][2], acc[i][3])
+                                           : make_float4(acc[i][0], acc[i][1], x0, x1);
+                    if (q_row + (odd ? 8 : 0) < seqlen_q) {
+                        atomicAdd(reinterpret_cast<float4*>(dq_acc + (odd ? 8 * kHeadDim - 2 : 0) + dg * 32 + i * 8),
+                                  val);
+                    }
+#else
                     if (q_row < seqlen_q) atomic_add2(dq_acc + dg * 32 + i * 8, acc[i][0], acc[i][1]);
                     if (q_row + 8 < seqlen_q) atomic_add2(dq_acc + 8 * kHeadDim + dg * 32 + i * 8, acc[i][2], acc[i][3]);
+#endif
                 }
             }
         }

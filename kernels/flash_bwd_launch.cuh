@@ -9,8 +9,9 @@ namespace llm_attn {
 // 64 keys per block (4 warps x 16 keys). Per thread: dK + dV accumulators (head_dim / 2 floats each) plus the P^T
 // and dP^T tiles (kBlockM / 2 floats each). head_dim 64 takes 64 query rows per step (228-238 registers); head_dim
 // 128 takes 32 (its 128 accumulators plus two 64-query tiles reached 255 registers and spilled 12-44 bytes on
-// sm_80/sm_90, kernels/NOTES.md Backward). Shared memory: K, V (2 x 64 rows), Q, dO (2 x kBlockM rows), dS^T:
-// 52.25 KB for head_dim 128 (fits the 99 KB per block of sm_86/89), 40.5 KB for head_dim 64.
+// sm_80/sm_90, kernels/NOTES.md Backward). Shared memory: K, V (64 rows each), two stages of Q and dO
+// (kBlockM rows each), dS^T, two stages of lse/dsum: 68.5 KB for head_dim 128 (fits the 99 KB per block of
+// sm_86/89; two blocks per H100 SM), 57 KB for head_dim 64.
 template <int kHeadDim>
 using BwdConfig = BwdTraits<kHeadDim, kHeadDim == 128 ? 32 : 64, 64, 4, 1>;
 
