@@ -27,15 +27,22 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits) {
     }
     total *= static_cast<long>(p.num_kv_heads) * p.batch;
     const long blocks = static_cast<long>(n_blocks) * p.num_kv_heads * p.batch;
-    // Two 4-warp blocks per SM (registers). Below ~4 waves of key blocks, split them so that ~4 waves of blocks of
-    // about equal work result; at least 8 steps per block amortise its K/V load and atomic epilogue.
-    const long waves4 = 4L * 2 * num_sms;
+    // Two 4-warp blocks per SM (registers): `slots` blocks run at once.
+    const long slots = 2L * num_sms;
     long splits = 1;
     if (force_splits > 0) {
         splits = force_splits;
-    } else if (blocks < waves4) {
-        const long per = std::max((total + waves4 - 1) / waves4, 8L);
+    } else if (p.causal && blocks < 2 * slots) {
+        // Causal key blocks are unequal (the first see every query): below 2 waves, split them into ~4 waves of
+        // blocks of about equal work, at least 8 steps each (amortises the K/V load and the atomic epilogue).
+        // H100, B=1 32/8 hd128 bf16, backward: S=2048 0.83 ms split (v2) vs 1.10 unsplit (v1); S=8192 (3.9 waves)
+        // 6.87 split in 3 vs 6.65 unsplit (kernels/NOTES.md, Backward).
+        const long per = std::max((total + 4 * slots - 1) / (4 * slots), 8L);
         splits = (max_iters + per - 1) / per;
+    } else if (!p.causal && blocks * 5 < slots * 4) {
+        // Equal blocks that leave SMs idle: as many whole copies of the grid as fit one wave. A full wave is not
+        // split (S=2048 B=1 32/8 bf16 backward: 1.23 ms split in 5 (v2) vs 1.07 unsplit (v1)).
+        splits = slots / blocks;
     }
     splits = std::max(1L, std::min({splits, max_iters, 65535L / p.batch}));
     p.iters_per_split = static_cast<int>((max_iters + splits - 1) / splits);

@@ -102,9 +102,12 @@ def test_backward_forced_splits(cuda_ext, causal, d, sq, sk, heads, splits):
 
 
 def test_backward_split_heuristic(cuda_ext):
-    """Few key blocks (short S, B=1, 8 KV heads) are split; a grid of many waves is not."""
-    assert cuda_ext.bwd_splits(1, 32, 8, 512, 512, 128, True, 132)[0] > 1
-    assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, False, 132)[0] > 1
+    """Causal grids under 2 waves of key blocks are split (~4 waves); non-causal grids only when they leave SMs
+    idle (whole copies of the grid in one wave); large grids never (132 SMs, 2 blocks per SM)."""
+    assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, True, 132)[0] > 1
+    assert cuda_ext.bwd_splits(1, 32, 8, 16384, 16384, 128, True, 132)[0] == 1
+    assert cuda_ext.bwd_splits(1, 32, 8, 512, 512, 128, False, 132)[0] == 4    # 64 key blocks -> 256 blocks
+    assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, False, 132)[0] == 1  # 256 key blocks: a full wave
     assert cuda_ext.bwd_splits(4, 32, 32, 8192, 8192, 64, False, 132)[0] == 1
 
 
