@@ -348,8 +348,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                 }
             }
 
-            // Mask keys past the end and (causal) keys after the query's diagonal; rows past the end of the
-            // queries have lse +inf (P = 0).
+            // Mask keys past the end and (causal) keys after the query's diagonal. Query rows past the end need no
+            // mask: their dO and dsum are zero-filled (load_step), so they add nothing to dV, dK or dQ.
             const bool need_mask = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
             if (need_mask) {
 #pragma unroll
