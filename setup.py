@@ -25,9 +25,12 @@ DEFAULT_ARCHS = "8.0;8.6;8.7;8.9;9.0"
 def _gencode_flags(archs: str) -> list[str]:
     flags = []
     for arch in filter(None, (a.strip() for a in archs.replace(",", ";").split(";"))):
-        num = arch.replace(".", "")
+        num = arch.replace(".", "").removesuffix("a")
         if not num.isdigit():
             raise SystemExit(f"LLM_ATTN_CUDA_ARCHS: bad architecture {arch!r} (expected e.g. 8.9)")
+        # Hopper builds the arch-specific sm_90a target: the wgmma/TMA kernel exists only there, and the portable
+        # kernels run the same from it on every compute capability 9.0 GPU.
+        num = "90a" if num == "90" else num
         flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
     return flags
 

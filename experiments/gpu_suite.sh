@@ -2,7 +2,7 @@
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [awq] [test] [sanitize] [bench] [bench_mha64] [decode]
-#                                              [ttft] [sweep] [profile] [ncu]
+#                                              [racecheck] [ttft] [sweep] [profile] [ncu]
 # awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
 # /tmp/site; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
 # experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
@@ -46,6 +46,14 @@ if has sanitize; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_shapes.py >"$OUT/sanitize.log" 2>&1
   echo "compute-sanitizer memcheck exit code $? ($(grep -c 'ERROR SUMMARY: 0 errors' "$OUT/sanitize.log") clean summaries)"
   tail -3 "$OUT/sanitize.log"
+fi
+if has racecheck; then  # the Hopper kernel's asynchronous pipeline: shared-memory races and barrier misuse
+  for tool in racecheck synccheck; do
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_shapes.py --hopper \
+      >"$OUT/$tool.log" 2>&1
+    echo "compute-sanitizer $tool exit code $? ($(grep -c -E 'ERROR SUMMARY: 0 errors|SUMMARY: 0 hazards' "$OUT/$tool.log") clean summaries)"
+    tail -2 "$OUT/$tool.log"
+  done
 fi
 if has bench; then
   python3 -m llm_attn.bench ${BENCH_ARGS:-} --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log" | grep -v "^dtype=" | tail -40

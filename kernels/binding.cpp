@@ -127,10 +127,10 @@ int64_t num_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64
     return llm_attn::flash_fwd_num_splits(p, num_sms);
 }
 
-// Sets the prefill tile override (0 auto, 1 large, 2 wide, 3 small) and returns the previous one; an unknown id
-// changes nothing and returns -1 (llm_attn.ops.force_tile validates names first).
+// Sets the prefill tile override (0 auto, 1 large, 2 wide, 3 small, 4 hopper) and returns the previous one; an
+// unknown id changes nothing and returns -1 (llm_attn.ops.force_tile validates names and the device first).
 int64_t set_tile(int64_t tile) {
-    if (tile < llm_attn::kTileAuto || tile > llm_attn::kTileSmall) return -1;
+    if (tile < llm_attn::kTileAuto || tile > llm_attn::kTileHopper) return -1;
     const int prev = g_tile;
     g_tile = static_cast<int>(tile);
     return prev;
@@ -266,11 +266,13 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "llm_attn CUDA kernels (FlashAttention-2 forward, split-KV decode)";
+    m.doc() = "llm_attn CUDA kernels (FlashAttention-2 forward, Hopper wgmma/TMA forward, split-KV decode)";
     m.def("mha_fwd", &mha_fwd, "FlashAttention forward into preallocated out/lse", py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("num_splits", &num_splits, "KV splits the forward would use for these shapes (1 = none)");
-    m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small); returns the previous");
+    m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
+    m.def("sm90_available", [] { return llm_attn::flash_fwd_sm90_available(); },
+          "Whether the current device runs the Hopper (sm_90a) prefill kernel of this build");
     m.def("mha_bwd", &mha_bwd, "FlashAttention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));

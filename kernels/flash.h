@@ -39,8 +39,9 @@ struct FlashFwdParams {
     int* __restrict__ split_counters;
 };
 
-// Prefill tile configurations (kernels/flash_fwd_config.h). The decode kernel ignores this choice.
-enum FwdTile : int { kTileAuto = 0, kTileLarge = 1, kTileWide = 2, kTileSmall = 3 };
+// Prefill tile configurations (kernels/flash_fwd_config.h), and kTileHopper: the sm_90a kernel
+// (flash_fwd_sm90_kernel.cuh), which kTileAuto picks on compute capability 9.0. The decode kernel ignores this.
+enum FwdTile : int { kTileAuto = 0, kTileLarge = 1, kTileWide = 2, kTileSmall = 3, kTileHopper = 4 };
 
 // Launches the forward pass on `stream`. Returns cudaSuccess or the launch error; never synchronises.
 cudaError_t run_flash_fwd(FlashFwdParams& params, cudaStream_t stream);
@@ -57,6 +58,13 @@ template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_fwd_(FlashFwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t run_flash_decode_(FlashFwdParams& params, cudaStream_t stream);
+// The Hopper kernel per (head_dim, dtype, causal), and whether this build has its sm_90a code for this device.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_fwd_sm90_(FlashFwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim, bool kCausal>
+bool flash_fwd_sm90_built_();
+// True when the current device is compute capability 9.0 and the Hopper kernel's sm_90a code is in this build.
+bool flash_fwd_sm90_available();
 
 // Device facts, cached per device (no synchronisation).
 int num_sms_current_device();

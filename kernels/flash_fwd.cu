@@ -9,11 +9,12 @@ namespace llm_attn {
 
 static int device_attribute(cudaDeviceAttr attr, int fallback) {
     constexpr int kMaxDevices = 64;
-    static int cache[4][kMaxDevices] = {};
+    static int cache[5][kMaxDevices] = {};
     const int slot = attr == cudaDevAttrMultiProcessorCount            ? 0
                      : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 1
                      : attr == cudaDevAttrMaxSharedMemoryPerMultiprocessor ? 2
-                                                                        : 3;  // compute capability major
+                     : attr == cudaDevAttrComputeCapabilityMajor       ? 3
+                                                                        : 4;  // compute capability minor
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return fallback;
     if (cache[slot][dev] == 0 && cudaDeviceGetAttribute(&cache[slot][dev], attr, dev) != cudaSuccess) return fallback;
@@ -23,6 +24,26 @@ int num_sms_current_device() { return device_attribute(cudaDevAttrMultiProcessor
 int max_smem_per_block_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024); }
 int max_smem_per_sm_current_device() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 48 * 1024); }
 int cc_major_current_device() { return device_attribute(cudaDevAttrComputeCapabilityMajor, 0); }
+
+// sm_90a machine code runs on compute capability 9.0 only (H100, H200); 0 = unknown, 1 = no, 2 = yes, per device.
+bool flash_fwd_sm90_available() {
+    constexpr int kMaxDevices = 64;
+    static int cache[kMaxDevices] = {};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return false;
+    if (cache[dev] == 0) {
+        const bool cc90 = device_attribute(cudaDevAttrComputeCapabilityMajor, 0) == 9 &&
+                          device_attribute(cudaDevAttrComputeCapabilityMinor, -1) == 0;
+        cache[dev] = cc90 && flash_fwd_sm90_built_<__nv_bfloat16, 128, true>() ? 2 : 1;
+    }
+    return cache[dev] == 2;
+}
+
+// The Hopper kernel takes every prefill that the portable kernel would run unsplit; grids too small for one wave
+// keep the portable kernel's split-KV path.
+static bool use_sm90(const FlashFwdParams& p) {
+    return p.tile == kTileHopper || (p.tile == kTileAuto && p.num_splits == 1 && flash_fwd_sm90_available());
+}
 
 // Decode: enough (batch, KV head, split) blocks for ~2 per SM, each split keeping at least one 64-key tile.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
@@ -38,7 +59,7 @@ bool flash_fwd_uses_decode_kernel(const FlashFwdParams& p) { return use_decode_k
 
 int flash_fwd_num_splits(const FlashFwdParams& p, int num_sms) {
     if (use_decode_kernel(p)) return decode_num_splits(p, num_sms);
-    if (p.tile == kTileWide) return 1;
+    if (p.tile == kTileWide || p.tile == kTileHopper) return 1;
     const bool small = use_small_tiles(p, num_sms);
     const int block_m = small ? 64 : 128;
     const int block_n = p.head_dim == 64 ? FwdConfig<64>::kBlockN : FwdConfig<128>::kBlockN;
@@ -59,6 +80,21 @@ cudaError_t run_flash_fwd(FlashFwdParams& p, cudaStream_t stream) {
                                                 : run_flash_decode_<half, 128>(p, stream);
         if (p.head_dim == 64) return p.is_bf16 ? run_flash_decode_<__nv_bfloat16, 64>(p, stream)
                                                : run_flash_decode_<half, 64>(p, stream);
+        return cudaErrorInvalidValue;
+    }
+    if (use_sm90(p)) {
+        if (!flash_fwd_sm90_available()) return cudaErrorInvalidDeviceFunction;  // forced off an sm_90a device
+#define LLM_ATTN_SM90_SWITCH(T, D) \
+    return p.causal ? run_flash_fwd_sm90_<T, D, true>(p, stream) : run_flash_fwd_sm90_<T, D, false>(p, stream)
+        if (p.head_dim == 128) {
+            if (p.is_bf16) LLM_ATTN_SM90_SWITCH(__nv_bfloat16, 128);
+            LLM_ATTN_SM90_SWITCH(half, 128);
+        }
+        if (p.head_dim == 64) {
+            if (p.is_bf16) LLM_ATTN_SM90_SWITCH(__nv_bfloat16, 64);
+            LLM_ATTN_SM90_SWITCH(half, 64);
+        }
+#undef LLM_ATTN_SM90_SWITCH
         return cudaErrorInvalidValue;
     }
 #define LLM_ATTN_CAUSAL_SWITCH(T, D)                                                   \

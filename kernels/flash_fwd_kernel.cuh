@@ -136,6 +136,16 @@ struct SoftmaxState {
 
     template <int kNT>
     __device__ __forceinline__ void update(float (&acc_s)[kMT][kNT][4], float scale_log2) {
+        float alpha[kMT][2];
+        if (update_scores(acc_s, scale_log2, alpha)) rescale_o(alpha);
+    }
+
+    // The first half of update(): the scores become P and the row statistics move; returns whether O must be
+    // multiplied by alpha (rescale_o). Split so that a caller can do it while O is still being accumulated by an
+    // asynchronous P V of the previous tile (the Hopper kernel), and rescale once that has finished.
+    template <int kNT>
+    __device__ __forceinline__ bool update_scores(float (&acc_s)[kMT][kNT][4], float scale_log2,
+                                                  float (&alpha)[kMT][2]) {
         float tile_max[kMT][2];
         bool grow = false;
 #pragma unroll
@@ -151,7 +161,6 @@ struct SoftmaxState {
             }
         }
         const bool rescale = __any_sync(0xffffffff, grow);
-        float alpha[kMT][2];
 #pragma unroll
         for (int m = 0; m < kMT; ++m) {
 #pragma unroll
@@ -171,17 +180,19 @@ struct SoftmaxState {
                 row_max[m][r] = new_max;
             }
         }
-        if (rescale) {
+        return rescale;
+    }
+
+    __device__ __forceinline__ void rescale_o(const float (&alpha)[kMT][2]) {
 #pragma unroll
-            for (int m = 0; m < kMT; ++m)
+        for (int m = 0; m < kMT; ++m)
 #pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    acc_o[m][dt][0] *= alpha[m][0];
-                    acc_o[m][dt][1] *= alpha[m][0];
-                    acc_o[m][dt][2] *= alpha[m][1];
-                    acc_o[m][dt][3] *= alpha[m][1];
-                }
-        }
+            for (int dt = 0; dt < kDT; ++dt) {
+                acc_o[m][dt][0] *= alpha[m][0];
+                acc_o[m][dt][1] *= alpha[m][0];
+                acc_o[m][dt][2] *= alpha[m][1];
+                acc_o[m][dt][3] *= alpha[m][1];
+            }
     }
 };
 

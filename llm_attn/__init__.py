@@ -1,5 +1,6 @@
-"""llm-attn: a from-scratch FlashAttention CUDA kernel, a patch registry that swaps it into Hugging Face LLMs, and
-a harness that measures what it does to time-to-first-token and decode speed.
+"""llm-attn: a from-scratch FlashAttention CUDA kernel, a patch registry that swaps it — or any attention kernel
+registered with ``register_attention`` — into Hugging Face LLMs, and a harness that measures what it does to
+time-to-first-token and decode speed.
 
 Importing this package never needs the compiled extension; the CUDA kernel is loaded on first use.
 """
@@ -7,6 +8,7 @@ Importing this package never needs the compiled extension; the CUDA kernel is lo
 from llm_attn._ext import KernelNotBuiltError, kernel_available
 from llm_attn.ops import flash_attn_func
 from llm_attn.reference import attention_naive, attention_tiled
+from llm_attn.registry import AttentionImpl, load_plugin, register_attention
 
 __version__ = "0.1.0"
 
@@ -22,12 +24,15 @@ def __getattr__(name):
     raise AttributeError(f"module 'llm_attn' has no attribute {name!r}")
 
 __all__ = [
+    "AttentionImpl",
     "KernelNotBuiltError",
     "attention_naive",
     "attention_tiled",
     "flash_attn_func",
     "kernel_available",
+    "load_plugin",
     "patch_model",
     "patched",
+    "register_attention",
     "unpatch_model",
 ]

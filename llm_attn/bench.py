@@ -4,6 +4,8 @@
     python -m llm_attn.bench --seqs 2048 4096 --dtypes bf16 --causal 1 --out bench.jsonl
     python -m llm_attn.bench --mode decode --kv 512 2048 8192 32768 --batch 1 4 16
     python -m llm_attn.bench --mode backward --seqs 1024 4096 16384     # training: forward+backward, backward alone
+    python -m llm_attn.bench --impls ours flash cudnn naive flex numba --seqs 2048 8192   # registry entries too
+    python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
 
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
@@ -33,9 +35,11 @@ from contextlib import nullcontext
 import torch
 from tabulate import tabulate
 
+from llm_attn import registry
 from llm_attn.envinfo import environment
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", "flash", "cudnn", "efficient", "math"]
 
 
 def _sdpa_backends():
@@ -47,6 +51,10 @@ def _sdpa_backends():
 
 def make_fn(impl: str, q, k, v, causal: bool):
     """A zero-argument callable running one attention forward with `impl`, and a note (e.g. K/V expanded)."""
+    if impl not in BENCH_IMPLS:  # an entry of the attention registry (built-in or plugin): its own fn, as patched
+        entry = registry.get(impl)
+        scale = q.shape[-1] ** -0.5
+        return (lambda: entry.fn(q, k, v, causal=causal, scale=scale)), entry.source_label
     if impl == "ours":
         from llm_attn import flash_attn_func
 
@@ -190,16 +198,21 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
                        tflops=flops / ms / 1e9, gbps=kv_bytes / ms / 1e6)
         except torch.cuda.OutOfMemoryError as e:
             row.update(status="oom", error=str(e).splitlines()[0])
-        except RuntimeError as e:  # e.g. a backend that does not support this shape
-            row.update(status="error", error=str(e).splitlines()[0][:200])
+        except Exception as e:  # noqa: BLE001 (a backend or registry entry that cannot take this shape/mode)
+            msg = str(e).splitlines()[0][:200] if str(e) else ""
+            row.update(status="error", error=f"{type(e).__name__}: {msg}")
         rows[impl] = row
         torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None):
+    from llm_attn.ttft import add_plugin_argument, load_plugins  # noqa: PLC0415
+
+    load_plugins(argv, "python -m llm_attn.bench")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plugin_argument(p)
     p.add_argument("--mode", choices=["prefill", "decode", "backward"], default="prefill")
     p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
                    help="prefill: q_len = kv_len = S")
@@ -210,9 +223,12 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
     p.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
+    entries = [n for n in registry.names() if n != "llm_attn"]  # llm_attn is 'ours' here
     p.add_argument("--impls", nargs="+", default=["ours", "flash", "cudnn", "efficient"],
-                   choices=["ours", "ours-large", "ours-wide", "ours-small", "flash", "cudnn", "efficient", "math"],
-                   help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically)")
+                   choices=BENCH_IMPLS + entries,
+                   help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
+                        "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
+                        f"function ({', '.join(entries)}; --plugin adds more)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,

@@ -5,7 +5,9 @@
     python -m llm_attn.experiment experiments/default.toml --results-dir /tmp/results
 
 A definition names a sweep over models, dtypes, implementations, batch sizes and prompt lengths (the keys are
-those of ``ExperimentDef`` below; see experiments/default.toml). Results go to
+those of ``ExperimentDef`` below and of the ``SweepParams`` it shares with ``llm_attn.ttft``; see
+experiments/default.toml). ``plugins = ["my_kernel.py"]`` (or ``--plugin``) brings implementations from outside
+the repository; ``measurements = [..., "breakdown"]`` adds the profiled prefill split. Results go to
 ``<results-dir>/<device-slug>/<name>.jsonl``, where the device slug comes from the GPU name ("h100-80gb-hbm3",
 "rtx-4060-ti", "cpu"), one row per measurement in the format of ``python -m llm_attn.ttft``. Running the same
 command again resumes: points that already have a row (measured, or out of memory) are skipped, so an
@@ -26,62 +28,48 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
     import tomli as tomllib
 
-from llm_attn import ttft
-from llm_attn.harness.env import REPO_ROOT, capture_env
-from llm_attn.harness.impls import ALL_IMPLS, available_impls, unavailable_reason
+from llm_attn import registry, ttft
+from llm_attn.envinfo import REPO_ROOT, capture_env
+from llm_attn.harness.impls import available_impls, unavailable_reason
 from llm_attn.harness.results import iter_rows
-from llm_attn.harness.sweep import ALL_MEASUREMENTS, DTYPES, SweepConfig, correctness_table, summary_table
+from llm_attn.harness.sweep import DTYPES, SweepConfig, SweepParams, breakdown_table, correctness_table, summary_table
 
 DEFAULT_RESULTS = REPO_ROOT / "experiments" / "results"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 
-@dataclass
-class ExperimentDef:
-    """One experiment file. Every list is swept as a product; ``impls`` left out means every implementation
-    available on the machine that runs it."""
+@dataclass(kw_only=True)
+class ExperimentDef(SweepParams):
+    """One experiment file: the sweep parameters of ``SweepParams`` (seqs, batches, new_tokens, warmup, repeats,
+    decode_repeats, measurements, seed, allow_dequant_fallback, plugins) plus the models, dtypes and
+    implementations to sweep them over. Every list is swept as a product; ``impls`` left out means the default
+    implementations available on the machine that runs it. ``plugins`` (.py paths relative to the TOML file, or
+    module[:attr]) register implementations that ``impls`` may then name."""
 
     name: str
-    seqs: list[int]
     models: list[str] = field(default_factory=lambda: ["auto"])
     dtypes: list[str] = field(default_factory=lambda: ["auto"])
     impls: list[str] | None = None
-    batches: list[int] = field(default_factory=lambda: [1])
-    new_tokens: int = 32
-    warmup: int = 3
-    repeats: int = 10
-    decode_repeats: int = 3
-    measurements: list[str] = field(default_factory=lambda: list(ALL_MEASUREMENTS))
-    seed: int = 0
-    allow_dequant_fallback: bool = False
     description: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"name must be lower-case letters, digits, '-' or '_' (it names the results file), "
                              f"got {self.name!r}")
-        for key in ("models", "dtypes", "seqs", "batches", "measurements"):
+        for key in ("models", "dtypes"):
             val = getattr(self, key)
             if not isinstance(val, list) or not val:
                 raise ValueError(f"{key} must be a non-empty list, got {val!r}")
-        for key in ("seqs", "batches"):
-            bad = [v for v in getattr(self, key) if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
-            if bad:
-                raise ValueError(f"{key} must hold positive integers, got {bad}")
+        super().__post_init__()
         bad = [d for d in self.dtypes if d != "auto" and d not in DTYPES]
         if bad:
             raise ValueError(f"dtypes: unknown {bad}; choose from auto, {', '.join(DTYPES)}")
+        registry.load_plugins(self.plugins)  # raises PluginError (a ValueError) with the spec and the cause
         if self.impls is not None:
-            bad = [i for i in self.impls if i not in ALL_IMPLS]
+            known = registry.names()
+            bad = [i for i in self.impls if i not in known]
             if bad or not self.impls:
-                raise ValueError(f"impls: unknown {bad}; choose from {', '.join(ALL_IMPLS)}")
-        bad = [m for m in self.measurements if m not in ALL_MEASUREMENTS]
-        if bad:
-            raise ValueError(f"measurements: unknown {bad}; choose from {', '.join(ALL_MEASUREMENTS)}")
-        for key, low in (("new_tokens", 2), ("warmup", 0), ("repeats", 1), ("decode_repeats", 1), ("seed", 0)):
-            val = getattr(self, key)
-            if not isinstance(val, int) or isinstance(val, bool) or val < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {val!r}")
+                raise ValueError(f"impls: unknown {bad}; choose from {', '.join(known)}")
 
     def configs(self, device: str) -> list[SweepConfig]:
         """One SweepConfig per (model, dtype), resolved for ``device``."""
@@ -95,12 +83,8 @@ class ExperimentDef:
         for model in self.models:
             for dtype in self.dtypes:
                 dt = dtype if dtype != "auto" else ttft.default_dtype(model, device)
-                out.append(SweepConfig(model_spec=model, dtype=dt, impls=list(impls), seqs=self.seqs,
-                                       batches=self.batches, new_tokens=self.new_tokens, warmup=self.warmup,
-                                       repeats=self.repeats, decode_repeats=self.decode_repeats,
-                                       measurements=self.measurements, seed=self.seed,
-                                       allow_dequant_fallback=self.allow_dequant_fallback, experiment=self.name,
-                                       device=device))
+                out.append(SweepConfig(**self.shared(), model_spec=model, dtype=dt, impls=list(impls),
+                                       experiment=self.name, device=device))
         return out
 
 
@@ -120,6 +104,10 @@ def load_experiment(path: str | Path) -> ExperimentDef:
     missing = [k for k in ("name", "seqs") if k not in data]
     if missing:
         raise ValueError(f"missing required keys {missing}")
+    if isinstance(data.get("plugins"), list):  # plugin files are named relative to the definition
+        data["plugins"] = [str(path.parent / p) if isinstance(p, str) and p.endswith(".py")
+                           and not Path(p).is_absolute() and (path.parent / p).is_file() else p
+                           for p in data["plugins"]]
     return ExperimentDef(**data)
 
 
@@ -140,10 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the points and the output file, measure nothing")
     p.add_argument("--devices", default=None, help="device datasheet table (default experiments/devices.toml)")
     p.add_argument("--no-progress", action="store_true")
+    ttft.add_plugin_argument(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    ttft.load_plugins(argv, "python -m llm_attn.experiment")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -197,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         del model
     rows = [r for r in iter_rows(out) if r.get("experiment") == exp.name]
     print(summary_table(rows))
-    corr = correctness_table(rows)
-    if corr:
-        print()
-        print(corr)
+    for extra in (correctness_table(rows), breakdown_table(rows)):
+        if extra:
+            print()
+            print(extra)
     print(f"\nresults: {out} ({len(rows)} rows for experiment {exp.name})")
     return status
 

@@ -150,20 +150,25 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return (out, lse) if return_lse else out
 
 
-TILES = {"auto": 0, "large": 1, "wide": 2, "small": 3}
+TILES = {"auto": 0, "large": 1, "wide": 2, "small": 3, "hopper": 4}
 
 
 @contextlib.contextmanager
 def force_tile(tile: str):
     """Force the prefill kernel's tile configuration inside the block (tests and benchmarks).
 
-    ``auto`` (the default outside this block) picks by shape and device; ``large`` (128 rows, 8 warps x 16),
-    ``wide`` (128 rows, 4 warps x 32; no split-KV) and ``small`` (64 rows, 4 warps) force one. The decode kernel
-    (q_len x query heads per KV head <= 32) is not affected. Process-wide: not for concurrent use from threads.
+    ``auto`` (the default outside this block) picks by shape and device: the Hopper kernel (wgmma, TMA) on
+    compute capability 9.0, the portable mma.sync kernel elsewhere. ``large`` (128 rows, 8 warps x 16), ``wide``
+    (128 rows, 4 warps x 32; no split-KV) and ``small`` (64 rows, 4 warps) force a portable tile; ``hopper`` forces
+    the Hopper kernel (no split-KV; compute capability 9.0 only). The decode kernel (q_len x query heads per KV head
+    <= 32) is not affected. Process-wide: not for concurrent use from threads.
     """
     if tile not in TILES:
         raise ValueError(f"tile must be one of {sorted(TILES)}, got {tile!r}")
     ext = get_ext()
+    if tile == "hopper" and not ext.sm90_available():
+        raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and an extension built for "
+                         "it (LLM_ATTN_CUDA_ARCHS containing 9.0)")
     prev = ext.set_tile(TILES[tile])
     try:
         yield

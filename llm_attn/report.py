@@ -10,7 +10,12 @@ and ``python -m llm_attn.experiment``), keeps the newest row per device and poin
   speedup of each implementation over each stock one, decode tok/s (generate and CUDA graph) with the fraction of
   the weight-bandwidth bound, peak memory, correctness, and the points that ran out of memory or failed; then the
   devices side by side; then, in a separate section, roofline projections for table devices with no results.
-- ``ttft_vs_seq*.png``, ``speedup*.png``, ``decode_tok_s*.png`` (one set per model/dtype/batch).
+- ``ttft_vs_seq*.png``, ``speedup*.png``, ``decode_tok_s*.png`` (one set per model/dtype/batch), and
+  ``breakdown*.png`` (where each profiled prefill's time went, a stacked bar per implementation and prompt length,
+  from ``--measure breakdown`` rows).
+
+Every implementation is listed with its source (built-in, or plugin file / package and version) and how many of
+its attention calls fell back to the stock path.
 
 Peaks and bandwidths come from ``experiments/devices.toml``. Projections are always labelled as such, in their
 own tables and their own plot panels, never mixed with measurements.
@@ -34,11 +39,23 @@ from tabulate import tabulate  # noqa: E402
 
 from llm_attn.harness import flops  # noqa: E402
 from llm_attn.harness.devices import Device, find_device, load_devices  # noqa: E402
-from llm_attn.harness.impls import OURS  # noqa: E402
 from llm_attn.harness.results import SCHEMA, iter_rows, point_key, result_files, validate_row  # noqa: E402
 
 STOCK_ORDER = ("sdpa", "eager", "flash_attention_2")
-IMPL_ORDER = {i: n for n, i in enumerate(STOCK_ORDER + (OURS,))}
+OURS = "llm_attn"
+# Stock first, then ours, then the other built-ins; plugins (unknown here) after them, by name.
+IMPL_ORDER = {i: n for n, i in enumerate(STOCK_ORDER + (OURS, "naive", "flex", "numba"))}
+BREAKDOWN = (("attention", "attention"), ("gemm", "GEMM"), ("quant", "quantised weights"),
+             ("other", "other kernels"), ("idle", "idle"))
+
+
+def _impl_key(impl: str):
+    return (IMPL_ORDER.get(impl, len(IMPL_ORDER)), impl)
+
+
+def _is_stock(row: dict) -> bool:
+    info = row.get("impl_info") or {}
+    return bool(info["stock"]) if "stock" in info else row["impl"] in STOCK_ORDER
 
 METHOD = """\
 **How the numbers are made.** TTFT = prefill forward over exactly `seq` prompt tokens (fresh cache, logits of
@@ -147,7 +164,7 @@ class Merged:
 
     def impls(self, device, series) -> list[str]:
         found = {k[3] for k in self.index if k[0] == device and k[1] == series}
-        return sorted(found, key=lambda i: IMPL_ORDER.get(i, 99))
+        return sorted(found, key=_impl_key)
 
     def geometry(self, series) -> dict | None:
         for r in self.rows:
@@ -282,7 +299,7 @@ def side_by_side_md(m: Merged, series: tuple, measurement: str, value) -> str:
     if len(devices) < 2:
         return ""
     keys = sorted({(seq, impl) for d in devices for seq in m.seqs(d, series) for impl in m.impls(d, series)},
-                  key=lambda k: (k[0], IMPL_ORDER.get(k[1], 99)))
+                  key=lambda k: (k[0], _impl_key(k[1])))
     lines = []
     for seq, impl in keys:
         cells = []
@@ -348,8 +365,11 @@ def _grid(n: int):
 
 
 def _color(impl: str) -> str:
-    """One colour per implementation across every panel and plot."""
-    return f"C{IMPL_ORDER.get(impl, len(IMPL_ORDER))}"
+    """One colour per implementation across every panel and plot (plugins: a stable colour from the name)."""
+    n = IMPL_ORDER.get(impl)
+    if n is None:
+        n = len(IMPL_ORDER) + sum(map(ord, impl)) % 3
+    return f"C{n % 10}"
 
 
 def _plain_log_y(ax):
@@ -403,30 +423,121 @@ def plot_ttft(m: Merged, series: tuple, proj: list[Device], path: Path) -> None:
 
 
 def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
-    devices = [d for d in m.measured if OURS in m.impls(d, series)]
+    """TTFT speedup of every non-stock implementation over each stock one measured beside it."""
+    devices = [d for d in m.measured if any(not _is_stock(r) for r in m.device_rows[d] if m.series(r) == series)]
     if not devices:
         return False
     fig, axes = _grid(len(devices))
     for ax, d in zip(axes, devices):
-        for stock in [s for s in STOCK_ORDER if s in m.impls(d, series)]:
-            pts = []
-            for s in m.seqs(d, series):
-                ours, ref = m.ok(d, series, s, OURS, "ttft"), m.ok(d, series, s, stock, "ttft")
-                if ours and ref:
-                    pts.append((s, ref["stats"]["p50"] / ours["stats"]["p50"]))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=_color(stock), label=f"{OURS} vs {stock}")
+        impls = m.impls(d, series)
+        stocks = [s for s in STOCK_ORDER if s in impls]
+        mine = [i for i in impls if i not in STOCK_ORDER
+                and not any(_is_stock(r) for r in m.device_rows[d] if r["impl"] == i)]
+        styles = ("-", "--", ":", "-.")
+        for impl in mine:
+            for n, stock in enumerate(stocks):
+                pts = []
+                for s in m.seqs(d, series):
+                    got, ref = m.ok(d, series, s, impl, "ttft"), m.ok(d, series, s, stock, "ttft")
+                    if got and ref:
+                        pts.append((s, ref["stats"]["p50"] / got["stats"]["p50"]))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=_color(impl), linestyle=styles[n % len(styles)],
+                            label=f"{impl} vs {stock}")
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_title(f"{m.device_name[d]} (measured)")
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT speedup (stock p50 / ours p50)")
+        ax.set_ylabel("TTFT speedup (stock p50 / impl p50)")
         _log2_x(ax, m.seqs(d, series))
-        ax.legend()
-    fig.suptitle(f"Speedup of {OURS} — {series[0]}, batch {series[1]}")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"TTFT speedup over stock attention — {series[0]}, batch {series[1]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _breakdown_rows(m: Merged, device: str, series: tuple) -> list[dict]:
+    rows = [r for r in m.device_rows[device]
+            if m.series(r) == series and r["measurement"] == "breakdown" and r["status"] == "ok"]
+    return sorted(rows, key=lambda r: (r["seq"], _impl_key(r["impl"])))
+
+
+def breakdown_md(m: Merged, device: str, series: tuple) -> str:
+    lines = []
+    for r in _breakdown_rows(m, device, series):
+        ms, pct = r["category_ms"], r["category_pct"]
+        t = m.ok(device, series, r["seq"], r["impl"], "ttft")
+        p50 = t["stats"]["p50"] if t else None
+        lines.append([r["seq"], r["impl"], _f(r["span_ms"]),
+                      *(f"{ms[c]:.2f} ({pct[c]:.0f}%)" if pct.get(c) is not None else "" for c, _ in BREAKDOWN),
+                      _f(r["ttft_if_attention_zero_ms"]),
+                      _f(p50 - ms["attention"] if p50 is not None else None), r["attention_attribution"]])
+    if not lines:
+        return ""
+    return tabulate(lines, headers=["seq", "impl", "profiled prefill ms", *(label for _, label in BREAKDOWN),
+                                    "TTFT if attention took 0 ms (profiled)", "same, from TTFT p50",
+                                    "attention found by"], tablefmt="github", disable_numparse=True)
+
+
+def plot_breakdown(m: Merged, series: tuple, path: Path) -> bool:
+    """Stacked bars: one per (impl, seq), segments attention / GEMM / quantised weights / other / idle in ms."""
+    devices = [d for d in m.measured if _breakdown_rows(m, d, series)]
+    if not devices:
+        return False
+    fig, axes = _grid(len(devices))
+    for ax, d in zip(axes, devices):
+        rows = _breakdown_rows(m, d, series)
+        labels = [f"{r['impl']}\n{r['seq']}" for r in rows]
+        bottom = [0.0] * len(rows)
+        for n, (cat, label) in enumerate(BREAKDOWN):
+            vals = [r["category_ms"][cat] for r in rows]
+            ax.bar(range(len(rows)), vals, bottom=bottom, label=label, color=("C3", "C0", "C1", "C7", "0.85")[n],
+                   edgecolor="white", linewidth=0.5)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize="small")
+        ax.set_ylabel("profiled prefill time (ms)")
+        gpu = any(r.get("device_type") == "cuda" for r in rows)
+        ax.set_title(f"{m.device_name[d]} (measured{'' if gpu else '; CPU: ATen op self time'})")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"Where prefill time goes — {series[0]}, batch {series[1]} (impl / prompt tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def implementations_md(m: Merged) -> str:
+    """Each implementation once: where it came from, what it is, and how many attention calls fell back."""
+    seen: dict[str, dict] = {}
+    for r in m.rows:
+        info = r.get("impl_info")
+        entry = seen.setdefault(r["impl"], {"info": info, "impl": 0, "fallback": 0, "reasons": {}})
+        entry["info"] = entry["info"] or info
+        calls = r.get("attention_calls")
+        if calls:
+            entry["impl"] += calls.get("impl", 0)
+            entry["fallback"] += calls.get("stock_fallback", 0)
+            for k, v in (calls.get("fallback_reasons") or {}).items():
+                entry["reasons"][k] = entry["reasons"].get(k, 0) + v
+    lines = []
+    for impl in sorted(seen, key=_impl_key):
+        e = seen[impl]
+        info = e["info"] or {}
+        src = info.get("source") or {}
+        kind = src.get("kind", "unknown")
+        where = src.get("path") or src.get("module") or ""
+        if src.get("package"):
+            where = f"{src['package']} {src.get('version') or ''}".strip()
+        stock = info.get("stock", impl in STOCK_ORDER)
+        reasons = "; ".join(f"{v} x {k}" for k, v in sorted(e["reasons"].items(), key=lambda kv: -kv[1]))[:200]
+        lines.append([impl, kind, where, info.get("description", ""),
+                      "stock (transformers)" if stock else e["impl"], "" if stock else e["fallback"],
+                      reasons.replace("|", "/")])
+    return tabulate(lines, headers=["impl", "source", "path / package", "description", "calls on impl",
+                                    "calls on stock (fallback)", "fallback reasons"], tablefmt="github",
+                    disable_numparse=True)
 
 
 def plot_decode(m: Merged, series: tuple, proj: list[Device], path: Path) -> bool:
@@ -486,7 +597,11 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
           f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} by `python -m llm_attn.report` "
           f"from {len(rows)} rows in {len(result_files(paths))} file(s)"
           + (f", experiment `{experiment}`" if experiment else "") + ".\n",
-          "## Measured devices\n", env_md(m), "", METHOD, ""]
+          "## Measured devices\n", env_md(m), "", METHOD, "",
+          "## Attention implementations\n",
+          "Source: `built-in` (llm_attn/impls/), `plugin` (a --plugin file or module), `entry-point` (an installed "
+          "package's `llm_attn.attention` entry point). Calls are summed over the rows (warm-up included).\n",
+          implementations_md(m), ""]
     md += [f"> {w}\n" for w in warnings]
     for d in m.measured:
         entry = m.entry[d]
@@ -497,9 +612,17 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
         for series in series_list:
             if m.seqs(d, series):
                 md += [f"### {series[0]}, batch {series[1]}\n", device_table(m, d, series), ""]
+        for series in series_list:
+            bd = breakdown_md(m, d, series)
+            if bd:
+                md += [f"### Where prefill time goes: {series[0]}, batch {series[1]}\n",
+                       "One prefill per implementation under torch.profiler (its overhead included). Attention = "
+                       "kernels launched inside the implementation's own call; idle = no kernel running (CPU-bound "
+                       "gaps). 'TTFT if attention took 0 ms' is the most any attention kernel could gain.\n",
+                       bd, ""]
         corr = correctness_md(m, d)
         if corr:
-            md += ["### Correctness (ours vs stock)\n", corr, ""]
+            md += ["### Correctness (each implementation vs stock)\n", corr, ""]
         fail = failures_md(m, d)
         if fail:
             md += ["### Out of memory / failed points\n", fail, ""]
@@ -534,7 +657,9 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
         plot_ttft(m, series, series_proj, out / f"ttft_vs_seq{suffix}.png")
         md.append(f"![TTFT vs prompt length, {series[0]}, batch {series[1]}](ttft_vs_seq{suffix}.png)\n")
         if plot_speedup(m, series, out / f"speedup{suffix}.png"):
-            md.append(f"![Speedup of {OURS}, {series[0]}, batch {series[1]}](speedup{suffix}.png)\n")
+            md.append(f"![TTFT speedup over stock, {series[0]}, batch {series[1]}](speedup{suffix}.png)\n")
+        if plot_breakdown(m, series, out / f"breakdown{suffix}.png"):
+            md.append(f"![Where prefill time goes, {series[0]}, batch {series[1]}](breakdown{suffix}.png)\n")
         if plot_decode(m, series, series_proj, out / f"decode_tok_s{suffix}.png"):
             md.append(f"![Decode tok/s, {series[0]}, batch {series[1]}](decode_tok_s{suffix}.png)\n")
     report = out / "report.md"

@@ -4,6 +4,8 @@
     python -m llm_attn.ttft --seq 2048            # on a GPU: synthetic Llama 3 8B AWQ int4, fp16
     python -m llm_attn.ttft --seq 512 2048 8192 --impl sdpa llm_attn --repeats 20 --out runs/h100.jsonl
     python -m llm_attn.ttft --model /models/Meta-Llama-3-8B-Instruct-AWQ --seq 1024 --batch 1 4
+    python -m llm_attn.ttft --plugin examples/my_attention.py --impl mine sdpa llm_attn --seq 2048
+    python -m llm_attn.ttft --impl sdpa llm_attn --seq 2048 8192 --measure ttft breakdown
 
 Without ``--model`` (``auto``) a GPU gets the synthetic Llama 3 8B AWQ checkpoint (exact geometry, seeded int4
 weights, loaded through a real AWQ loader; generated once and cached) and a machine without a GPU gets a tiny
@@ -13,7 +15,10 @@ Per implementation and prompt length it measures (``--measure`` picks):
   ttft             prefill of exactly --seq tokens + greedy first token; CUDA events; p50/p90/min/stdev%
   decode_generate  tokens 2..N of model.generate (default cache), each timed as it reaches the host
   decode_graph     the same decode kernel-limited: StaticCache + one step replayed from a CUDA graph
-  correctness      ours vs stock sdpa: max |logit diff| at the last prompt position, greedy-token agreement
+  correctness      every non-stock implementation vs stock sdpa: max |logit diff| at the last prompt
+                   position, greedy-token agreement
+  breakdown        (only when asked for) one prefill under torch.profiler: attention / GEMM / quantised
+                   weights / other kernels / GPU idle, and TTFT if attention took 0 ms
 and prints a llama-bench-like table with speedups. Every measurement is appended to --out as one JSON line
 (raw samples, statistics, environment, model, and the command that reproduces it) the moment it finishes; an
 out-of-memory or failing point is recorded as such and the sweep goes on. ``--resume`` skips points already in
@@ -29,11 +34,21 @@ from pathlib import Path
 
 import torch
 
+from llm_attn import registry
+from llm_attn.envinfo import capture_env, device_name
 from llm_attn.harness.devices import DEFAULT_TABLE, find_device, load_devices
-from llm_attn.harness.env import capture_env, device_name
-from llm_attn.harness.impls import ALL_IMPLS, available_impls, unavailable_reason
+from llm_attn.harness.impls import available_impls, unavailable_reason
 from llm_attn.harness.results import ResultWriter, finished_keys
-from llm_attn.harness.sweep import ALL_MEASUREMENTS, DTYPES, Sweep, SweepConfig, correctness_table, summary_table
+from llm_attn.harness.sweep import (
+    ALL_MEASUREMENTS,
+    DEFAULT_MEASUREMENTS,
+    DTYPES,
+    Sweep,
+    SweepConfig,
+    breakdown_table,
+    correctness_table,
+    summary_table,
+)
 
 DEFAULT_SEQS = {"cuda": [512, 1024, 2048], "cpu": [32, 64]}
 DEFAULT_OUT = "ttft-results.jsonl"
@@ -66,10 +81,30 @@ def _at_least_two(text: str) -> int:
     return value
 
 
+def add_plugin_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE[:ATTR]",
+                   help="load an attention plugin that registers implementations with "
+                        "llm_attn.register_attention (repeatable); installed packages' 'llm_attn.attention' entry "
+                        "points load by themselves")
+
+
+def load_plugins(argv: list[str] | None, prog: str) -> list[str]:
+    """Load every --plugin of ``argv`` before the real parser is built, so that --impl knows their names."""
+    pre = argparse.ArgumentParser(prog=prog, add_help=False)
+    add_plugin_argument(pre)
+    known, _ = pre.parse_known_args(argv)
+    try:
+        registry.load_plugins(known.plugin)
+    except registry.PluginError as e:
+        pre.error(str(e))
+    return known.plugin
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llm_attn.ttft", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = registry.names()
     p.add_argument("--model", default="auto",
                    help="'auto' (synthetic Llama 3 8B AWQ on a GPU, tiny fp16 model on CPU), a preset "
                         "(llama-3-8b, tiny; ':awq' or ':fp16' picks the format), a local checkpoint folder, or a "
@@ -77,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive_int, nargs="+", default=None, metavar="N",
                    help="prompt length(s) in tokens (default: 512 1024 2048 on a GPU, 32 64 on CPU)")
     p.add_argument("--batch", type=_positive_int, nargs="+", default=[1], metavar="B", help="batch size(s)")
-    p.add_argument("--impl", nargs="+", choices=ALL_IMPLS, default=None, metavar="IMPL",
-                   help=f"attention implementations, from {{{', '.join(ALL_IMPLS)}}} (default: the stock ones "
-                        "available here, then llm_attn)")
+    p.add_argument("--impl", nargs="+", choices=names, default=None, metavar="IMPL",
+                   help=f"attention implementations, from {{{', '.join(names)}}} (the registry, with --plugin's; "
+                        "default: the stock ones available here, then llm_attn)")
+    add_plugin_argument(p)
     p.add_argument("--new-tokens", type=_at_least_two, default=32, metavar="N",
                    help="tokens generated in the decode and correctness measurements (default 32)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
@@ -89,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "untimed generate when > 0")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed TTFT runs (default 10)")
     p.add_argument("--decode-repeats", type=_positive_int, default=3, help="timed decode runs (default 3)")
-    p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(ALL_MEASUREMENTS), metavar="M",
-                   help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: all)")
+    p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
+                   help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "
+                        f"{' '.join(DEFAULT_MEASUREMENTS)})")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSONL file rows are appended to (default {DEFAULT_OUT})")
     p.add_argument("--resume", action="store_true", help="skip points that already have a row in --out")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -166,7 +203,7 @@ def check_lengths(model, seqs: list[int], new_tokens: int, measurements: list[st
     from llm_attn.models import max_seq_len  # noqa: PLC0415
 
     limit = max_seq_len(model)
-    decodes = any(m != "ttft" for m in measurements)
+    decodes = any(m not in ("ttft", "breakdown") for m in measurements)
     for s in seqs:
         need = s + new_tokens if decodes else s
         if need > limit:
@@ -196,10 +233,10 @@ def report_rows(rows: list[dict], out: str | Path) -> int:
     path that cannot be measured that way, e.g. eager attention inside a CUDA graph)."""
     if rows:
         print(summary_table(rows))
-        corr = correctness_table(rows)
-        if corr:
-            print()
-            print(corr)
+        for extra in (correctness_table(rows), breakdown_table(rows)):
+            if extra:
+                print()
+                print(extra)
     failed = [r for r in rows if r["status"] == "error"]
     ooms = [r for r in rows if r["status"] == "oom"]
     unsupported = [r for r in rows if r["status"] == "unsupported"]
@@ -211,6 +248,7 @@ def report_rows(rows: list[dict], out: str | Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
     device = resolve_device(args.device, parser)
@@ -238,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
-                      allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device)
+                      allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device,
+                      plugins=plugins)
     try:
         written, skipped = run(cfg, model, info, args.out, args.resume, args.devices, progress=not args.no_progress,
                                argv=[sys.executable, "-m", "llm_attn.ttft", *(sys.argv[1:] if argv is None else argv)])

@@ -1,4 +1,5 @@
-"""llm_attn.patches: one call swaps llm_attn's attention into a Hugging Face model, one call gives the stock one back.
+"""llm_attn.patches: one call swaps a registered attention implementation (ours by default, or any entry of
+``llm_attn.registry``) into a Hugging Face model, one call gives the stock one back.
 
     from llm_attn.patches import patch_model, unpatch_model, patched
 
@@ -66,7 +67,9 @@ def patch_model(model, impl: str = "llm_attn", on_unsupported: str = "error", ba
     Args:
         model: a transformers Llama-family model (llama, mistral without sliding window, qwen2 without sliding
             window), or a model from AutoAWQ's ``from_quantized``.
-        impl: the attention implementation to swap in; "llm_attn" is the only one.
+        impl: the registered attention implementation to swap in (``llm_attn.registry``): "llm_attn" (ours), a
+            built-in peer ("naive", "flex", "numba", or a stock one's maths: "sdpa", "eager"), or a plugin's
+            name. Calls it cannot take run the stock attention, counted in the report.
         on_unsupported: "error" raises UnsupportedModelError (a ValueError) at patch time for a model or setting
             llm_attn cannot run (and at call time if a setting changes later, e.g. training mode with dropout);
             "fallback" keeps the stock attention for those calls and counts them in the report.

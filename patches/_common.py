@@ -1,14 +1,16 @@
 """Pieces every patch target shares: options, the report, the runtime that decides kernel vs. stock per call, and
 the patch-time checks of a model's attention settings.
 
-A target (``hf_attention_interface``, ``hf_legacy``, ``autoawq``) finds the attention modules of a model and swaps our
-attention in; for every attention call it asks an ``AttentionRuntime`` whether this call can run on llm_attn (and on
-which backend) or must take the stock path, and the runtime counts the answer in the model's ``PatchReport``.
+A target (``hf_attention_interface``, ``hf_legacy``, ``autoawq``) finds the attention modules of a model and swaps a
+registered attention implementation in (``llm_attn.registry``: ours, a built-in peer, or a plugin); for every
+attention call it asks an ``AttentionRuntime`` whether this call can run on that implementation (and on which of its
+variants) or must take the stock path, and the runtime counts the answer in the model's ``PatchReport``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections import Counter
 from collections.abc import Callable
@@ -16,12 +18,11 @@ from typing import Any
 
 import torch
 
-from llm_attn import kernel_available
-from llm_attn.ops import KERNEL_DTYPES, KERNEL_HEAD_DIMS, REFERENCE_DTYPES, flash_attn_func
+from llm_attn import registry
+from llm_attn.ops import KERNEL_HEAD_DIMS
 
-IMPLS = ("llm_attn",)
 ON_UNSUPPORTED = ("error", "fallback")
-BACKENDS = ("auto", "cuda", "reference")
+BACKENDS = registry.BACKENDS
 
 # Model types whose attention we have checked against the stock path in tests (tests/test_patches*.py). Anything else
 # is refused: a model family we have not compared may add a bias, a sink or a window that we would silently drop.
@@ -29,7 +30,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class UnsupportedModelError(ValueError):
-    """The model, or one of its settings, cannot run on llm_attn (raised when ``on_unsupported='error'``)."""
+    """The model, or one of its settings, cannot run on the implementation (raised when ``on_unsupported='error'``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +40,9 @@ class PatchOptions:
     backend: str = "auto"
 
     def validate(self) -> None:
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.impl not in registry.names():
+            raise ValueError(f"impl must be a registered attention implementation ({', '.join(registry.names())}), "
+                             f"got {self.impl!r}")
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
         if self.backend not in BACKENDS:
@@ -51,8 +53,9 @@ class PatchOptions:
 class PatchReport:
     """What ``patch_model`` did, and live counters of what every attention call since then did.
 
-    ``native_calls`` counts calls served by llm_attn, keyed by backend ('cuda' = the CUDA kernel, 'reference' = the
-    tiled PyTorch reference). ``fallback_calls`` counts calls that took the stock path, keyed by the reason. Calls
+    ``native_calls`` counts calls served by the implementation ``impl``, keyed by its variant (for llm_attn: 'cuda'
+    = the CUDA kernel, 'reference' = the tiled PyTorch reference; for other entries the device type).
+    ``fallback_calls`` counts calls that took the stock path, keyed by the reason. Calls
     inside a ``torch.compile``d graph (e.g. transformers' auto-compiled decode with a static cache on GPU; pass
     ``disable_compile=True`` to ``generate`` to count them) are not counted: a Python counter bumped while dynamo
     traces would be replayed as a constant. ``compiled_native_seen`` / ``compiled_fallback_seen`` say which paths
@@ -73,9 +76,11 @@ class PatchReport:
     compiled_native_seen: bool = False
     compiled_fallback_seen: bool = False
 
+    impl_source: dict | None = None
+
     @property
     def active(self) -> bool:
-        """True when some attention module now runs through llm_attn."""
+        """True when some attention module now runs through the implementation."""
         return bool(self.patched_modules)
 
     @property
@@ -108,12 +113,12 @@ class PatchReport:
         for n in self.notes:
             lines.append(f"  note: {n}")
         native = ", ".join(f"{k}={v}" for k, v in sorted(self.native_calls.items())) or "0"
-        lines.append(f"  calls on llm_attn: {self.num_native_calls} ({native})")
+        lines.append(f"  calls on {self.impl}: {self.num_native_calls} ({native})")
         lines.append(f"  calls on the stock path: {self.num_fallback_calls}")
         for reason, n in self.fallback_calls.most_common():
             lines.append(f"    {n} x {reason}")
         if self.compiled_native_seen or self.compiled_fallback_seen:
-            paths = [p for p, seen in (("llm_attn", self.compiled_native_seen),
+            paths = [p for p, seen in ((self.impl, self.compiled_native_seen),
                                        ("the stock path", self.compiled_fallback_seen)) if seen]
             lines.append(f"  torch.compile graphs also call {' and '.join(paths)} (not counted above)")
         return "\n".join(lines)
@@ -127,40 +132,23 @@ def _is_compiling() -> bool:
 
 
 def backend_problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                    kernel_ok: bool | None = None) -> tuple[str | None, str | None]:
-    """Which llm_attn backend serves tensors like these: ('cuda' | 'reference', None) or (None, why not).
-
-    ``kernel_ok``: whether the CUDA extension imports (asked here when None); the runtime passes the answer it got at
-    patch time so that no import is attempted inside a torch.compile trace."""
-    if backend == "reference":
-        if dtype not in REFERENCE_DTYPES:
-            return None, f"the reference takes {REFERENCE_DTYPES}, got {dtype}"
-        return "reference", None
-    if device.type == "cuda":
-        if dtype not in KERNEL_DTYPES:
-            return None, f"the CUDA kernel takes float16/bfloat16, got {dtype}"
-        if head_dim not in KERNEL_HEAD_DIMS:
-            return None, f"the CUDA kernel supports head_dim {KERNEL_HEAD_DIMS}, got {head_dim}"
-        if not (kernel_available() if kernel_ok is None else kernel_ok):
-            return None, ("the llm_attn CUDA extension is not built (pip install --no-build-isolation -e . on a "
-                          "machine with nvcc)")
-        return "cuda", None
-    if backend == "cuda":
-        return None, f"backend='cuda' needs the model on a CUDA device, it is on {device}"
-    if dtype not in REFERENCE_DTYPES:
-        return None, f"the reference takes {REFERENCE_DTYPES}, got {dtype}"
-    return "reference", None
+                    impl: str = "llm_attn") -> tuple[str | None, str | None]:
+    """Which variant of ``impl`` serves tensors like these: (variant, None) or (None, why not)."""
+    return registry.get(impl).choose(device, dtype, head_dim, backend)
 
 
 class AttentionRuntime:
-    """Per-patch state consulted by every patched attention call: options, counters, and the kernel call."""
+    """Per-patch state consulted by every patched attention call: options, counters, and the implementation call."""
 
     def __init__(self, options: PatchOptions, report: PatchReport, forced: list[str] | None = None):
         self.options = options
         self.report = report
+        self.impl = registry.get(options.impl)
         # Config problems found at patch time (under on_unsupported='fallback'): every call takes the stock path.
         self.forced = list(forced or [])
-        self.kernel_ok = kernel_available()
+        # (device, dtype, head_dim) -> (variant, why): asked once per kind of call, so that no import or probe
+        # (e.g. whether the CUDA extension loads) runs inside a torch.compile trace.
+        self._choices: dict = {}
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def count_native(self, backend: str) -> None:
@@ -173,7 +161,7 @@ class AttentionRuntime:
     def setting_unsupported(self, reason: str) -> None:
         """A model/setting problem found at call time: raise under on_unsupported='error', else count a fallback."""
         if self.options.on_unsupported == "error":
-            raise UnsupportedModelError(f"llm_attn cannot run this attention call: {reason} "
+            raise UnsupportedModelError(f"{self.impl.name} cannot run this attention call: {reason} "
                                         f"(patch with on_unsupported='fallback' to use the stock path instead)")
         self.count_fallback(reason)
 
@@ -185,17 +173,28 @@ class AttentionRuntime:
 
     # -- the call ------------------------------------------------------------------------------------------------
     def choose_backend(self, query: torch.Tensor) -> tuple[str | None, str | None]:
-        return backend_problem(self.options.backend, query.device, query.dtype, query.shape[-1], self.kernel_ok)
+        return self.choose_backend_for(query.device, query.dtype, query.shape[-1])
 
     def choose_backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int):
-        return backend_problem(self.options.backend, device, dtype, head_dim, self.kernel_ok)
+        key = (device, dtype, head_dim)
+        got = self._choices.get(key)
+        if got is None:
+            got = self._choices[key] = self.impl.choose(device, dtype, head_dim, self.options.backend)
+        return got
 
-    @staticmethod
-    def run(backend: str, query, key, value, *, causal: bool, scale: float | None,
+    def seqused_problem(self, backend: str) -> str | None:
+        """Why a call that needs ``seqused_k`` cannot run on this implementation (None when it can)."""
+        if backend == "reference" or self.impl.supports_seqused_k:
+            return None
+        return f"{self.impl.name} does not support seqused_k (a KV cache with unused slots): stock attention"
+
+    def run(self, backend: str, query, key, value, *, causal: bool, scale: float | None,
             seqused_k: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) -> (B, Sq, Hq, D) contiguous, the layout transformers expects."""
-        out = flash_attn_func(query, key, value, causal=causal, scale=scale, seqused_k=seqused_k, backend=backend)
-        return out.transpose(1, 2)  # the op stores (B, Sq, Hq, D): this view is contiguous, no copy
+        if scale is None:
+            scale = 1.0 / math.sqrt(query.shape[-1])
+        out = self.impl.run(backend, query, key, value, causal=causal, scale=float(scale), seqused_k=seqused_k)
+        return out.transpose(1, 2).contiguous()  # llm_attn's op stores (B, Sq, Hq, D): then this is free
 
 
 def config_problems(config: Any, *, training: bool) -> list[str]:
@@ -245,24 +244,29 @@ def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, t
 
     Returns the config problems that hold for every call (give them to the AttentionRuntime as ``forced``); the
     dropout and backend problems depend on the call's mode and tensors and are checked again per call."""
+    impl = registry.get(options.impl)
+    report.impl_source = dict(impl.source)
     problems = config_problems(config, training=training)
     head_dim = model_head_dim(config)
-    backend, why = backend_problem(options.backend, device, dtype or torch.float16, head_dim)
+    backend, why = impl.choose(device, dtype or torch.float16, head_dim, options.backend)
     if backend is None:
         problems.append(why)
     if problems and options.on_unsupported == "error":
         raise UnsupportedModelError(
-            "llm_attn cannot patch this model: " + "; ".join(problems)
+            f"{impl.name} cannot patch this model: " + "; ".join(problems)
             + ". Patch with on_unsupported='fallback' to keep the stock attention for these calls.")
     for p in problems:
         report.fallbacks.append(f"every attention call: {p}")
-    if backend == "cuda":
-        report.expected_path = "llm_attn CUDA kernel"
-    elif backend == "reference":
+    if backend == "reference":
         report.expected_path = "llm_attn PyTorch reference (tiled, same algorithm as the kernel)"
         if device.type == "cpu" and head_dim not in KERNEL_HEAD_DIMS:
             report.notes.append(f"head_dim {head_dim} runs on the reference only; the CUDA kernel supports "
                                 f"{KERNEL_HEAD_DIMS}")
+    elif backend is not None:
+        report.expected_path = f"{impl.name} on {backend} ({impl.description}; {impl.source_label})"
+    if not impl.supports_seqused_k:
+        report.notes.append(f"{impl.name} does not support seqused_k: calls over a KV cache with unused slots "
+                            f"(StaticCache) take the stock path and are counted below")
     if problems:
         report.expected_path = "stock attention (see 'falls back')"
     report.notes.append("arbitrary attention masks (e.g. left padding) take the stock path for that call and are "
@@ -274,7 +278,8 @@ def start_patch(model, options: PatchOptions, target: str, modules: list) -> tup
     """The report of a patch of `modules` (name, module) of `model`, and the settings problems that force the stock
     path (raises under on_unsupported='error'), checked against the first module's device and dtype."""
     report = PatchReport(target=target, impl=options.impl, backend=options.backend,
-                         on_unsupported=options.on_unsupported, model_type=model.config.model_type)
+                         on_unsupported=options.on_unsupported, model_type=model.config.model_type,
+                         impl_source=dict(registry.get(options.impl).source))
     device, dtype = module_device_dtype(modules[0][1])
     forced = check_settings(report, options, model.config, training=model.training, device=device, dtype=dtype)
     return report, forced

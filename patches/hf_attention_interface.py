@@ -2,8 +2,10 @@
 
 This is how transformers (>= 4.48, and all of 5.x) expects a custom attention to be plugged in: we register an
 attention function and a mask function under the name ``"llm_attn"`` and switch the model to it with
-``model.set_attn_implementation("llm_attn")``. Nothing in the model is replaced; ``unpatch`` puts the previous
-implementation name back on every config we touched and removes the small per-module runtime pointer.
+``model.set_attn_implementation("llm_attn")``. That one name serves every implementation of ``llm_attn.registry``:
+each patched module carries a runtime naming the implementation it calls. Nothing in the model is replaced;
+``unpatch`` puts the previous implementation name back on every config we touched and removes the small per-module
+runtime pointer.
 
 How each call is served (stock sdpa semantics, reproduced exactly):
 
@@ -130,8 +132,10 @@ def default_report() -> PatchReport:
 
 def llm_attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                                **kwargs):
-    """Registered in ``AttentionInterface`` as "llm_attn". Same contract as transformers' sdpa_attention_forward:
-    query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) un-repeated, returns ((B, Sq, Hq, D), None)."""
+    """Registered in ``AttentionInterface`` as "llm_attn" — one entry for every registry implementation: the module's
+    runtime (set by patch_model) says which implementation serves it. Same contract as transformers'
+    sdpa_attention_forward: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) un-repeated, returns ((B, Sq, Hq, D),
+    None)."""
     runtime = getattr(module, RUNTIME_ATTR, None) or _default_runtime()
 
     def stock():
@@ -143,10 +147,10 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
     if problem is None:
         for name, what in _UNSUPPORTED_KWARGS.items():
             if kwargs.get(name) is not None:
-                problem = f"{what} ({name}={kwargs[name]!r}) is not implemented by llm_attn"
+                problem = f"{what} ({name}={kwargs[name]!r}) is not implemented by {runtime.impl.name}"
                 break
     if problem is None and dropout and dropout > 0 and module.training:
-        problem = f"attention dropout in training mode (p={dropout}) is not implemented by llm_attn"
+        problem = f"attention dropout in training mode (p={dropout}) is not implemented by {runtime.impl.name}"
     if problem is None and query.shape[-1] != value.shape[-1]:
         problem = f"query head_dim {query.shape[-1]} != value head_dim {value.shape[-1]}"
     backend = None
@@ -175,6 +179,10 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
     if (seqused is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
             and attention_mask.shape[-2] == q_len and seqused.shape == (query.shape[0],)
             and seqused.device == query.device):
+        why = runtime.seqused_problem(backend)
+        if why is not None:
+            runtime.count_fallback(why)
+            return stock()
         out = runtime.run(backend, query, key, value, causal=True, scale=scaling, seqused_k=seqused)
         runtime.count_native(backend)
         return out, None

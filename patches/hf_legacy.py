@@ -158,6 +158,9 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
         seqused = analysis.seqused(attention_mask, cache_position, kv_len, bsz)
         if seqused is None:
             return None, "attention mask is not a causal prefix (padding or custom mask): stock attention", False
+        why = runtime.seqused_problem(backend)
+        if why is not None:
+            return None, why, False
         return backend, True, seqused
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_value=None, output_attentions=False,

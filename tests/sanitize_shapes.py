@@ -1,8 +1,11 @@
 """A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k,
-each prefill tile forced; then the backward kernels.
+each prefill tile forced; then the backward kernels. `--hopper` runs only the Hopper kernel's launches (racecheck and synccheck of its
+TMA/mbarrier/warp-specialised pipeline).
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --hopper
 """
 import math
+import sys
 
 import torch
 
@@ -17,8 +20,16 @@ SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (2, 8, 2, 3, 700, 64, True, [700, 5]),       # static cache lengths
 ]
 runs = [(dtype, shape, 0) for dtype in (torch.float16, torch.bfloat16) for shape in SHAPES]
-# Each prefill tile forced (llm_attn.ops.TILES: 1 large, 2 wide, 3 small) per head_dim and mask, bf16.
-runs += [(torch.bfloat16, (1, 8, 2, 300, 1000, d, c, None), t) for t in (1, 2, 3) for d in (64, 128) for c in (0, 1)]
+# Each prefill tile forced (llm_attn.ops.TILES: 1 large, 2 wide, 3 small, 4 hopper where the GPU runs it) per
+# head_dim and mask, bf16; the Hopper kernel also with static-cache lengths (its V-row zeroing) and fp16.
+tiles = (1, 2, 3, 4) if ext.sm90_available() else (1, 2, 3)
+runs += [(torch.bfloat16, (1, 8, 2, 300, 1000, d, c, None), t) for t in tiles for d in (64, 128) for c in (0, 1)]
+if ext.sm90_available():
+    runs += [(torch.float16, (2, 8, 2, 129, 700, d, c, [700, 333]), 4) for d in (64, 128) for c in (0, 1)]
+if "--hopper" in sys.argv:
+    if not ext.sm90_available():
+        sys.exit("--hopper: this GPU/build does not run the Hopper kernel")
+    runs = [r for r in runs if r[2] == 4]
 for dtype, (b, hq, hkv, sq, sk, d, causal, used), tile in runs:
     ext.set_tile(tile)
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
@@ -32,8 +43,8 @@ for dtype, (b, hq, hkv, sq, sk, d, causal, used), tile in runs:
     assert not out.isnan().any()
 ext.set_tile(0)
 
-# Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k.
-BWD_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
+# Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k. Not with --hopper.
+BWD_SHAPES = [] if "--hopper" in sys.argv else [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 8, 2, 17, 129, 64, True, None),
     (2, 4, 1, 129, 63, 128, True, None),
     (1, 4, 4, 100, 300, 128, False, [200]),

@@ -63,18 +63,24 @@ def test_kernel_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
 TILE_PAIRS = [(63, 63), (1000, 1000), (129, 2049), (2049, 129), (300, 1000)]
 
 
-@pytest.mark.parametrize("tile", ["large", "wide", "small"])
-@pytest.mark.parametrize("heads", ["mha", "gqa"])
+def skip_unless_tile_runs(ext, tile):
+    if tile == "hopper" and not ext.sm90_available():
+        pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU and an sm_90a build")
+
+
+@pytest.mark.parametrize("tile", ["large", "wide", "small", "hopper"])
+@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("sq,sk", TILE_PAIRS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_forced_tiles(cuda_ext, dtype, causal, d, sq, sk, heads, tile):
-    """Every prefill tile configuration on every head_dim/mask, whichever the automatic choice would be on this
-    GPU (e.g. the H100 picks Wide for non-causal: Large non-causal is what an RTX 4060 Ti runs). Small grids
-    also take each tile's split-KV variant."""
+    """Every prefill kernel and tile configuration on every head_dim/mask, whichever the automatic choice would be
+    on this GPU (the H100 picks the Hopper kernel: Large non-causal is what an RTX 4060 Ti runs). Small grids also
+    take each portable tile's split-KV variant."""
     from llm_attn.ops import force_tile
 
+    skip_unless_tile_runs(cuda_ext, tile)
     torch.manual_seed(zlib.crc32(repr((dtype, causal, d, sq, sk, heads, tile)).encode()))
     hq, hkv = HEADS[heads]
     dt = DTYPES[dtype]
@@ -85,7 +91,7 @@ def test_forced_tiles(cuda_ext, dtype, causal, d, sq, sk, heads, tile):
         check(cuda_ext, q, k, v, causal)
 
 
-@pytest.mark.parametrize("tile", ["auto", "large", "wide", "small"])
+@pytest.mark.parametrize("tile", ["auto", "large", "wide", "small", "hopper"])
 @pytest.mark.parametrize("growth", ["rising", "falling"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_softmax_rescale_paths(cuda_ext, dtype, growth, tile):
@@ -93,6 +99,7 @@ def test_softmax_rescale_paths(cuda_ext, dtype, growth, tile):
     again and again, O is rescaled) or falls (the first tile's max holds: no rescale, P far below 1)."""
     from llm_attn.ops import force_tile
 
+    skip_unless_tile_runs(cuda_ext, tile)
     torch.manual_seed(7)
     dt = DTYPES[dtype]
     sq, sk, d = 300, 1500, 128
@@ -134,6 +141,53 @@ def test_raw_binding_errors_raise(cuda_ext):
             cuda_ext.mha_fwd(qq, kk, kk, out, lse, None, 0.125, False)
     with pytest.raises(RuntimeError, match=r"out \[1, 4, 7, 64\] must match q"):
         cuda_ext.mha_fwd(q, kv, kv, q[:, :, :7], torch.empty(1, 4, 8, device="cuda"), None, 0.125, False)
+
+
+def launched_kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_kernel_is_the_default_on_sm90(cuda_ext, d, causal):
+    """On compute capability 9.0 a prefill that fills the GPU runs the wgmma/TMA kernel, and its result passes."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel is selected on compute capability 9.0 only")
+    assert cuda_ext.sm90_available(), "sm_90 GPU but no sm_90a code in the extension (LLM_ATTN_CUDA_ARCHS)"
+    q = torch.randn(1, 32, 1000, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 1000, d, device="cuda", dtype=torch.bfloat16)
+    names = launched_kernels(lambda: check(cuda_ext, q, k, torch.randn_like(k), causal))
+    assert any("flash_fwd_sm90_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [1, 300])
+def test_hopper_seqused_k_garbage_slots(cuda_ext, causal, sq):
+    """Static-cache slots past seqused_k inside the last loaded key tile hold NaN in K and V: the Hopper kernel
+    masks the scores and zeroes those V rows in shared memory (0 * NaN would poison P V)."""
+    from llm_attn.ops import force_tile
+
+    skip_unless_tile_runs(cuda_ext, "hopper")
+    b, hq, hkv, d, cap = 3, 8, 2, 128, 700
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    used = torch.tensor([cap, 333, 130], dtype=torch.int32, device="cuda")
+    for i, n in enumerate(used.tolist()):
+        k[i, :, n:] = float("nan")
+        v[i, :, n:] = float("nan")
+    with force_tile("hopper"):
+        out, _ = run_raw(cuda_ext, q, k, v, causal, seqused_k=used)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    k_ok, v_ok = k.nan_to_num(0), v.nan_to_num(0)  # the reference multiplies masked NaNs too
+    ref, _ = attention_naive(q, k_ok, v_ok, causal=causal, seqused_k=used)
+    pt, _ = attention_naive(q, k_ok, v_ok, causal=causal, seqused_k=used, compute_dtype=q.dtype)
+    err, pt_err = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
+    assert err <= 2 * pt_err + 1e-4, f"max err {err:.3e} > 2 x PyTorch's {pt_err:.3e}"
 
 
 def test_force_tile_rejects_unknown(cuda_ext):

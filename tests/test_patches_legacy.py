@@ -120,6 +120,38 @@ def test_legacy_static_cache_runs_natively():
     assert torch.equal(ours, stock)
 
 
+@pytest.mark.parametrize("impl", ["naive", "mine"])
+def test_legacy_registry_entries_and_plugins(impl):
+    """Any registry implementation goes through the 4.4x target: a built-in peer and the example plugin."""
+    from pathlib import Path
+
+    from llm_attn import registry
+
+    registry.load_plugin(str(Path(__file__).resolve().parents[1] / "examples" / "my_attention.py"))
+    model = make_model()
+    ids = prompt()
+    ref, tokens = step_logits(model, ids)
+    stock = greedy(model, ids, cache_implementation="static")
+    with patched(model, impl=impl) as report:
+        got, _ = step_logits(model, ids, tokens=tokens)
+        assert report.num_fallback_calls == 0 and report.native_calls == {"cpu": LAYERS * len(ref)}, str(report)
+        assert torch.equal(greedy(model, ids, cache_implementation="static"), stock)  # seqused_k: both support it
+        assert report.num_fallback_calls == 0, str(report)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+def test_legacy_entry_without_seqused_falls_back_on_a_static_cache():
+    model = make_model()
+    ids = prompt(length=21)
+    stock = greedy(model, ids, cache_implementation="static")
+    with patched(model, impl="flex") as report:
+        ours = greedy(model, ids, cache_implementation="static")
+        assert report.num_native_calls == 0 and report.num_fallback_calls == LAYERS * 24, str(report)
+        assert all("does not support seqused_k" in r for r in report.fallback_calls)
+    assert torch.equal(ours, stock)
+
+
 def test_legacy_left_padding_falls_back_and_matches():
     model = make_model()
     ids = prompt(batch=2, length=14)
@@ -308,6 +340,26 @@ def test_autoawq_fused_attention_modules_match_stock(awq_checkpoint, monkeypatch
     again = [_run_fused_attention(m, inputs) for m in fused]  # unpatched: the stock forward, bit for bit
     for (s_out, *_), (a_out, *_) in zip(stock, again, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(s_out, a_out, strict=True))
+
+
+def test_autoawq_fused_attention_with_another_entry(awq_checkpoint, monkeypatch):
+    """The fused AutoAWQ target with a registry entry other than ours (naive, fp16 on this device)."""
+    model, device = load_awq(awq_checkpoint, True, monkeypatch)
+    from awq.modules.fused.attn import QuantAttentionFused
+
+    fused = [m for m in model.modules() if isinstance(m, QuantAttentionFused)]
+    g = torch.Generator().manual_seed(4)
+    hidden = model.config.hidden_size
+    inputs = [torch.randn(1, 19, hidden, generator=g)] + [torch.randn(1, 1, hidden, generator=g) for _ in range(4)]
+    inputs = [x.half().to(device) for x in inputs]
+    stock = [_run_fused_attention(m, inputs) for m in fused]
+    with patched(model, impl="naive") as report:
+        got = [_run_fused_attention(m, inputs) for m in fused]
+        assert report.impl == "naive" and report.num_fallback_calls == 0, str(report)
+        assert report.native_calls == {torch.device(device).type: LAYERS * len(inputs)}, str(report)
+    for (s_out, *_), (o_out, *_) in zip(stock, got, strict=True):
+        for a, b in zip(s_out, o_out, strict=True):
+            torch.testing.assert_close(b, a, atol=4e-3, rtol=4e-3)
 
 
 def test_autoawq_fused_prefill_with_foreign_mask_falls_back(awq_checkpoint, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 
 from llm_attn import report as report_mod
 from llm_attn.harness.devices import find_device, load_devices
-from llm_attn.harness.env import device_slug
+from llm_attn.envinfo import device_slug
 from llm_attn.harness.results import iter_rows, validate_row
 
 REPO = Path(__file__).resolve().parents[1]

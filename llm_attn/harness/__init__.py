@@ -4,11 +4,12 @@
 Modules, one job each:
 
 - ``stats``    — statistics derived from raw latency samples (p50/p90/min/stdev%).
-- ``env``      — the environment recorded with every result row (GPU, driver, CUDA, library versions, git SHA).
+- (the environment recorded with every row is ``llm_attn.envinfo``, shared with the kernel benchmark.)
 - ``results``  — the JSONL row schema, the crash-safe appending writer and the resumption keys.
 - ``devices``  — the datasheet table (``experiments/devices.toml``) used for %-of-peak and roofline projections.
 - ``flops``    — model geometry, prefill FLOPs and bytes moved per decoded token.
-- ``impls``    — which attention implementations exist here and how a loaded model is switched between them.
+- ``impls``    — how a loaded model is switched between the implementations of ``llm_attn.registry``.
 - ``measure``  — TTFT, decode (``generate`` and static-cache/CUDA-graph) and correctness measurements.
+- ``breakdown``— one prefill under torch.profiler: attention / GEMM / quantised weights / other / idle.
 - ``sweep``    — runs a grid of points through ``measure``, writing one row per measurement, and the summary table.
 """

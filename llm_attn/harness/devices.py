@@ -11,7 +11,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
     import tomli as tomllib
 
-from llm_attn.harness.env import REPO_ROOT
+from llm_attn.envinfo import REPO_ROOT
 
 DEFAULT_TABLE = REPO_ROOT / "experiments" / "devices.toml"
 _REQUIRED = ("slug", "name", "match", "mem_bandwidth_gb_s", "fp16_tensor_tflops")

@@ -10,7 +10,8 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 - Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
   the kernels need without Python and launch overhead. On CPU the same static-cache loop runs without a graph and
   says so in ``mode``.
-- Correctness: max |logit difference| at the prompt's last position and greedy-token agreement, ours vs stock.
+- Correctness: max |logit difference| at the prompt's last position and greedy-token agreement, a patched
+  implementation vs stock.
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, referen
     """Ours against a stock implementation on the same prompt: max |logit difference| at the last prompt position
     (float32) and the fraction of identical greedy tokens over ``new_tokens``. ``switch(model, name)`` is the
     context manager that puts the model on an implementation (``impls.use_impl``)."""
-    got, report = {}, None
+    got, report, calls = {}, None, None
     with torch.inference_mode():
         for name in (reference_impl, impl):
             with switch(model, name) as rep:
@@ -325,6 +326,8 @@ def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, referen
                 got[name] = (logits.float().cpu(), greedy_tokens(model, input_ids, new_tokens).cpu())
                 if name == impl and rep is not None:
                     report = jsonable(rep)
+                    calls = {"impl": rep.num_native_calls, "stock_fallback": rep.num_fallback_calls,
+                             "fallback_reasons": dict(rep.fallback_calls)}
     (ref_logits, ref_tok), (our_logits, our_tok) = got[reference_impl], got[impl]
     same = ref_tok == our_tok
     mismatch_cols = (~same).any(dim=0).nonzero()
@@ -336,6 +339,8 @@ def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, referen
         "first_divergence": int(mismatch_cols[0, 0]) if mismatch_cols.numel() else None,
         "tokens_reference": ref_tok.tolist(),
         "tokens_impl": our_tok.tolist(),
-        # The patch counters (cumulative since patching): proof that ours really ran, and on which backend.
+        # The patch counters (cumulative since patching): proof that the implementation really ran, and on which
+        # variant, and how many of its calls took the stock path.
         "patch": report,
+        "attention_calls": calls,
     }

@@ -19,7 +19,7 @@ import torch
 
 SCHEMA = "llm_attn.ttft/1"
 
-MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
+MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness", "breakdown")
 KINDS = MEASUREMENTS + ("error",)
 # unsupported: the stock path cannot be measured that way (e.g. eager attention inside a CUDA graph).
 STATUSES = ("ok", "oom", "unsupported", "error")
@@ -36,6 +36,7 @@ KIND_FIELDS = {
                      "bytes_per_token"),
     "correctness": ("reference_impl", "max_abs_logit_diff", "greedy_agreement", "first_divergence",
                     "tokens_reference", "tokens_impl"),
+    "breakdown": ("span_ms", "category_ms", "category_pct", "ttft_if_attention_zero_ms", "attention_attribution"),
     "error": ("error",),
 }
 
@@ -64,9 +65,10 @@ def jsonable(obj):
 
 def point_key(row: dict) -> tuple:
     """What identifies a measurement for resumption. Repeats/warm-up are not part of it: re-running an interrupted
-    sweep with the same definition must find its finished points. TTFT does not depend on ``new_tokens``."""
+    sweep with the same definition must find its finished points. TTFT and the prefill breakdown do not depend on
+    ``new_tokens``."""
     measurement = row["measurement"]
-    new_tokens = None if measurement == "ttft" else row.get("new_tokens")
+    new_tokens = None if measurement in ("ttft", "breakdown") else row.get("new_tokens")
     return (row.get("experiment"), row.get("model_spec"), row.get("dtype"), row.get("impl"), row.get("batch"),
             row.get("seq"), new_tokens, measurement)
 

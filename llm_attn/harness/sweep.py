@@ -14,16 +14,18 @@ import traceback
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 
 import torch
 from tabulate import tabulate
 from tqdm.auto import tqdm
 
+from llm_attn import registry
 from llm_attn.harness import flops
+from llm_attn.harness.breakdown import measure_breakdown
 from llm_attn.harness.devices import Device
-from llm_attn.harness.impls import OURS, STOCK_IMPLS, use_impl
+from llm_attn.harness.impls import BASE_IMPL, impl_info, is_stock, use_impl
 from llm_attn.harness.measure import (
     GraphCaptureUnsupported,
     measure_correctness,
@@ -33,60 +35,89 @@ from llm_attn.harness.measure import (
 )
 from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
 
-PER_POINT = ("ttft", "decode_generate", "decode_graph")
+PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown")
 ALL_MEASUREMENTS = PER_POINT + ("correctness",)
+# What runs when nothing is asked for: the profiled breakdown is opt-in (``--measure breakdown``).
+DEFAULT_MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# Reference implementation of the correctness check: the stock path ours is built on.
-CORRECTNESS_REFERENCE = "sdpa"
+# Reference implementation of the correctness check: the stock path the patched implementations are built on.
+CORRECTNESS_REFERENCE = BASE_IMPL
 _OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
 
 
-@dataclass
-class SweepConfig:
-    """One sweep: a model at one dtype, measured over the product impls x batches x seqs."""
+def _int_at_least(name: str, val, low: int) -> None:
+    if not isinstance(val, int) or isinstance(val, bool) or val < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {val!r}")
 
-    model_spec: str
-    dtype: str
-    impls: list[str]
+
+@dataclass(kw_only=True)
+class SweepParams:
+    """What a sweep measures at every point, shared by ``SweepConfig`` (one model at one dtype, as
+    ``python -m llm_attn.ttft`` runs it) and ``llm_attn.experiment.ExperimentDef`` (a TOML file sweeping models and
+    dtypes too). Validated once, here."""
+
     seqs: list[int]
     batches: list[int] = field(default_factory=lambda: [1])
     new_tokens: int = 32
     warmup: int = 3
     repeats: int = 10
     decode_repeats: int = 3
-    measurements: list[str] = field(default_factory=lambda: list(ALL_MEASUREMENTS))
+    measurements: list[str] = field(default_factory=lambda: list(DEFAULT_MEASUREMENTS))
     seed: int = 0
     allow_dequant_fallback: bool = False
+    # --plugin specs (a .py path or module[:attr]) that register implementations named in impls.
+    plugins: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("seqs", "batches"):
+            vals = getattr(self, name)
+            if not isinstance(vals, list) or not vals:
+                raise ValueError(f"{name} must be a non-empty list, got {vals!r}")
+            bad = [v for v in vals if not isinstance(v, int) or isinstance(v, bool) or v <= 0]
+            if bad:
+                raise ValueError(f"{name} must hold positive integers, got {bad}")
+        if not isinstance(self.measurements, list) or not self.measurements:
+            raise ValueError(f"measurements must be a non-empty list, got {self.measurements!r}")
+        bad = [m for m in self.measurements if m not in ALL_MEASUREMENTS]
+        if bad:
+            raise ValueError(f"measurements: unknown {bad}; choose from {', '.join(ALL_MEASUREMENTS)}")
+        for key, low in (("new_tokens", 2), ("warmup", 0), ("repeats", 1), ("decode_repeats", 1), ("seed", 0)):
+            _int_at_least(key, getattr(self, key), low)
+        if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
+            raise ValueError(f"plugins must be a list of plugin specs (file.py or module[:attr]), got "
+                             f"{self.plugins!r}")
+
+    def shared(self) -> dict:
+        """The shared fields, to build one kind of sweep from the other."""
+        return {f.name: getattr(self, f.name) for f in fields(SweepParams)}
+
+
+@dataclass(kw_only=True)
+class SweepConfig(SweepParams):
+    """One sweep: a model at one dtype, measured over the product impls x batches x seqs."""
+
+    model_spec: str
+    dtype: str
+    impls: list[str]
     experiment: str | None = None
     device: str = "cpu"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        for name in ("seqs", "batches"):
-            vals = getattr(self, name)
-            if not vals or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in vals):
-                raise ValueError(f"{name} must be a non-empty list of positive integers, got {vals!r}")
         if not self.impls:
             raise ValueError("impls must not be empty")
-        if self.new_tokens < 2:
-            raise ValueError(f"new_tokens must be >= 2 (decode is timed over the tokens after the first), "
-                             f"got {self.new_tokens}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.repeats < 1 or self.decode_repeats < 1:
-            raise ValueError(f"repeats and decode_repeats must be >= 1, got {self.repeats}, {self.decode_repeats}")
-        unknown = set(self.measurements) - set(ALL_MEASUREMENTS)
-        if unknown or not self.measurements:
-            raise ValueError(f"measurements must be a non-empty subset of {ALL_MEASUREMENTS}, got {self.measurements}")
 
     def command(self, impls: list[str], batch: int, seq: int, measurements: list[str]) -> str:
         """The ``python -m llm_attn.ttft`` command that measures exactly this point again."""
-        args = ["python", "-m", "llm_attn.ttft", "--model", self.model_spec, "--dtype", self.dtype,
-                "--impl", *impls, "--batch", str(batch), "--seq", str(seq), "--new-tokens", str(self.new_tokens),
-                "--warmup", str(self.warmup), "--repeats", str(self.repeats),
-                "--decode-repeats", str(self.decode_repeats), "--measure", *measurements,
-                "--seed", str(self.seed), "--device", self.device]
+        args = ["python", "-m", "llm_attn.ttft", "--model", self.model_spec, "--dtype", self.dtype]
+        for spec in registry.plugin_specs_for(impls):
+            args += ["--plugin", spec]
+        args += ["--impl", *impls, "--batch", str(batch), "--seq", str(seq), "--new-tokens", str(self.new_tokens),
+                 "--warmup", str(self.warmup), "--repeats", str(self.repeats),
+                 "--decode-repeats", str(self.decode_repeats), "--measure", *measurements,
+                 "--seed", str(self.seed), "--device", self.device]
         if self.allow_dequant_fallback:
             args.append("--allow-dequant-fallback")
         return shlex.join(args)
@@ -140,7 +171,8 @@ class Sweep:
             "schema": SCHEMA, "kind": measurement, "measurement": measurement, "status": "ok",
             "experiment": self.cfg.experiment, "run_id": self.run_id, "time": _now(),
             "device": self.env["device_slug"], "model_spec": self.cfg.model_spec, "model": self.info,
-            "impl": impl, "dtype": self.cfg.dtype, "batch": batch, "seq": seq, "new_tokens": self.cfg.new_tokens,
+            "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq,
+            "new_tokens": self.cfg.new_tokens,
             "env": self.env, "command": self.cfg.command(command_impls, batch, seq, [measurement]),
             "argv": shlex.join(self.argv),
         }
@@ -208,6 +240,12 @@ class Sweep:
             if self.device_entry is not None:
                 fields["pct_of_peak_fp16"] = 100 * fields["tflops"] / self.device_entry.fp16_tensor_tflops
             return fields
+        if measurement == "breakdown":
+            inner.reset(total=1)
+            entry = registry.get(self._impl_now)
+            fields = measure_breakdown(self.model, prompt, entry.name, entry.hf_name, warmup=max(1, cfg.warmup))
+            inner.update()
+            return fields
         inner.reset(total=cfg.decode_repeats)
         if measurement == "decode_generate":
             fields = measure_decode_generate(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
@@ -224,11 +262,11 @@ class Sweep:
         per_point = [m for m in PER_POINT if m in cfg.measurements]
         todo = [(impl, b, s, m) for impl in cfg.impls for b in cfg.batches for s in cfg.seqs for m in per_point
                 if self._key(m, impl, b, s) not in self.done]
-        correctness = "correctness" in cfg.measurements and OURS in cfg.impls
-        todo_corr = [(b, s) for b in cfg.batches for s in cfg.seqs
-                     if correctness and self._key("correctness", OURS, b, s) not in self.done]
+        checked = [i for i in cfg.impls if not is_stock(i)] if "correctness" in cfg.measurements else []
+        todo_corr = [(i, b, s) for i in checked for b in cfg.batches for s in cfg.seqs
+                     if self._key("correctness", i, b, s) not in self.done]
         planned = len(cfg.impls) * len(cfg.batches) * len(cfg.seqs) * len(per_point)
-        planned += len(cfg.batches) * len(cfg.seqs) if correctness else 0
+        planned += len(checked) * len(cfg.batches) * len(cfg.seqs)
         self.skipped = planned - len(todo) - len(todo_corr)
         total = len(todo) + len(todo_corr)
         # disable=None: bars only on a terminal, so logs of CI and batch jobs stay readable.
@@ -239,16 +277,17 @@ class Sweep:
                 points = [(b, s, m) for i, b, s, m in todo if i == impl]
                 if points:
                     self._run_impl(impl, points, bar, inner)
-            for b, s in todo_corr:
-                bar.set_postfix_str(f"correctness {OURS} vs {CORRECTNESS_REFERENCE} b={b} s={s}")
+            for impl, b, s in todo_corr:
+                bar.set_postfix_str(f"correctness {impl} vs {CORRECTNESS_REFERENCE} b={b} s={s}")
                 prompt = make_prompt(self.vocab, b, s, cfg.seed, self.device)
-                base = self._base("correctness", OURS, b, s, [CORRECTNESS_REFERENCE, OURS])
-                self._guarded(base, lambda p=prompt: measure_correctness(
-                    self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, OURS, use_impl))
+                base = self._base("correctness", impl, b, s, [CORRECTNESS_REFERENCE, impl])
+                self._guarded(base, lambda p=prompt, i=impl: measure_correctness(
+                    self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, i, use_impl))
                 bar.update()
         return self.rows
 
     def _run_impl(self, impl: str, points: list[tuple], bar: tqdm, inner: tqdm) -> None:
+        self._impl_now = impl
         with ExitStack() as stack:
             try:
                 report = stack.enter_context(use_impl(self.model, impl))
@@ -269,9 +308,12 @@ class Sweep:
                         report.reset_counters()
                     fields = self._measure(m, prompt, inner)
                     if report is not None:
-                        # Attention calls of this measurement (warm-up included) on our kernel vs the stock path.
-                        # Calls replayed from a CUDA graph run no Python: they are counted once, at capture.
+                        # Attention calls of this measurement (warm-up included) on the implementation vs the
+                        # stock path. Calls replayed from a CUDA graph run no Python: counted once, at capture.
                         fields["patch"] = jsonable(report)
+                        fields["attention_calls"] = {"impl": report.num_native_calls,
+                                                     "stock_fallback": report.num_fallback_calls,
+                                                     "fallback_reasons": dict(report.fallback_calls)}
                     return fields
 
                 self._guarded(self._base(m, impl, b, s, [impl]), run_one)
@@ -293,6 +335,8 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
     latest = latest_rows(rows).values()
     by_point: dict[tuple, dict] = {}
     for r in latest:
+        if r["measurement"] == "breakdown":
+            continue
         model = r["model"]
         k = (model.get("name"), model.get("quant"), r["dtype"], r["batch"], r["seq"], r["impl"])
         by_point.setdefault(k, {})[r["measurement"]] = r
@@ -309,7 +353,7 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
         return fmt(r) if r["status"] == "ok" else r["status"].upper()
 
     table, modes = [], set()
-    order = {i: n for n, i in enumerate(STOCK_IMPLS + (OURS,))}
+    order = {i: n for n, i in enumerate(registry.names())}
     for k in sorted(by_point, key=lambda k: (str(k[0]), str(k[1]), k[2], k[3], k[4], order.get(k[5], 99))):
         m = by_point[k]
         t, dg, dgr = m.get("ttft"), m.get("decode_generate"), m.get("decode_graph")
@@ -355,3 +399,24 @@ def correctness_table(rows: list[dict], tablefmt: str = "github") -> str:
     return tabulate(sorted(table, key=lambda x: (x[2], x[3])),
                     headers=["impl", "vs", "batch", "seq", "max |Δlogit|", "greedy agreement"], tablefmt=tablefmt,
                     disable_numparse=True)
+
+
+def breakdown_table(rows: list[dict], tablefmt: str = "github") -> str:
+    """Where each profiled prefill's time went (``--measure breakdown``), and TTFT if attention took 0 ms."""
+    table = []
+    for r in latest_rows(rows).values():
+        if r["measurement"] != "breakdown" or r["status"] != "ok":
+            continue
+        ms = r["category_ms"]
+        table.append([r["impl"], r["batch"], r["seq"], f"{r['span_ms']:.2f}",
+                      *(f"{ms[c]:.2f} ({r['category_pct'][c]:.0f}%)" if r["category_pct"][c] is not None else ""
+                        for c in ("attention", "gemm", "quant", "other", "idle")),
+                      f"{r['ttft_if_attention_zero_ms']:.2f}"])
+    if not table:
+        return ""
+    idle = "GPU idle" if any(r.get("device_type") == "cuda" for r in rows if r["measurement"] == "breakdown") \
+        else "idle (host, no op)"
+    return tabulate(sorted(table, key=lambda x: (x[1], x[2], x[0])),
+                    headers=["impl", "batch", "seq", "profiled prefill ms", "attention", "GEMM", "quant. weights",
+                             "other kernels", idle, "TTFT if attention took 0 ms"],
+                    tablefmt=tablefmt, disable_numparse=True)

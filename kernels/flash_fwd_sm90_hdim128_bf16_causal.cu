@@ -1,0 +1,7 @@
+// Instantiation: Hopper (sm_90a) forward, head_dim 128, bf16, causal.
+#include "flash_fwd_sm90_launch.cuh"
+
+namespace llm_attn {
+template cudaError_t run_flash_fwd_sm90_<__nv_bfloat16, 128, true>(FlashFwdParams& params, cudaStream_t stream);
+template bool flash_fwd_sm90_built_<__nv_bfloat16, 128, true>();
+}  // namespace llm_attn

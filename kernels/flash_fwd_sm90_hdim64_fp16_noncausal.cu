@@ -1,0 +1,7 @@
+// Instantiation: Hopper (sm_90a) forward, head_dim 64, fp16, noncausal.
+#include "flash_fwd_sm90_launch.cuh"
+
+namespace llm_attn {
+template cudaError_t run_flash_fwd_sm90_<half, 64, false>(FlashFwdParams& params, cudaStream_t stream);
+template bool flash_fwd_sm90_built_<half, 64, false>();
+}  // namespace llm_attn
