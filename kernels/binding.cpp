@@ -8,6 +8,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flash.h"
 
@@ -135,6 +136,133 @@ int64_t set_tile(int64_t tile) {
     return prev;
 }
 
+
+// ---- Backward ------------------------------------------------------------------------------------------------------
+// Key-block split override for the backward (llm_attn.backward.force_bwd_splits): 0 = automatic.
+int g_bwd_splits = 0;
+
+int64_t set_bwd_splits(int64_t splits) {
+    if (splits < 0) return -1;
+    const int prev = g_bwd_splits;
+    g_bwd_splits = static_cast<int>(splits);
+    return prev;
+}
+
+// The (num_splits, iters_per_split) the backward would use for these shapes (tests).
+std::vector<int64_t> bwd_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q,
+                                int64_t seqlen_k, int64_t head_dim, bool causal, int64_t num_sms) {
+    llm_attn::FlashBwdParams p{};
+    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
+    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim, p.causal = causal;
+    llm_attn::flash_bwd_set_splits(p, num_sms, g_bwd_splits);
+    return {p.num_splits, p.iters_per_split};
+}
+
+#define CHECK_BWD(cond, ...) TORCH_CHECK(cond, "llm_attn.mha_bwd: ", __VA_ARGS__)
+
+void check_bwd_operand(const at::Tensor& t, const char* name, const at::Tensor& q, at::IntArrayRef sizes) {
+    CHECK_BWD(t.is_cuda(), name, " must be a CUDA tensor");
+    CHECK_BWD(t.device() == q.device(), name, " is on ", t.device(), " but q is on ", q.device());
+    CHECK_BWD(t.scalar_type() == q.scalar_type(), name, " dtype ", t.scalar_type(), " != q dtype ", q.scalar_type());
+    CHECK_BWD(t.sizes() == sizes, name, " ", shape(t.sizes()), " must have shape ", shape(sizes));
+    CHECK_BWD(t.stride(3) == 1, name, " must be contiguous in head_dim");
+    for (int d = 0; d < 3; ++d) {
+        CHECK_BWD(t.stride(d) % 8 == 0 || t.size(d) == 1, name,
+                  " strides must be multiples of 8 elements (16 bytes), got ", shape(t.strides()));
+    }
+    CHECK_BWD(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+void check_rows_f32(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    CHECK_BWD(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2),
+              name, " must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+}
+
+// Gradients of flash attention into preallocated dq (q's shape), dk, dv (k's shape). lse: the forward's output;
+// dlse: optional gradient of it. Allocates the float32 dQ accumulator and the per-row workspaces from torch's
+// caching allocator; launches on the current stream; no synchronisation.
+void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::Tensor& dq,
+             at::Tensor& dk, at::Tensor& dv, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    CHECK_BWD(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "only float16 and bfloat16 are supported, got ", q.scalar_type());
+    CHECK_BWD(q.is_cuda() && q.dim() == 4, "q must be a 4-D CUDA tensor (batch, heads, seq, head_dim)");
+    CHECK_BWD(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D (batch, kv_heads, seq, head_dim)");
+    const int64_t batch = q.size(0), num_heads = q.size(1), seqlen_q = q.size(2), head_dim = q.size(3);
+    const int64_t num_kv_heads = k.size(1), seqlen_k = k.size(2);
+    CHECK_BWD(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", num(head_dim));
+    CHECK_BWD(k.size(0) == batch && k.size(3) == head_dim, "k/v ", shape(k.sizes()), " do not match q ",
+              shape(q.sizes()));
+    CHECK_BWD(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query heads (", num(num_heads),
+              ") must be a multiple of kv heads (", num(num_kv_heads), ")");
+    CHECK_BWD(batch > 0 && num_heads > 0 && seqlen_q > 0 && seqlen_k > 0, "empty input: q ", shape(q.sizes()),
+              ", k ", shape(k.sizes()));
+    CHECK_BWD(seqlen_q < (1 << 30) && seqlen_k < (1 << 30), "sequence too long");
+    // Grid: key blocks in x (or y when causal), KV heads in the other, batch in z.
+    CHECK_BWD(num_heads <= 65535 && batch <= 65535, "at most 65535 heads and batch 65535, got ", num(num_heads),
+              " and ", num(batch));
+    CHECK_BWD(!causal || seqlen_k <= 65535 * 64, "causal kv_len must be <= ", num(65535 * 64), ", got ",
+              num(seqlen_k));
+    check_bwd_operand(q, "q", q, q.sizes());
+    check_bwd_operand(k, "k", q, k.sizes());
+    check_bwd_operand(v, "v", q, k.sizes());
+    check_bwd_operand(out, "out", q, q.sizes());
+    check_bwd_operand(dout, "dout", q, q.sizes());
+    check_bwd_operand(dq, "dq", q, q.sizes());
+    check_bwd_operand(dk, "dk", q, k.sizes());
+    check_bwd_operand(dv, "dv", q, k.sizes());
+    check_rows_f32(lse, "lse", q);
+    if (dlse.has_value()) check_rows_f32(*dlse, "dlse", q);
+    CHECK_BWD(std::isfinite(scale), "scale must be finite");
+    if (seqused_k.has_value()) {
+        const at::Tensor& s = *seqused_k;
+        CHECK_BWD(s.is_cuda() && s.device() == q.device(), "seqused_k must be on q's device");
+        CHECK_BWD(s.scalar_type() == at::kInt && s.dim() == 1 && s.size(0) == batch && s.is_contiguous(),
+                  "seqused_k must be a contiguous int32 tensor of shape (batch,)");
+    }
+
+    const c10::cuda::CUDAGuard guard(q.device());
+    auto f32 = q.options().dtype(at::kFloat);
+    at::Tensor dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32);
+    at::Tensor dsum = at::empty({batch, num_heads, seqlen_q}, f32);
+    at::Tensor lse_log2 = at::empty({batch, num_heads, seqlen_q}, f32);
+
+    llm_attn::FlashBwdParams p{};
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = dout.data_ptr();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
+    p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dsum = dsum.data_ptr<float>();
+    p.lse_log2 = lse_log2.data_ptr<float>();
+    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+    p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+    p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+    p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+    p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
+    p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
+    p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
+    p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
+    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
+    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
+    p.scale = static_cast<float>(scale);
+    p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+    p.causal = causal;
+    p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits);
+    at::Tensor dk_accum, dv_accum;
+    if (p.num_splits > 1) {
+        dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
+        dv_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
+        p.dk_accum = dk_accum.data_ptr<float>();
+        p.dv_accum = dv_accum.data_ptr<float>();
+    }
+    const cudaError_t err = llm_attn::run_flash_bwd(p, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_bwd: kernel launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -145,4 +273,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
     m.def("sm90_available", [] { return llm_attn::flash_fwd_sm90_available(); },
           "Whether the current device runs the Hopper (sm_90a) prefill kernel of this build");
+    m.def("mha_bwd", &mha_bwd, "FlashAttention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"),
+          py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
+          py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
+    m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");
 }

@@ -70,4 +70,58 @@ bool flash_fwd_sm90_available();
 int num_sms_current_device();
 int max_smem_per_block_current_device();
 
+// ---- Backward (kernels/flash_bwd_*.cuh/.cu) --------------------------------------------------------------------
+// Same layout conventions as FlashFwdParams. Gradients dq (like q), dk/dv (like k/v, per KV head: summed over the
+// query heads of each group in the kernel, K/V never expanded). Workspaces are allocated by the binding:
+//   dq_accum (batch, num_heads, seqlen_q, head_dim) float32, zero before the launch (dQ is accumulated with atomics)
+//   dsum, lse_log2 (batch, num_heads, seqlen_q) float32, written by the preprocessing kernel.
+struct FlashBwdParams {
+    const void* __restrict__ q;
+    const void* __restrict__ k;
+    const void* __restrict__ v;
+    const void* __restrict__ o;
+    const void* __restrict__ dout;
+    void* __restrict__ dq;
+    void* __restrict__ dk;
+    void* __restrict__ dv;
+    const float* __restrict__ lse;      // (batch, num_heads, seqlen_q) contiguous, from the forward
+    const float* __restrict__ dlse;     // same shape, gradient of the lse output; may be null (no lse gradient)
+    const int* __restrict__ seqused_k;  // (batch,) or null
+    float* __restrict__ dq_accum;
+    float* __restrict__ dsum;           // rowsum(dO * O) - dlse
+    float* __restrict__ lse_log2;       // lse * log2(e); +inf for rows that see no key (their P is then 0)
+
+    int64_t q_batch_stride, q_head_stride, q_row_stride;
+    int64_t k_batch_stride, k_head_stride, k_row_stride;
+    int64_t v_batch_stride, v_head_stride, v_row_stride;
+    int64_t o_batch_stride, o_head_stride, o_row_stride;
+    int64_t do_batch_stride, do_head_stride, do_row_stride;
+    int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+    int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+    int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+
+    int batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim;
+    float scale, scale_log2;
+    bool causal;  // bottom-right aligned, as the forward
+    bool is_bf16;
+
+    // Split key blocks: with num_splits > 1, each key block's query steps (query heads x query blocks) are shared
+    // by num_splits thread blocks of at most iters_per_split steps, which add float32 partial dK/dV into
+    // dk_accum / dv_accum ((batch, num_kv_heads, seqlen_k, head_dim), zero before the launch); a conversion pass
+    // writes dk/dv. Fills the GPU when there are few key blocks and balances causal blocks (the first keys are
+    // seen by every query). num_splits == 1: dK/dV are written directly.
+    int num_splits, iters_per_split;
+    float* __restrict__ dk_accum;
+    float* __restrict__ dv_accum;
+};
+
+// The split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets num_splits and
+// iters_per_split); `force_splits` > 0 asks for that many (tests). The binding sizes the workspaces from it.
+void flash_bwd_set_splits(FlashBwdParams& params, int num_sms, int force_splits);
+
+// Launches preprocessing, the dK/dV kernel (which also accumulates dQ) and the dQ conversion on `stream`.
+cudaError_t run_flash_bwd(FlashBwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream);
+
 }  // namespace llm_attn

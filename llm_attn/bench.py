@@ -3,6 +3,7 @@
     python -m llm_attn.bench                                   # Llama 3 8B prefill shape, S = 512 .. 16384
     python -m llm_attn.bench --seqs 2048 4096 --dtypes bf16 --causal 1 --out bench.jsonl
     python -m llm_attn.bench --mode decode --kv 512 2048 8192 32768 --batch 1 4 16
+    python -m llm_attn.bench --mode backward --seqs 1024 4096 16384     # training: forward+backward, backward alone
     python -m llm_attn.bench --impls ours flash cudnn naive flex numba --seqs 2048 8192   # registry entries too
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
 
@@ -15,6 +16,9 @@ Prefill timings are replays of a captured CUDA graph of back-to-back calls over 
 plain calls.
 Decode: q_len = 1 against a KV cache of length S; GB/s counts K and V read once (2*B*Hkv*S*D*bytes), both as plain
 launches and replayed inside a CUDA graph.
+Backward: q_len = kv_len = S; two phases per point, "fwd+bwd" (forward, then autograd.grad of dq, dk, dv) and "bwd"
+(autograd.grad alone on a retained forward graph); FLOPs 3.5x and 2.5x the forward's (the backward's five matmuls
+against the forward's two). Plain calls by default (--graph 1 captures them in a CUDA graph).
 
 Each row of the JSONL output carries the environment and the command that reproduces it.
 """
@@ -92,6 +96,8 @@ def make_fn(impl: str, q, k, v, causal: bool):
         ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         call(ke, ve, False)
         fn = lambda: call(ke, ve, False)  # noqa: E731
+        if k.requires_grad:  # training: the expansion is part of every step (and of its backward)
+            fn = lambda: call(k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False)  # noqa: E731
         note = "K/V expanded"
     return fn, note
 
@@ -148,7 +154,18 @@ def _inputs(b, hq, hkv, sq, sk, d, dtype, sets):
     return out
 
 
-def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repeats, graph=False):
+def make_train_fn(impl: str, q, k, v, causal: bool, dout, phase: str):
+    """Backward mode: 'fwd+bwd' runs the forward and autograd.grad of (q, k, v); 'bwd' only the latter, on a forward
+    graph built once and retained."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    fwd, note = make_fn(impl, q, k, v, causal)
+    if phase == "fwd+bwd":
+        return (lambda: torch.autograd.grad(fwd(), (q, k, v), dout)), note
+    out = fwd()
+    return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), note
+
+
+def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repeats, graph=False, phase=None):
     """Time every impl on the same inputs; returns {impl: row}. A failing impl gets an error row, others go on."""
     elem = torch.finfo(dtype).bits // 8
     # Rotate input sets so that small shapes are not served from L2 between repeats (50 MB on H100).
@@ -156,15 +173,23 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
     sets = max(1, min(8, math.ceil(200e6 / per_set)))
     data = _inputs(b, hq, hkv, sq, sk, d, dtype, sets)
     flops = 4 * b * hq * sq * sk * d / (2 if causal and sq == sk else 1)
+    flops *= {None: 1, "fwd+bwd": 3.5, "bwd": 2.5}[phase]
+    douts = [torch.randn_like(q) for q, _, _ in data] if phase else None
     kv_bytes = 2 * b * hkv * sk * d * elem
     rows = {}
     ref = None
     for impl in impls:
         row = dict(mode=mode, impl=impl, batch=b, heads=hq, kv_heads=hkv, q_len=sq, kv_len=sk, head_dim=d,
                    dtype=str(dtype).removeprefix("torch."), causal=causal, graph=graph)
+        if phase:
+            row["phase"] = phase
         try:
-            fns, note = zip(*(make_fn(impl, q, k, v, causal) for q, k, v in data))
+            if phase:
+                fns, note = zip(*(make_train_fn(impl, q, k, v, causal, g, phase) for (q, k, v), g in zip(data, douts)))
+            else:
+                fns, note = zip(*(make_fn(impl, q, k, v, causal) for q, k, v in data))
             out0 = fns[0]()
+            out0 = out0[0] if isinstance(out0, tuple) else out0  # backward: compare dq
             if ref is None:
                 ref = out0
             row["max_abs_diff_vs_first"] = (out0.float() - ref.float()).abs().max().item()
@@ -189,7 +214,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plugin_argument(p)
-    p.add_argument("--mode", choices=["prefill", "decode"], default="prefill")
+    p.add_argument("--mode", choices=["prefill", "decode", "backward"], default="prefill")
     p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
                    help="prefill: q_len = kv_len = S")
     p.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192, 32768], help="decode: KV cache lengths")
@@ -223,7 +248,8 @@ def main(argv=None):
         p.error(f"--out {args.out}: {e.strerror or e}")
     if not torch.cuda.is_available():
         p.error("the kernel benchmark needs a CUDA GPU")
-    graphs = args.graph if args.graph is not None else ([0, 1] if args.mode == "decode" else [1])
+    graphs = args.graph if args.graph is not None else {"decode": [0, 1], "prefill": [1], "backward": [0]}[args.mode]
+    phases = ["fwd+bwd", "bwd"] if args.mode == "backward" else [None]
 
     env = environment()
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -232,42 +258,43 @@ def main(argv=None):
         for dt in args.dtypes:
             for causal in args.causal:
                 for b in args.batch:
-                    lengths = args.seqs if args.mode == "prefill" else args.kv
-                    for s in lengths:
-                        for graph in graphs:
-                            sq = s if args.mode == "prefill" else 1
-                            rows = bench_point(args.mode, args.impls, b, args.heads, args.kv_heads, sq, s,
-                                               args.head_dim, DTYPES[dt], bool(causal), args.warmup, args.repeats,
-                                               graph=bool(graph))
-                            for row in rows.values():
-                                row.update(env=env, command=command)
-                                if f:
-                                    try:
-                                        f.write(json.dumps(row) + "\n")
-                                        f.flush()
-                                    except OSError as e:  # e.g. the disk is full
-                                        with contextlib.suppress(OSError):
-                                            f.close()  # closes even when the buffered line cannot be flushed
-                                        p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
-                                                  f"{e.strerror or e}\n")
-                            table.append(_table_row(args.mode, rows, dt, causal, b, s, graph))
-                            print(_fmt_last(table), flush=True)
+                    lengths = args.kv if args.mode == "decode" else args.seqs
+                    for s, graph, phase in ((s, g, ph) for s in lengths for g in graphs for ph in phases):
+                        sq = 1 if args.mode == "decode" else s
+                        rows = bench_point(args.mode, args.impls, b, args.heads, args.kv_heads, sq, s,
+                                           args.head_dim, DTYPES[dt], bool(causal), args.warmup, args.repeats,
+                                           graph=bool(graph), phase=phase)
+                        for row in rows.values():
+                            row.update(env=env, command=command)
+                            if f:
+                                try:
+                                    f.write(json.dumps(row) + "\n")
+                                    f.flush()
+                                except OSError as e:  # e.g. the disk is full
+                                    with contextlib.suppress(OSError):
+                                        f.close()  # closes even when the buffered line cannot be flushed
+                                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
+                                              f"{e.strerror or e}\n")
+                        table.append(_table_row(args.mode, rows, dt, causal, b, s, graph, phase))
+                        print(_fmt_last(table), flush=True)
     headers = list(table[0].keys())
     print()
     print(tabulate([list(r.values()) for r in table], headers=headers, floatfmt=".2f"))
 
 
-def _table_row(mode, rows, dt, causal, b, s, graph):
-    metric = "tflops" if mode == "prefill" else "gbps"
-    r = {"dtype": dt, "causal": causal, "B": b, "S" if mode == "prefill" else "KV": s}
+def _table_row(mode, rows, dt, causal, b, s, graph, phase=None):
+    metric = "gbps" if mode == "decode" else "tflops"
+    r = {"dtype": dt, "causal": causal, "B": b, "KV" if mode == "decode" else "S": s}
     if mode == "decode":
         r["graph"] = graph
+    if phase:
+        r["phase"] = phase
     ours = rows.get("ours", {})
-    r["ours ms"] = ours.get("ms", float("nan")) if mode == "prefill" else ours.get("ms", float("nan")) * 1e3
+    r["ours ms"] = ours.get("ms", float("nan")) if mode != "decode" else ours.get("ms", float("nan")) * 1e3
     if mode == "decode":
         r["ours µs"] = r.pop("ours ms")
     for impl, row in rows.items():
-        r[f"{impl} {'TF/s' if mode == 'prefill' else 'GB/s'}"] = row.get(metric, row.get("status"))
+        r[f"{impl} {'GB/s' if mode == 'decode' else 'TF/s'}"] = row.get(metric, row.get("status"))
     # Speed ratios (>1: ours faster) of each of our variants against each reference backend.
     for mine in (i for i in rows if i.startswith("ours")):
         for impl in (i for i in rows if not i.startswith("ours")):

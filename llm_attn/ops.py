@@ -175,3 +175,5 @@ def force_tile(tile: str):
         yield
     finally:
         ext.set_tile(prev)
+
+from llm_attn import backward as _backward  # noqa: E402,F401  (registers autograd for llm_attn::flash_fwd)

@@ -103,3 +103,56 @@ def attention_tiled(q, k, v, causal=False, scale=None, seqused_k=None, block_n: 
     out = acc / torch.where(empty, torch.ones_like(row_sum), row_sum).unsqueeze(-1)
     lse = torch.where(empty, torch.full_like(row_sum, float("-inf")), row_max + torch.log(row_sum))
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq).float()
+
+
+def attention_backward(dout, q, k, v, out, lse, causal=False, scale=None, seqused_k=None, dlse=None,
+                       compute_dtype=torch.float32, block_m: int = 256):
+    """FlashAttention backward in PyTorch, by recomputation from the saved ``lse`` (as the kernel does).
+
+    With P = exp(S - lse) recomputed per block of ``block_m`` query rows (the full score matrix is never
+    materialised for all rows at once), D = rowsum(dO * O) - dlse:
+    dV = P^T dO, dP = dO V^T, dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q; dK and dV are summed over the
+    query heads of each KV head (GQA/MQA). ``dlse`` is the gradient of the lse output (None: not used).
+    Keys past ``seqused_k`` get zero gradients and are never read (they may hold anything, NaN included).
+    Returns (dq, dk, dv) in the dtypes of q, k, v.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    cd = torch.float64 if q.dtype == torch.float64 else compute_dtype
+    qg = _group(q.to(cd), hkv)                                   # (B, Hkv, G, Sq, D)
+    dog = _group(dout.to(cd), hkv)
+    og = _group(out.to(cd), hkv)
+    kk = k.to(cd).unsqueeze(2)                                   # (B, Hkv, 1, Sk, D)
+    vv = v.to(cd).unsqueeze(2)
+    if seqused_k is not None:
+        used = (torch.arange(sk, device=q.device).view(1, -1) < seqused_k.to(q.device, torch.long).view(-1, 1))
+        used = used.view(b, 1, 1, sk, 1)
+        kk = torch.where(used, kk, torch.zeros((), dtype=cd, device=q.device))
+        vv = torch.where(used, vv, torch.zeros((), dtype=cd, device=q.device))
+    lse_g = lse.to(cd).reshape(b, hkv, g, sq)
+    # Rows that see no key have lse = -inf and P = 0: subtracting +inf gives exactly that.
+    lse_g = torch.where(torch.isneginf(lse_g), torch.full_like(lse_g, float("inf")), lse_g)
+    dsum = (dog * og).sum(-1)                                    # (B, Hkv, G, Sq)
+    if dlse is not None:
+        dsum = dsum - dlse.to(cd).reshape(b, hkv, g, sq)
+    mask = _valid_key_mask(sq, sk, causal, seqused_k, b, q.device)
+    dq = torch.empty_like(qg)
+    dk = torch.zeros((b, hkv, 1, sk, d), dtype=cd, device=q.device)
+    dv = torch.zeros((b, hkv, 1, sk, d), dtype=cd, device=q.device)
+    for start in range(0, sq, block_m):
+        rows = slice(start, min(start + block_m, sq))
+        s = torch.matmul(qg[..., rows, :], kk.transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[..., rows, :], float("-inf"))
+        # The saved lse is float32: in float64 recompute it so that gradients are exact to float64 (gradcheck).
+        lse_rows = lse_g[..., rows] if cd != torch.float64 else torch.logsumexp(s, dim=-1)
+        lse_rows = torch.where(torch.isneginf(lse_rows), torch.full_like(lse_rows, float("inf")), lse_rows)
+        p = torch.exp(s - lse_rows.unsqueeze(-1))
+        dv += torch.matmul(p.transpose(-1, -2), dog[..., rows, :]).sum(2, keepdim=True)
+        dp = torch.matmul(dog[..., rows, :], vv.transpose(-1, -2))
+        ds = p * (dp - dsum[..., rows].unsqueeze(-1))
+        dq[..., rows, :] = torch.matmul(ds, kk) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2, keepdim=True) * scale
+    return (dq.reshape(b, hq, sq, d).to(q.dtype), dk.squeeze(2).to(k.dtype), dv.squeeze(2).to(v.dtype))

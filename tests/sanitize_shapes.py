@@ -1,5 +1,5 @@
 """A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k,
-each prefill tile forced. `--hopper` runs only the Hopper kernel's launches (racecheck and synccheck of its
+each prefill tile forced; then the backward kernels. `--hopper` runs only the Hopper kernel's launches (racecheck and synccheck of its
 TMA/mbarrier/warp-specialised pipeline).
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --hopper
@@ -42,4 +42,25 @@ for dtype, (b, hq, hkv, sq, sk, d, causal, used), tile in runs:
     torch.cuda.synchronize()
     assert not out.isnan().any()
 ext.set_tile(0)
+
+# Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k. Not with --hopper.
+BWD_SHAPES = [] if "--hopper" in sys.argv else [  # (b, hq, hkv, sq, sk, d, causal, seqused)
+    (1, 8, 2, 17, 129, 64, True, None),
+    (2, 4, 1, 129, 63, 128, True, None),
+    (1, 4, 4, 100, 300, 128, False, [200]),
+    (2, 8, 2, 70, 700, 64, True, [700, 5]),
+]
+for dtype in (torch.float16, torch.bfloat16):
+    for b, hq, hkv, sq, sk, d, causal, used in BWD_SHAPES:
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+        out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
+        lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
+        su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
+        ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal)
+        torch.cuda.synchronize()
+        assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
 print("sanitize shapes done")

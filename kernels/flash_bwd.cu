@@ -1,0 +1,67 @@
+// Runtime -> compile-time dispatch for the backward kernels.
+#include "flash.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+namespace llm_attn {
+
+// Must match BwdConfig (flash_bwd_launch.cuh): query rows per step, keys per block.
+static int bwd_block_m(int head_dim) { return head_dim == 128 ? 32 : 64; }
+constexpr int kBwdBlockN = 64;
+
+void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits) {
+    const int block_m = bwd_block_m(p.head_dim);
+    const int group = p.num_heads / p.num_kv_heads;
+    const int num_m = (p.seqlen_q + block_m - 1) / block_m;
+    const int n_blocks = (p.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
+    const long max_iters = static_cast<long>(group) * num_m;  // steps of a key block that sees every query block
+    // Steps of all key blocks of one (batch, KV head); causal key blocks start at their diagonal (seqused_k is on
+    // the device: the full length stands in for it here).
+    long total = 0;
+    for (int n = 0; n < n_blocks; ++n) {
+        const int m_min = p.causal ? std::max(n * kBwdBlockN - (p.seqlen_k - p.seqlen_q), 0) / block_m : 0;
+        total += static_cast<long>(group) * std::max(num_m - m_min, 0);
+    }
+    total *= static_cast<long>(p.num_kv_heads) * p.batch;
+    const long blocks = static_cast<long>(n_blocks) * p.num_kv_heads * p.batch;
+    // Two 4-warp blocks per SM (registers): `slots` blocks run at once.
+    const long slots = 2L * num_sms;
+    long splits = 1;
+    if (force_splits > 0) {
+        splits = force_splits;
+    } else if (p.causal && blocks < 2 * slots) {
+        // Causal key blocks are unequal (the first see every query): below 2 waves, split them into ~4 waves of
+        // blocks of about equal work, at least 8 steps each (amortises the K/V load and the atomic epilogue).
+        // H100, B=1 32/8 hd128 bf16, backward: S=2048 0.83 ms split (v2) vs 1.10 unsplit (v1); S=8192 (3.9 waves)
+        // 6.87 split in 3 vs 6.65 unsplit (kernels/NOTES.md, Backward).
+        const long per = std::max((total + 4 * slots - 1) / (4 * slots), 8L);
+        splits = (max_iters + per - 1) / per;
+    } else if (!p.causal && blocks * 5 < slots * 4) {
+        // Equal blocks that leave SMs idle: as many whole copies of the grid as fit one wave. A full wave is not
+        // split (S=2048 B=1 32/8 bf16 backward: 1.23 ms split in 5 (v2) vs 1.07 unsplit (v1)).
+        splits = slots / blocks;
+    }
+    splits = std::max(1L, std::min({splits, max_iters, 65535L / p.batch}));
+    p.iters_per_split = static_cast<int>((max_iters + splits - 1) / splits);
+    p.num_splits = static_cast<int>((max_iters + p.iters_per_split - 1) / p.iters_per_split);
+}
+
+cudaError_t run_flash_bwd(FlashBwdParams& p, cudaStream_t stream) {
+#define LLM_ATTN_BWD_CAUSAL_SWITCH(T, D) \
+    return p.causal ? run_flash_bwd_<T, D, true>(p, stream) : run_flash_bwd_<T, D, false>(p, stream)
+    if (p.head_dim == 128) {
+        if (p.is_bf16) LLM_ATTN_BWD_CAUSAL_SWITCH(__nv_bfloat16, 128);
+        LLM_ATTN_BWD_CAUSAL_SWITCH(half, 128);
+    }
+    if (p.head_dim == 64) {
+        if (p.is_bf16) LLM_ATTN_BWD_CAUSAL_SWITCH(__nv_bfloat16, 64);
+        LLM_ATTN_BWD_CAUSAL_SWITCH(half, 64);
+    }
+#undef LLM_ATTN_BWD_CAUSAL_SWITCH
+    return cudaErrorInvalidValue;  // the binding validates head_dim first
+}
+
+}  // namespace llm_attn

@@ -1,0 +1,6 @@
+// Instantiation: backward, head_dim 64, bf16, causal. One file per combination keeps nvcc builds parallel.
+#include "flash_bwd_launch.cuh"
+
+namespace llm_attn {
+template cudaError_t run_flash_bwd_<__nv_bfloat16, 64, true>(FlashBwdParams& params, cudaStream_t stream);
+}  // namespace llm_attn

@@ -1,0 +1,553 @@
+// FlashAttention-2 backward kernels (mma.sync tensor cores, sm_80 .. sm_90).
+//
+// Three launches per call:
+//   1. flash_bwd_preprocess_kernel: per query row, dsum = rowsum(dO * O) - dlse (fp32) and lse in base 2, with
+//      +inf for rows that saw no key so that their P = exp2(S - lse) is exactly 0.
+//   2. flash_bwd_dkdv_kernel: one block per (KV head, 64-key block, batch). The block keeps K and V in shared memory
+//      and dK, dV accumulators in registers, and walks every query block of every query head of its KV head's group
+//      (GQA/MQA: dK/dV are summed over the group inside the block, deterministic, K/V never expanded). Per query
+//      block it recomputes S^T = K Q^T and dP^T = V dO^T (each warp owns 16 keys, so the softmax columns it needs
+//      come from the saved lse, no cross-warp reduction), P^T = exp2(S^T - lse), dS^T = P^T (dP^T - dsum), then
+//      dV += P^T dO and dK += dS^T Q from registers (the S accumulators re-packed as A fragments, as in the forward),
+//      writes dS^T to shared memory and adds its share of dQ = dS K into a float32 buffer with atomics (each warp 16
+//      query rows).
+//   3. flash_bwd_convert_dq_kernel: dq = scale * dq_accum in the input dtype, with dq's strides.
+// Small or unbalanced grids (few key blocks; causal, where the first key blocks see every query) split each key
+// block's steps over several thread blocks, which add float32 partial dK/dV with atomics; then
+// flash_bwd_convert_dkdv_kernel writes dk/dv (FlashBwdParams::num_splits).
+//
+// Register budget (the seed's failure was spills): per thread dK and dV accumulators (head_dim / 2 floats each) plus
+// the S^T and dP^T tiles of 16 keys x kBlockM queries (kBlockM / 2 floats each). kernels/NOTES.md "Backward" has
+// the numbers ptxas reports.
+#pragma once
+
+#include "flash.h"
+#include "flash_fwd_kernel.cuh"  // swz, SwzCols, load_tile_async, kLog2e
+#include "ptx.cuh"
+
+namespace llm_attn {
+
+// kBlockM query rows per step of the inner loop; kBlockN keys per block (16 per warp).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kSplitDp_>
+struct BwdTraits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kChunks = kHeadDim / 8;
+    static constexpr int kSmemQ = kBlockM * kHeadDim;   // Q and dO tiles
+    static constexpr int kSmemK = kBlockN * kHeadDim;   // K and V tiles
+    static constexpr int kSmemDS = kBlockN * kBlockM;   // dS^T tile [key][query]
+    // K, V; two stages of (Q, dO) so that step j + 1 loads during step j; dS^T; two stages of (lse, dsum).
+    static constexpr int kSmemBytes = (4 * kSmemQ + 2 * kSmemK + kSmemDS) * 2 + 4 * kBlockM * 4;
+    // dP^T is computed in this many slices of the queries (register pressure: 2 for head_dim 128).
+    static constexpr int kSplitDp = kSplitDp_;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim must be 64 or 128");
+    // dQ step: kBlockM / 16 m-tiles of dS K, each shared by kWarpsPerMT warps that split head_dim.
+    static constexpr int kMTilesDQ = kBlockM / 16;
+    static constexpr int kWarpsPerMT = kNWarps / kMTilesDQ;
+    static constexpr int kColsDQ = kHeadDim / kWarpsPerMT;  // dQ columns per warp
+
+    static_assert(kBlockN == 16 * kNWarps, "each warp owns 16 keys");
+    static_assert(kBlockM == 32 || kBlockM == 64, "the dS^T tile's swizzle handles rows of 4 or 8 chunks");
+    static_assert(kNWarps % kMTilesDQ == 0 && kColsDQ % 64 == 0, "dQ: warps split m-tiles, then 64-column groups");
+    static_assert((kBlockM * kChunks) % kThreads == 0 && (kBlockN * kChunks) % kThreads == 0, "tile copies divide");
+    static_assert(kHeadDim % 32 == 0, "dQ is produced 32 columns at a time");
+    static_assert((kBlockM / 8) % (2 * kSplitDp) == 0, "each dP slice is whole k-steps of 16 queries");
+};
+
+// ---- 1. preprocessing ------------------------------------------------------------------------------------------
+// kChunks threads per row, 16 bytes of O and dO each.
+template <typename T, int kHeadDim>
+__global__ void flash_bwd_preprocess_kernel(const FlashBwdParams params) {
+    constexpr int kChunks = kHeadDim / 8;
+    const int64_t row_id = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kChunks) + threadIdx.x / kChunks;
+    const int chunk = threadIdx.x % kChunks;
+    const int64_t rows = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
+    // Every lane of a row group takes part in the shuffles: out-of-range rows compute 0 and store nothing.
+    const bool valid = row_id < rows;
+    const int64_t r = valid ? row_id : 0;
+    const int row = r % params.seqlen_q;
+    const int head = (r / params.seqlen_q) % params.num_heads;
+    const int batch = r / (static_cast<int64_t>(params.seqlen_q) * params.num_heads);
+    const T* o = reinterpret_cast<const T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
+                 static_cast<int64_t>(row) * params.o_row_stride + chunk * 8;
+    const T* d = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
+                 head * params.do_head_stride + static_cast<int64_t>(row) * params.do_row_stride + chunk * 8;
+    float acc = 0.f;
+    if (valid) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d);
+        const uint32_t* op = reinterpret_cast<const uint32_t*>(&ov);
+        const uint32_t* dp = reinterpret_cast<const uint32_t*>(&dv);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 a = unpack2<T>(op[i]);
+            const float2 b = unpack2<T>(dp[i]);
+            acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+        }
+    }
+#pragma unroll
+    for (int off = kChunks / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+    if (valid && chunk == 0) {
+        const float lse = params.lse[row_id];
+        params.dsum[row_id] = acc - (params.dlse != nullptr ? params.dlse[row_id] : 0.f);
+        params.lse_log2[row_id] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+    }
+}
+
+// ---- 3. dQ conversion ------------------------------------------------------------------------------------------
+template <typename T, int kHeadDim>
+__global__ void flash_bwd_convert_dq_kernel(const FlashBwdParams params) {
+    constexpr int kChunks = kHeadDim / 8;
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t rows = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
+    if (idx >= rows * kChunks) return;
+    const int64_t row_id = idx / kChunks;
+    const int chunk = idx % kChunks;
+    const int row = row_id % params.seqlen_q;
+    const int head = (row_id / params.seqlen_q) % params.num_heads;
+    const int batch = row_id / (static_cast<int64_t>(params.seqlen_q) * params.num_heads);
+    const float4* src = reinterpret_cast<const float4*>(params.dq_accum + row_id * kHeadDim + chunk * 8);
+    const float4 a = src[0], b = src[1];
+    const float s = params.scale;
+    uint4 out;
+    out.x = pack2<T>(a.x * s, a.y * s);
+    out.y = pack2<T>(a.z * s, a.w * s);
+    out.z = pack2<T>(b.x * s, b.y * s);
+    out.w = pack2<T>(b.z * s, b.w * s);
+    T* dq = reinterpret_cast<T*>(params.dq) + batch * params.dq_batch_stride + head * params.dq_head_stride +
+            static_cast<int64_t>(row) * params.dq_row_stride + chunk * 8;
+    *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// Element offset of (key row, 16-byte query chunk) in the dS^T tile, rows of kW = 32 or 64 queries. As swz: the 8
+// rows an ldmatrix phase reads (or a C-fragment store writes) land in 8 different 16-byte bank groups.
+template <int kW>
+__device__ __forceinline__ int swz_ds(int row, int chunk) {
+    return row * kW + ((chunk ^ (kW == 64 ? (row & 7) : ((row >> 1) & 3))) << 3);
+}
+
+// 4-byte global->shared copy (through L1); when !valid nothing is read and the 4 bytes are zero-filled.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 4 : 0));
+}
+
+// ldmatrix from a 32-bit shared-memory byte address.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// This lane's ldmatrix byte addresses for one fragment pattern over [rows][kRowLen] swizzled tiles: one register per
+// (k-step & 3), the only lane-dependent part of the swizzled column (SwzCols). Everything else (which buffer, the
+// k-step's multiple of 4, 16-row steps) is a compile-time immediate in unrolled loops that ptxas folds into the
+// ldmatrix address, so the four patterns of the backward cost 16 registers rather than one per (buffer, k-step,
+// row step): 64-bit generic pointers per site ran the kernel into 255 registers and spills.
+template <int kRowLen>
+struct LdsmAddr {
+    uint32_t base[4];
+    __device__ __forceinline__ LdsmAddr(uint32_t smem, int row, const SwzCols& cols, int cbit8) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) base[j] = smem + 2 * (row * kRowLen + cols(j, cbit8));
+    }
+    // Byte address of k-step kk (16 columns) at element offset `elem` (buffer offset + row offset).
+    __device__ __forceinline__ uint32_t operator()(int kk, int elem) const {
+        return base[kk & 3] + 2 * ((kk & ~3) * 16 + elem);
+    }
+};
+
+// dk, dv from the float32 accumulators of a split launch (dK already carries the softmax scale).
+template <typename T, int kHeadDim>
+__global__ void flash_bwd_convert_dkdv_kernel(const FlashBwdParams params) {
+    constexpr int kChunks = kHeadDim / 8;
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t rows = static_cast<int64_t>(params.batch) * params.num_kv_heads * params.seqlen_k;
+    if (idx >= rows * kChunks) return;
+    const int64_t row_id = idx / kChunks;
+    const int chunk = idx % kChunks;
+    const int row = row_id % params.seqlen_k;
+    const int head = (row_id / params.seqlen_k) % params.num_kv_heads;
+    const int batch = row_id / (static_cast<int64_t>(params.seqlen_k) * params.num_kv_heads);
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+        const float* acc = (which == 0 ? params.dk_accum : params.dv_accum) + row_id * kHeadDim + chunk * 8;
+        const float4 a = reinterpret_cast<const float4*>(acc)[0], b = reinterpret_cast<const float4*>(acc)[1];
+        uint4 out;
+        out.x = pack2<T>(a.x, a.y);
+        out.y = pack2<T>(a.z, a.w);
+        out.z = pack2<T>(b.x, b.y);
+        out.w = pack2<T>(b.z, b.w);
+        T* dst = which == 0
+                     ? reinterpret_cast<T*>(params.dk) + batch * params.dk_batch_stride + head * params.dk_head_stride +
+                           static_cast<int64_t>(row) * params.dk_row_stride
+                     : reinterpret_cast<T*>(params.dv) + batch * params.dv_batch_stride + head * params.dv_head_stride +
+                           static_cast<int64_t>(row) * params.dv_row_stride;
+        *reinterpret_cast<uint4*>(dst + chunk * 8) = out;
+    }
+}
+
+// Adds two adjacent floats of a C fragment into the float32 dQ buffer (one vector atomic on sm_90).
+__device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+// ---- 2. dK, dV (and dQ by atomics) -----------------------------------------------------------------------------
+template <typename T, typename Traits, bool kCausal>
+__device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& params) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kBlockM = Traits::kBlockM;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kNT = kBlockM / 8;     // n-tiles of S^T (query columns) per warp
+    constexpr int kDT = kHeadDim / 8;    // n-tiles of dK / dV (head_dim columns)
+    constexpr int kKD = kHeadDim / 16;   // k-steps over head_dim (S^T, dP^T)
+    constexpr int kKM = kBlockM / 16;    // k-steps over queries (dV, dK)
+    constexpr int kKN = kBlockN / 16;    // k-steps over keys (dQ)
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sK = reinterpret_cast<T*>(smem_raw);
+    T* sV = sK + Traits::kSmemK;
+    T* sQ = sV + Traits::kSmemK;     // stage s: Q at sQ + 2 s kSmemQ, dO right after it
+    T* sdS = sQ + 4 * Traits::kSmemQ;  // [kBlockN keys][kBlockM queries], swizzled (swz_ds)
+    float* sLse = reinterpret_cast<float*>(sdS + Traits::kSmemDS);  // [2 stages][kBlockM]
+    float* sDsum = sLse + 2 * kBlockM;                               // [2 stages][kBlockM]
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
+
+    // Causal: heads in x and key blocks in y, so that the longest blocks (the first keys, seen by every later
+    // query) launch first across heads.
+    const int n_block = kCausal ? blockIdx.y : blockIdx.x;
+    const int kv_head = kCausal ? blockIdx.x : blockIdx.y;
+    const int batch = blockIdx.z / params.num_splits;
+    const int split = blockIdx.z % params.num_splits;
+    const int group = params.num_heads / params.num_kv_heads;
+
+    const int seqlen_q = params.seqlen_q;
+    const int seqlen_k = params.seqused_k ? min(params.seqused_k[batch], params.seqlen_k) : params.seqlen_k;
+    const int causal_offset = seqlen_k - seqlen_q;  // query i sees key j iff j <= i + causal_offset
+    const int n0 = n_block * kBlockN;
+
+    // Query blocks that see some key of this block: all, or (causal) from the first row i >= n0 - causal_offset.
+    const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
+    int m_block_min = 0;
+    if (kCausal) m_block_min = max(n0 - causal_offset, 0) / kBlockM;
+    const int per_head = num_m - m_block_min;
+    const int n_iters = (n0 < seqlen_k && per_head > 0) ? group * per_head : 0;
+    // This block's steps (query head, query block) of its key block: all, or one split's share.
+    const int it_begin = split * params.iters_per_split;
+    const int it_end = min(n_iters, it_begin + params.iters_per_split);
+    // A split with nothing to add exits at once (the float32 accumulators start at zero).
+    if (params.num_splits > 1 && it_begin >= it_end) return;
+
+    float acc_dk[kDT][4], acc_dv[kDT][4];
+#pragma unroll
+    for (int i = 0; i < kDT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+    if (it_begin < it_end) {
+        const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride +
+                         kv_head * params.k_head_stride + static_cast<int64_t>(n0) * params.k_row_stride;
+        const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride +
+                         kv_head * params.v_head_stride + static_cast<int64_t>(n0) * params.v_row_stride;
+        load_tile_async<Traits, kBlockN>(sK, k_ptr, params.k_row_stride, seqlen_k - n0, tid);
+        load_tile_async<Traits, kBlockN>(sV, v_ptr, params.v_row_stride, seqlen_k - n0, tid);
+
+        // Q, dO and the rows' lse / dsum of step `it` into stage `stage`, all with cp.async. Rows past the end
+        // are zero-filled: there Q = 0 gives S = 0 and P = exp2(0 - 0) = 1, but dO = 0 and dsum = 0 make their
+        // dV and dS contributions 0, and their dQ rows are not stored.
+        auto load_step = [&](int it, int stage) {
+            const int head = kv_head * group + it / per_head;
+            const int m0 = (m_block_min + it % per_head) * kBlockM;
+            const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
+                             head * params.q_head_stride + static_cast<int64_t>(m0) * params.q_row_stride;
+            const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
+                              head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
+            T* sq = sQ + stage * 2 * Traits::kSmemQ;
+            load_tile_async<Traits, kBlockM>(sq, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
+            load_tile_async<Traits, kBlockM>(sq + Traits::kSmemQ, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
+            if (tid < kBlockM) {
+                const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + m0 + tid;
+                const bool ok = m0 + tid < seqlen_q;
+                cp_async_4(sLse + stage * kBlockM + tid, ok ? params.lse_log2 + idx : params.lse_log2, ok);
+                cp_async_4(sDsum + stage * kBlockM + tid, ok ? params.dsum + idx : params.dsum, ok);
+            }
+        };
+        load_step(it_begin, 0);
+        cp_async_commit();
+
+        // Fragment addressing (same patterns as the forward, kernels/flash_fwd_kernel.cuh), as byte addresses in
+        // shared memory; buffers at element offsets kOff* from sK.
+        // Q and dO offsets are those of stage 0; stage 1 adds kStageBytes at run time.
+        constexpr int kOffK = 0, kOffV = Traits::kSmemK, kOffQ = 2 * Traits::kSmemK;
+        constexpr int kOffdO = kOffQ + Traits::kSmemQ, kOffdS = kOffQ + 4 * Traits::kSmemQ;
+        constexpr uint32_t kStageBytes = 4 * Traits::kSmemQ;
+        const uint32_t smem = smem_u32(sK);
+        const SwzCols cols(lane);
+        const int b_row = (lane % 8) + (lane / 16) * 8;
+        const int cbit_a = ((lane / 16) ^ (lane & 1)) * 8;
+        // A operand (K, V rows of this warp's keys); B non-transposed (Q, dO rows); B transposed (dO, Q, K rows).
+        const LdsmAddr<kHeadDim> addr_a(smem, warp * 16 + lane % 16, cols, cbit_a);
+        const LdsmAddr<kHeadDim> addr_b(smem, b_row, cols, (((lane / 8) % 2) ^ (lane & 1)) * 8);
+        const LdsmAddr<kHeadDim> addr_bt(smem, (lane % 8) + ((lane / 8) % 2) * 8, cols, cbit_a);
+        // dQ: this warp's m-tile and first head_dim column. Its A operand is dS (query-major), read transposed from
+        // the key-major dS^T tile: this lane's key row is b_row + 16 kk (row & 7 == lane & 7), its chunk
+        // 2 mt + (lane / 8) % 2, swizzled as swz_ds.
+        const int dq_mt = warp / Traits::kWarpsPerMT;
+        const int dq_col0 = (warp % Traits::kWarpsPerMT) * Traits::kColsDQ;
+        const uint32_t addr_ds = smem + 2 * (kOffdS + swz_ds<kBlockM>(b_row, 2 * dq_mt + (lane / 8) % 2));
+        const float scale_log2 = params.scale_log2;
+        const int key_row0 = n0 + warp * 16 + g;  // this thread's keys: key_row0 and key_row0 + 8
+
+        for (int it = it_begin; it < it_end; ++it) {
+            const int head = kv_head * group + it / per_head;
+            const int m0 = (m_block_min + it % per_head) * kBlockM;
+            const int stage = (it - it_begin) & 1;
+            const uint32_t so = stage * kStageBytes;
+            const float* cLse = sLse + stage * kBlockM;
+            const float* cDsum = sDsum + stage * kBlockM;
+            // Step it + 1 into the other stage: every warp finished reading it in step it - 1 (before that step's
+            // second barrier, which every warp has passed).
+            if (it + 1 < it_end) load_step(it + 1, stage ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();  // Q, dO, lse, dsum of this step (and K, V on the first) visible to all warps
+
+            // S^T = K Q^T: this warp's 16 keys x kBlockM queries.
+            float acc_s[kNT][4];
+#pragma unroll
+            for (int i = 0; i < kNT; ++i) acc_s[i][0] = acc_s[i][1] = acc_s[i][2] = acc_s[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kKD; ++kk) {
+                uint32_t a[4];
+                ldsm_x4(a, addr_a(kk, kOffK));
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    uint32_t b[4];
+                    ldsm_x4(b, addr_b(kk, kOffQ + np * 16 * kHeadDim) + so);
+                    mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
+                    mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+
+            // Mask keys past the end and (causal) keys after the query's diagonal. Query rows past the end need no
+            // mask: their dO and dsum are zero-filled (load_step), so they add nothing to dV, dK or dQ.
+            const bool need_mask = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+            if (need_mask) {
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key_row0 + (e >= 2 ? 8 : 0);
+                        const int query = m0 + nt * 8 + 2 * t + (e & 1);
+                        if (key >= seqlen_k || (kCausal && key > query + causal_offset)) acc_s[nt][e] = -INFINITY;
+                    }
+            }
+            // P^T = exp2(S^T scale log2e - lse log2e).
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[nt][e] = exp2f(fmaf(acc_s[nt][e], scale_log2, -cLse[nt * 8 + 2 * t + (e & 1)]));
+
+            // dV += P^T dO (dO as the B operand through ldmatrix.trans). n-tiles (2kk, 2kk + 1) of the C fragments
+            // are the A fragment of k-step kk (as p_fragment in the forward).
+#pragma unroll
+            for (int kk = 0; kk < kKM; ++kk) {
+                uint32_t ap[4];
+                ap[0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+                ap[1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+                ap[2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+                ap[3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < kDT / 2; ++dp) {
+                    uint32_t b[4];
+                    ldsm_x4_t(b, addr_bt(dp, kOffdO + kk * 16 * kHeadDim) + so);
+                    mma_16816<T>(acc_dv[2 * dp], ap, b[0], b[1]);
+                    mma_16816<T>(acc_dv[2 * dp + 1], ap, b[2], b[3]);
+                }
+            }
+
+            // dP^T = V dO^T, dS^T = P^T (dP^T - dsum), dK += dS^T Q, in kSplitDp slices of the queries: only one
+            // slice of dP^T is live beside P^T and the dK/dV accumulators (head_dim 128 spilled otherwise).
+#pragma unroll
+            for (int sl = 0; sl < Traits::kSplitDp; ++sl) {
+                constexpr int kSNT = kNT / Traits::kSplitDp;  // n-tiles per slice
+                float acc_dp[kSNT][4];
+#pragma unroll
+                for (int i = 0; i < kSNT; ++i) acc_dp[i][0] = acc_dp[i][1] = acc_dp[i][2] = acc_dp[i][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < kKD; ++kk) {
+                    uint32_t a[4];
+                    ldsm_x4(a, addr_a(kk, kOffV));
+#pragma unroll
+                    for (int np = 0; np < kSNT / 2; ++np) {
+                        uint32_t b[4];
+                        ldsm_x4(b, addr_b(kk, kOffdO + (sl * kSNT / 2 + np) * 16 * kHeadDim) + so);
+                        mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
+                        mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < kSNT; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int nt = sl * kSNT + i;
+                        acc_dp[i][e] = acc_s[nt][e] * (acc_dp[i][e] - cDsum[nt * 8 + 2 * t + (e & 1)]);
+                    }
+#pragma unroll
+                for (int j = 0; j < kSNT / 2; ++j) {
+                    const int kk = sl * kSNT / 2 + j;  // k-step over queries
+                    uint32_t ads[4];
+                    ads[0] = pack2<T>(acc_dp[2 * j][0], acc_dp[2 * j][1]);
+                    ads[1] = pack2<T>(acc_dp[2 * j][2], acc_dp[2 * j][3]);
+                    ads[2] = pack2<T>(acc_dp[2 * j + 1][0], acc_dp[2 * j + 1][1]);
+                    ads[3] = pack2<T>(acc_dp[2 * j + 1][2], acc_dp[2 * j + 1][3]);
+#pragma unroll
+                    for (int dp = 0; dp < kDT / 2; ++dp) {
+                        uint32_t b[4];
+                        ldsm_x4_t(b, addr_bt(dp, kOffQ + kk * 16 * kHeadDim) + so);
+                        mma_16816<T>(acc_dk[2 * dp], ads, b[0], b[1]);
+                        mma_16816<T>(acc_dk[2 * dp + 1], ads, b[2], b[3]);
+                    }
+                }
+                // dS^T to shared memory for dQ (the previous step's dQ reads finished before this step's first
+                // barrier).
+#pragma unroll
+                for (int i = 0; i < kSNT; ++i) {
+                    const int nt = sl * kSNT + i;
+                    const int r = warp * 16 + g;
+                    *reinterpret_cast<uint32_t*>(sdS + swz_ds<kBlockM>(r, nt) + 2 * t) = pack2<T>(acc_dp[i][0], acc_dp[i][1]);
+                    *reinterpret_cast<uint32_t*>(sdS + swz_ds<kBlockM>(r + 8, nt) + 2 * t) =
+                        pack2<T>(acc_dp[i][2], acc_dp[i][3]);
+                }
+            }
+            __syncthreads();  // dS^T complete; every warp is done with Q, dO, lse, dsum of this step
+
+            // dQ[m0 + 16 dq_mt .. +16, dq_col0 .. + kColsDQ] += dS K, 32 columns at a time; A fragments (dS) loaded
+            // once.
+            uint32_t ads[kKN][4];
+#pragma unroll
+            for (int kk = 0; kk < kKN; ++kk) ldsm_x4_t(ads[kk], addr_ds + 2 * kk * 16 * kBlockM);
+            const int q_row = m0 + dq_mt * 16 + g;
+            float* dq_acc = params.dq_accum +
+                            ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
+                            dq_col0 + 2 * t;
+#pragma unroll
+            for (int dg = 0; dg < Traits::kColsDQ / 32; ++dg) {
+                float acc[4][4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < kKN; ++kk)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        uint32_t b[4];
+                        // dq_col0 is a multiple of 64 elements: whole rows of the 8-chunk swizzle pattern.
+                        ldsm_x4_t(b, addr_bt(2 * dg + j, kOffK + kk * 16 * kHeadDim) + 2 * dq_col0);
+                        mma_16816<T>(acc[2 * j], ads[kk], b[0], b[1]);
+                        mma_16816<T>(acc[2 * j + 1], ads[kk], b[2], b[3]);
+                    }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                    // One 16-byte atomic per lane instead of two 8-byte ones (half the L2 atomic operations): lanes
+                    // t and t ^ 1 swap halves so that even t holds row g, columns 2t .. 2t + 3 and odd t row g + 8,
+                    // columns 2t - 2 .. 2t + 1.
+                    const bool odd = t & 1;
+                    const float x0 = __shfl_xor_sync(0xffffffff, odd ? acc[i][0] : acc[i][2], 1);
+                    const float x1 = __shfl_xor_sync(0xffffffff, odd ? acc[i][1] : acc[i][3], 1);
+                    const float4 val = odd ? make_float4(x0, x1, acc[i][2], acc[i][3])
+                                           : make_float4(acc[i][0], acc[i][1], x0, x1);
+                    if (q_row + (odd ? 8 : 0) < seqlen_q) {
+                        atomicAdd(reinterpret_cast<float4*>(dq_acc + (odd ? 8 * kHeadDim - 2 : 0) + dg * 32 + i * 8),
+                                  val);
+                    }
+#else
+                    if (q_row < seqlen_q) atomic_add2(dq_acc + dg * 32 + i * 8, acc[i][0], acc[i][1]);
+                    if (q_row + 8 < seqlen_q) atomic_add2(dq_acc + 8 * kHeadDim + dg * 32 + i * 8, acc[i][2], acc[i][3]);
+#endif
+                }
+            }
+        }
+    }
+
+    const float scale = params.scale;
+    if (params.num_splits > 1) {
+        // Split: float32 partials added into the accumulators (converted by flash_bwd_convert_dkdv_kernel).
+        const int64_t base = (static_cast<int64_t>(batch) * params.num_kv_heads + kv_head) * params.seqlen_k;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = n0 + warp * 16 + g + r * 8;
+            if (row < seqlen_k) {
+                float* dk_acc = params.dk_accum + (base + row) * kHeadDim + 2 * t;
+                float* dv_acc = params.dv_accum + (base + row) * kHeadDim + 2 * t;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    atomic_add2(dk_acc + dt * 8, acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
+                    atomic_add2(dv_acc + dt * 8, acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
+                }
+            }
+        }
+        return;
+    }
+
+    // Epilogue: dK (times the softmax scale) and dV through shared memory (the K and V buffers) for 16-byte stores.
+    // Keys past seqused_k get 0: their P was masked to 0, or the block did no step at all.
+    __syncthreads();
+    T* sdV = sV;
+    T* sdK = sK;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + g + r * 8;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            *reinterpret_cast<uint32_t*>(sdV + swz<kHeadDim>(row, dt) + 2 * t) =
+                pack2<T>(acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(sdK + swz<kHeadDim>(row, dt) + 2 * t) =
+                pack2<T>(acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
+        }
+    }
+    __syncthreads();
+    T* dk_ptr = reinterpret_cast<T*>(params.dk) + batch * params.dk_batch_stride + kv_head * params.dk_head_stride +
+                static_cast<int64_t>(n0) * params.dk_row_stride;
+    T* dv_ptr = reinterpret_cast<T*>(params.dv) + batch * params.dv_batch_stride + kv_head * params.dv_head_stride +
+                static_cast<int64_t>(n0) * params.dv_row_stride;
+    constexpr int kIters = kBlockN * Traits::kChunks / Traits::kThreads;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+        const int idx = i * Traits::kThreads + tid;
+        const int row = idx / Traits::kChunks;
+        const int chunk = idx % Traits::kChunks;
+        if (n0 + row < params.seqlen_k) {
+            *reinterpret_cast<uint4*>(dk_ptr + static_cast<int64_t>(row) * params.dk_row_stride + chunk * 8) =
+                *reinterpret_cast<const uint4*>(sdK + swz<kHeadDim>(row, chunk));
+            *reinterpret_cast<uint4*>(dv_ptr + static_cast<int64_t>(row) * params.dv_row_stride + chunk * 8) =
+                *reinterpret_cast<const uint4*>(sdV + swz<kHeadDim>(row, chunk));
+        }
+    }
+}
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_kernel(const FlashBwdParams params) {
+    flash_bwd_dkdv_block<T, Traits, kCausal>(params);
+}
+
+}  // namespace llm_attn

@@ -1,0 +1,100 @@
+"""Autograd for ``llm_attn::flash_fwd``: the backward custom op ``llm_attn::flash_bwd`` and its registration.
+
+The forward op returns (out, lse). Its autograd saves only q, k, v, out and lse (plus the int32 ``seqused_k`` when
+given) and calls ``llm_attn::flash_bwd``, which recomputes the attention probabilities from lse:
+
+- CUDA with ``use_kernel``: the FlashAttention-2 backward kernels (kernels/flash_bwd_*.cu), dK/dV summed over each
+  KV head's query heads in the kernel (K/V never expanded), dQ accumulated in float32;
+- anywhere else: ``llm_attn.reference.attention_backward`` (float32 math, float64 for float64 inputs), so the
+  reference path stays differentiable on CPU.
+
+Both ops have fake implementations, so ``torch.compile`` traces forward and backward without graph breaks.
+Imported by ``llm_attn.ops`` (registration is a side effect of the import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from llm_attn import reference
+from llm_attn._ext import get_ext
+from llm_attn.ops import _aligned16, _flash_fwd
+
+
+def _kernel_ready(t: torch.Tensor) -> bool:
+    """The layout the kernels read and write: contiguous head_dim, 16-byte aligned rows and base."""
+    return t.stride(-1) == 1 and _aligned16(t)
+
+
+def _reference_bwd(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal):
+    dq, dk, dv = reference.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                              seqused_k=seqused_k, dlse=dlse)
+    # Outputs laid out like the inputs (as the kernel path and the fake implementation do).
+    return (torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(dk), torch.empty_like(v).copy_(dv))
+
+
+@torch.library.custom_op("llm_attn::flash_bwd", mutates_args=())
+def _flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, dlse: torch.Tensor | None, seqused_k: torch.Tensor | None, scale: float,
+               causal: bool, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Default implementation (any device): the PyTorch reference backward.
+    return _reference_bwd(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal)
+
+
+@_flash_bwd.register_kernel("cuda")
+def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use_kernel):
+    if not use_kernel:
+        return _reference_bwd(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    # Inputs the kernel cannot read in place (e.g. an expanded gradient with stride 0) are copied once; so are
+    # gradient buffers whose layout (that of an oddly strided input) it cannot write.
+    dout, q, k, v, out = (t if _kernel_ready(t) else t.contiguous() for t in (dout, q, k, v, out))
+    work = [t if _kernel_ready(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in grads]
+    dlse = None if dlse is None else dlse.float().contiguous()
+    get_ext().mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k,
+                      float(scale), bool(causal))
+    for g, w in zip(grads, work):
+        if g is not w:
+            g.copy_(w)
+    return grads
+
+
+@_flash_bwd.register_fake
+def _flash_bwd_fake(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use_kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seqused_k, scale, causal, use_kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seqused_k)
+    ctx.scale, ctx.causal, ctx.use_kernel = scale, causal, use_kernel
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, seqused_k = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, grad_lse, seqused_k, ctx.scale, ctx.causal,
+                            ctx.use_kernel)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("llm_attn::flash_fwd", _backward, setup_context=_setup_context)
+
+
+@contextlib.contextmanager
+def force_bwd_splits(splits: int):
+    """Force how many thread blocks share each key block of the backward kernel inside the block (tests,
+    benchmarks): 1 = one block per key block writing dK/dV directly, n > 1 = float32 atomics of n partials,
+    0 = automatic (the default: split when the grid has under ~4 waves of key blocks). Process-wide."""
+    if not isinstance(splits, int) or splits < 0:
+        raise ValueError(f"splits must be an int >= 0, got {splits!r}")
+    ext = get_ext()
+    prev = ext.set_bwd_splits(splits)
+    try:
+        yield
+    finally:
+        ext.set_bwd_splits(prev)
