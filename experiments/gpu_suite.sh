@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
-#   OUT=/tmp/out bash experiments/gpu_suite.sh [build] [awq] [test] [sanitize] [bench] [bench_mha64] [decode]
-#                                              [racecheck] [ttft] [sweep] [profile] [ncu]
+#   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [sanitize] [racecheck] [bench]
+#                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
 # awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
 # /tmp/site; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
 # experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
@@ -38,6 +38,16 @@ if has awq; then
     .whl/pypcre-*.tar.gz >"$OUT/awq_install.log" 2>&1 || { tail -30 "$OUT/awq_install.log"; exit 1; }
   export PYTHONPATH=/tmp/site:$PYTHONPATH
   python3 -m llm_attn.models backends
+fi
+if has readme; then  # a new user: a clean copy (no build outputs, no links), the README's install and test command
+  rm -rf /tmp/readme && mkdir -p /tmp/readme && tar --exclude=./build --exclude='./llm_attn/_C*' \
+    --exclude=./llm_attn/patches --exclude=./.whl --exclude='*.egg-info' -cf - . | tar -xf - -C /tmp/readme
+  (cd /tmp/readme && LLM_ATTN_CUDA_ARCHS=${LLM_ATTN_CUDA_ARCHS:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+     python3 -m pip install --no-build-isolation -e ".[dev,nvrtc]" >"$OUT/readme_install.log" 2>&1 \
+     && echo "README install: ok ($(python3 -c 'import llm_attn; print(llm_attn.kernel_backend())'))" \
+     || { echo "README install FAILED"; tail -30 "$OUT/readme_install.log"; }
+   LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc python3 -m pytest -q -p no:cacheprovider tests 2>&1 \
+     | tee "$OUT/readme_pytest.log" | tail -3)
 fi
 if has test; then
   python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
