@@ -392,6 +392,12 @@ def set_tile(tile: int) -> int:
     return prev
 
 
+def sm90_available() -> bool:
+    """Always False here: the Hopper prefill kernel needs the sm_90a build and TMA descriptors made on the host,
+    which only the compiled extension does; this backend runs the portable kernels on every GPU."""
+    return False
+
+
 def num_splits(batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                num_sms: int) -> int:
     return _plan.num_splits(_plan.Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim), num_sms)

@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from llm_attn import reference
-from llm_attn._ext import get_ext
+from llm_attn._ext import get_ext, kernel_backend
 from llm_attn.ops import _aligned16, _flash_fwd
 
 
@@ -53,8 +53,13 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
     dout, q, k, v, out = (t if _kernel_ready(t) else t.contiguous() for t in (dout, q, k, v, out))
     work = [t if _kernel_ready(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in grads]
     dlse = None if dlse is None else dlse.float().contiguous()
-    get_ext().mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k,
-                      float(scale), bool(causal))
+    ext = get_ext()
+    if not hasattr(ext, "mha_bwd"):
+        raise NotImplementedError(
+            f"the backward kernel is in the compiled extension only; the {kernel_backend()} backend runs the forward "
+            "pass. Build the extension (README, 'Building the kernel') or use backend='reference'.")
+    ext.mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k, float(scale),
+                bool(causal))
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)
