@@ -65,6 +65,9 @@ def _check_inputs(q, k, v, causal, scale, seqused_k, backend) -> bool:
             raise TypeError(f"the CUDA kernel takes float16 or bfloat16, got {q.dtype}")
         if d not in KERNEL_HEAD_DIMS:
             raise ValueError(f"the CUDA kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}")
+        if scale is not None and scale < 0:
+            raise ValueError(f"the CUDA kernel takes a scale >= 0 (its online softmax takes each row's max before "
+                             f"scaling), got {scale}; use backend='reference' for a negative scale")
         if hq > 65535 or b > 65535:
             raise ValueError(f"the CUDA kernel takes at most 65535 heads and batch 65535, got {hq} and {b}")
         if causal and sq > KERNEL_MAX_CAUSAL_Q_LEN:

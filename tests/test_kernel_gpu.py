@@ -302,6 +302,12 @@ def test_kernel_rejects_unsupported(cuda_ext, kwargs, match):
         flash_attn_func(q, q, q, backend="cuda")
 
 
+def test_negative_scale_is_a_clear_error(cuda_ext):
+    q = torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="scale >= 0"):
+        flash_attn_func(q, q, q, scale=-0.125)
+
+
 def test_mixed_devices_rejected(cuda_ext):
     q = torch.randn(1, 4, 8, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError, match="one device"):
