@@ -387,6 +387,13 @@ def _log2_x(ax, seqs):
     ax.grid(True, which="both", alpha=0.3)
 
 
+
+def _save(fig, title: str, path: Path) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 def plot_ttft(m: Merged, series: tuple, proj: list[Device], path: Path) -> None:
     devices = [d for d in m.measured if m.seqs(d, series)]
     all_seqs = sorted({s for d in devices for s in m.seqs(d, series)})
@@ -416,10 +423,7 @@ def plot_ttft(m: Merged, series: tuple, proj: list[Device], path: Path) -> None:
         _plain_log_y(ax)
         _log2_x(ax, all_seqs)
         ax.legend()
-    fig.suptitle(f"TTFT vs prompt length — {series[0]}, batch {series[1]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, f"TTFT vs prompt length — {series[0]}, batch {series[1]}", path)
 
 
 def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
@@ -450,10 +454,7 @@ def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
         ax.set_ylabel("TTFT speedup (stock p50 / impl p50)")
         _log2_x(ax, m.seqs(d, series))
         ax.legend(fontsize="small")
-    fig.suptitle(f"TTFT speedup over stock attention — {series[0]}, batch {series[1]}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, f"TTFT speedup over stock attention — {series[0]}, batch {series[1]}", path)
     return True
 
 
@@ -501,10 +502,7 @@ def plot_breakdown(m: Merged, series: tuple, path: Path) -> bool:
         gpu = any(r.get("device_type") == "cuda" for r in rows)
         ax.set_title(f"{m.device_name[d]} (measured{'' if gpu else '; CPU: ATen op self time'})")
         ax.legend(fontsize="small")
-    fig.suptitle(f"Where prefill time goes — {series[0]}, batch {series[1]} (impl / prompt tokens)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, f"Where prefill time goes — {series[0]}, batch {series[1]} (impl / prompt tokens)", path)
     return True
 
 
@@ -573,10 +571,7 @@ def plot_decode(m: Merged, series: tuple, proj: list[Device], path: Path) -> boo
         ax.set_ylabel("decode tok/s bound")
         _log2_x(ax, all_seqs)
         ax.legend(fontsize="small")
-    fig.suptitle(f"Decode speed — {series[0]}, batch {series[1]} (solid: generate, dotted: CUDA graph)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, f"Decode speed — {series[0]}, batch {series[1]} (solid: generate, dotted: CUDA graph)", path)
     return True
 
 
