@@ -387,12 +387,12 @@ def _log2_x(ax, seqs):
     ax.grid(True, which="both", alpha=0.3)
 
 
-
 def _save(fig, title: str, path: Path) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
 
 def plot_ttft(m: Merged, series: tuple, proj: list[Device], path: Path) -> None:
     devices = [d for d in m.measured if m.seqs(d, series)]
