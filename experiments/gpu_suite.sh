@@ -4,7 +4,9 @@
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
 # awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
-# /tmp/site; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
+# /tmp/site. Make .whl/ on a machine with PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4
+# logbar==0.4.15 tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28`, then `pip wheel --no-deps --no-build-isolation
+# -w .whl` each sdist but pypcre's (it compiles on the GPU machine) and delete those sdists; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
 # experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
 # The built extension and its source stamp are copied to $OUT so the next session can carry them instead of
 # rebuilding (a stamp mismatch rebuilds).
