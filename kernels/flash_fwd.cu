@@ -82,32 +82,24 @@ cudaError_t run_flash_fwd(FlashFwdParams& p, cudaStream_t stream) {
                                                : run_flash_decode_<half, 64>(p, stream);
         return cudaErrorInvalidValue;
     }
+// (head_dim, dtype, causal) -> the instantiation of RUN; falls through for an unknown head_dim.
+#define LLM_ATTN_FWD_SWITCH(RUN)                                                                        \
+    if (p.head_dim == 128 || p.head_dim == 64) {                                                        \
+        if (p.head_dim == 128 && p.is_bf16)                                                             \
+            return p.causal ? RUN<__nv_bfloat16, 128, true>(p, stream) : RUN<__nv_bfloat16, 128, false>(p, stream); \
+        if (p.head_dim == 128)                                                                          \
+            return p.causal ? RUN<half, 128, true>(p, stream) : RUN<half, 128, false>(p, stream);       \
+        if (p.is_bf16)                                                                                  \
+            return p.causal ? RUN<__nv_bfloat16, 64, true>(p, stream) : RUN<__nv_bfloat16, 64, false>(p, stream); \
+        return p.causal ? RUN<half, 64, true>(p, stream) : RUN<half, 64, false>(p, stream);             \
+    }
     if (use_sm90(p)) {
         if (!flash_fwd_sm90_available()) return cudaErrorInvalidDeviceFunction;  // forced off an sm_90a device
-#define LLM_ATTN_SM90_SWITCH(T, D) \
-    return p.causal ? run_flash_fwd_sm90_<T, D, true>(p, stream) : run_flash_fwd_sm90_<T, D, false>(p, stream)
-        if (p.head_dim == 128) {
-            if (p.is_bf16) LLM_ATTN_SM90_SWITCH(__nv_bfloat16, 128);
-            LLM_ATTN_SM90_SWITCH(half, 128);
-        }
-        if (p.head_dim == 64) {
-            if (p.is_bf16) LLM_ATTN_SM90_SWITCH(__nv_bfloat16, 64);
-            LLM_ATTN_SM90_SWITCH(half, 64);
-        }
-#undef LLM_ATTN_SM90_SWITCH
+        LLM_ATTN_FWD_SWITCH(run_flash_fwd_sm90_)
         return cudaErrorInvalidValue;
     }
-#define LLM_ATTN_CAUSAL_SWITCH(T, D)                                                   \
-    return p.causal ? run_flash_fwd_<T, D, true>(p, stream) : run_flash_fwd_<T, D, false>(p, stream)
-    if (p.head_dim == 128) {
-        if (p.is_bf16) LLM_ATTN_CAUSAL_SWITCH(__nv_bfloat16, 128);
-        LLM_ATTN_CAUSAL_SWITCH(half, 128);
-    }
-    if (p.head_dim == 64) {
-        if (p.is_bf16) LLM_ATTN_CAUSAL_SWITCH(__nv_bfloat16, 64);
-        LLM_ATTN_CAUSAL_SWITCH(half, 64);
-    }
-#undef LLM_ATTN_CAUSAL_SWITCH
+    LLM_ATTN_FWD_SWITCH(run_flash_fwd_)
+#undef LLM_ATTN_FWD_SWITCH
     return cudaErrorInvalidValue;  // the binding validates head_dim first
 }
 

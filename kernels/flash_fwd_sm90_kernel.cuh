@@ -118,26 +118,25 @@ __device__ __forceinline__ void producer(const Sm90Params& params, const Sm90Sme
         tma_load_4d(sm.q + s * Traits::kSlabBytesQ, &params.tma_q, sm.bar_q, s * 64, b.m_block * Traits::kBlockM,
                     b.head, b.batch);
     }
+    // One K or V tile into its ring slot, once every consumer warp has released the slot's previous tile.
+    auto load_tile = [&](uint8_t* dst, const TmaDesc* desc, uint64_t* empty, uint64_t* full, uint32_t parity,
+                         int n_block) {
+        mbar_wait(empty, parity ^ 1);
+        mbar_arrive_expect_tx(full, Traits::kTileBytesKV);
+#pragma unroll
+        for (int s = 0; s < Traits::kSlabs; ++s) {
+            tma_load_4d(dst + s * Traits::kSlabBytesKV, desc, full, s * 64, n_block * Traits::kBlockN, b.kv_head,
+                        b.batch);
+        }
+    };
     for (int it = 0; it < b.n_blocks; ++it) {
         const int n_block = b.n_blocks - 1 - it;
         const int stage = it % Traits::kStages;
         const uint32_t parity = (it / Traits::kStages) & 1;
-        uint8_t* k_dst = sm.k + stage * Traits::kTileBytesKV;
-        uint8_t* v_dst = sm.v + stage * Traits::kTileBytesKV;
-        mbar_wait(&sm.empty_k[stage], parity ^ 1);
-        mbar_arrive_expect_tx(&sm.full_k[stage], Traits::kTileBytesKV);
-#pragma unroll
-        for (int s = 0; s < Traits::kSlabs; ++s) {
-            tma_load_4d(k_dst + s * Traits::kSlabBytesKV, &params.tma_k, &sm.full_k[stage], s * 64,
-                        n_block * Traits::kBlockN, b.kv_head, b.batch);
-        }
-        mbar_wait(&sm.empty_v[stage], parity ^ 1);
-        mbar_arrive_expect_tx(&sm.full_v[stage], Traits::kTileBytesKV);
-#pragma unroll
-        for (int s = 0; s < Traits::kSlabs; ++s) {
-            tma_load_4d(v_dst + s * Traits::kSlabBytesKV, &params.tma_v, &sm.full_v[stage], s * 64,
-                        n_block * Traits::kBlockN, b.kv_head, b.batch);
-        }
+        load_tile(sm.k + stage * Traits::kTileBytesKV, &params.tma_k, &sm.empty_k[stage], &sm.full_k[stage], parity,
+                  n_block);
+        load_tile(sm.v + stage * Traits::kTileBytesKV, &params.tma_v, &sm.empty_v[stage], &sm.full_v[stage], parity,
+                  n_block);
     }
 }
 
