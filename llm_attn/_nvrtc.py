@@ -129,8 +129,10 @@ def params_struct_asserts(offsets: bool = False) -> str:
 
 
 def program_source(kernels: list[str]) -> str:
-    header = "flash_decode_kernel.cuh" if any("flash_decode_kernel<" in k for k in kernels) else "flash_fwd_kernel.cuh"
-    return f'#include "{header}"\n' + params_struct_asserts()
+    # Both the decode and the backward header include the prefill one.
+    by_name = (("flash_decode_kernel<", "flash_decode_kernel.cuh"), ("flash_bwd_", "flash_bwd_kernel.cuh"))
+    headers = [h for key, h in by_name if any(key in k for k in kernels)] or ["flash_fwd_kernel.cuh"]
+    return "".join(f'#include "{h}"\n' for h in headers) + params_struct_asserts()
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,6 +56,32 @@ def test_every_instantiation_compiles_without_local_memory(arch):
     assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
 
 
+# The backward's instantiations (kernels/flash_bwd_launch.cuh: BwdConfig<D> = BwdTraits<D, D == 128 ? 32 : 64, 64, 4,
+# 1>). The NVRTC backend does not launch them (backward() needs the compiled extension), but they are compiled here
+# for every arch so that they stay NVRTC-compilable and spill-free, as check_ptxas.sh keeps them under nvcc.
+BWD_KERNELS = [
+    name
+    for d in (64, 128) for t in ("half", "__nv_bfloat16")
+    for name in (f"llm_attn::flash_bwd_preprocess_kernel<{t}, {d}>",
+                 f"llm_attn::flash_bwd_convert_dq_kernel<{t}, {d}>",
+                 f"llm_attn::flash_bwd_convert_dkdv_kernel<{t}, {d}>",
+                 *(f"llm_attn::flash_bwd_dkdv_kernel<{t}, llm_attn::BwdTraits<{d}, {32 if d == 128 else 64}, 64, 4, 1>, "
+                   f"{c}>" for c in ("false", "true")))
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backward_kernels_compile_without_local_memory(arch):
+    nvrtc = _nvrtc_or_skip()
+    cubin, lowered, log = nvrtc.compile_cubin(arch, BWD_KERNELS)
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(BWD_KERNELS)
+    report = nvrtc.local_memory_report(log)
+    assert set(report) == set(lowered.values()), "ptxas -v reported on every kernel"
+    by_mangled = {v: k for k, v in lowered.items()}
+    spilled = {by_mangled[m]: r for m, r in report.items() if any(r)}
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
+
+
 def test_params_struct_layout_matches_cpp(tmp_path):
     """Offsets of every FlashFwdParams field, checked by the host C++ compiler on kernels/flash.h (NVRTC has no
     offsetof; every NVRTC program checks the size). The struct holds no CUDA type, so a two-line cuda_runtime.h
