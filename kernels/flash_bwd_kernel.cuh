@@ -136,6 +136,18 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool va
                  "r"(valid ? 4 : 0));
 }
 
+// ldmatrix from a 32-bit shared-memory byte address.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 // This lane's ldmatrix byte addresses for one fragment pattern over [rows][kRowLen] swizzled tiles: one register per
 // (k-step & 3), the only lane-dependent part of the swizzled column (SwzCols). Everything else (which buffer, the
 // k-step's multiple of 4, 16-row steps) is a compile-time immediate in unrolled loops that ptxas folds into the
@@ -256,8 +268,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                          kv_head * params.k_head_stride + static_cast<int64_t>(n0) * params.k_row_stride;
         const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride +
                          kv_head * params.v_head_stride + static_cast<int64_t>(n0) * params.v_row_stride;
-        load_tile_async<Traits, kBlockN>(SmemPtr<T>::from(sK), k_ptr, params.k_row_stride, seqlen_k - n0, tid);
-        load_tile_async<Traits, kBlockN>(SmemPtr<T>::from(sV), v_ptr, params.v_row_stride, seqlen_k - n0, tid);
+        load_tile_async<Traits, kBlockN>(sK, k_ptr, params.k_row_stride, seqlen_k - n0, tid);
+        load_tile_async<Traits, kBlockN>(sV, v_ptr, params.v_row_stride, seqlen_k - n0, tid);
 
         // Q, dO and the rows' lse / dsum of step `it` into stage `stage`, all with cp.async. Rows past the end
         // are zero-filled: there Q = 0 gives S = 0 and P = exp2(0 - 0) = 1, but dO = 0 and dsum = 0 make their
@@ -270,9 +282,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
             const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
                               head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
             T* sq = sQ + stage * 2 * Traits::kSmemQ;
-            load_tile_async<Traits, kBlockM>(SmemPtr<T>::from(sq), q_ptr, params.q_row_stride, seqlen_q - m0, tid);
-            load_tile_async<Traits, kBlockM>(SmemPtr<T>::from(sq + Traits::kSmemQ), do_ptr, params.do_row_stride,
-                                             seqlen_q - m0, tid);
+            load_tile_async<Traits, kBlockM>(sq, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
+            load_tile_async<Traits, kBlockM>(sq + Traits::kSmemQ, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
             if (tid < kBlockM) {
                 const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + m0 + tid;
                 const bool ok = m0 + tid < seqlen_q;
@@ -327,11 +338,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
             for (int kk = 0; kk < kKD; ++kk) {
                 uint32_t a[4];
-                ldmatrix_x4(a, addr_a(kk, kOffK));
+                ldsm_x4(a, addr_a(kk, kOffK));
 #pragma unroll
                 for (int np = 0; np < kNT / 2; ++np) {
                     uint32_t b[4];
-                    ldmatrix_x4(b, addr_b(kk, kOffQ + np * 16 * kHeadDim) + so);
+                    ldsm_x4(b, addr_b(kk, kOffQ + np * 16 * kHeadDim) + so);
                     mma_16816<T>(acc_s[2 * np], a, b[0], b[1]);
                     mma_16816<T>(acc_s[2 * np + 1], a, b[2], b[3]);
                 }
@@ -368,7 +379,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     uint32_t b[4];
-                    ldmatrix_x4_trans(b, addr_bt(dp, kOffdO + kk * 16 * kHeadDim) + so);
+                    ldsm_x4_t(b, addr_bt(dp, kOffdO + kk * 16 * kHeadDim) + so);
                     mma_16816<T>(acc_dv[2 * dp], ap, b[0], b[1]);
                     mma_16816<T>(acc_dv[2 * dp + 1], ap, b[2], b[3]);
                 }
@@ -385,11 +396,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                 for (int kk = 0; kk < kKD; ++kk) {
                     uint32_t a[4];
-                    ldmatrix_x4(a, addr_a(kk, kOffV));
+                    ldsm_x4(a, addr_a(kk, kOffV));
 #pragma unroll
                     for (int np = 0; np < kSNT / 2; ++np) {
                         uint32_t b[4];
-                        ldmatrix_x4(b, addr_b(kk, kOffdO + (sl * kSNT / 2 + np) * 16 * kHeadDim) + so);
+                        ldsm_x4(b, addr_b(kk, kOffdO + (sl * kSNT / 2 + np) * 16 * kHeadDim) + so);
                         mma_16816<T>(acc_dp[2 * np], a, b[0], b[1]);
                         mma_16816<T>(acc_dp[2 * np + 1], a, b[2], b[3]);
                     }
@@ -412,7 +423,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                     for (int dp = 0; dp < kDT / 2; ++dp) {
                         uint32_t b[4];
-                        ldmatrix_x4_trans(b, addr_bt(dp, kOffQ + kk * 16 * kHeadDim) + so);
+                        ldsm_x4_t(b, addr_bt(dp, kOffQ + kk * 16 * kHeadDim) + so);
                         mma_16816<T>(acc_dk[2 * dp], ads, b[0], b[1]);
                         mma_16816<T>(acc_dk[2 * dp + 1], ads, b[2], b[3]);
                     }
@@ -434,7 +445,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
             // once.
             uint32_t ads[kKN][4];
 #pragma unroll
-            for (int kk = 0; kk < kKN; ++kk) ldmatrix_x4_trans(ads[kk], addr_ds + 2 * kk * 16 * kBlockM);
+            for (int kk = 0; kk < kKN; ++kk) ldsm_x4_t(ads[kk], addr_ds + 2 * kk * 16 * kBlockM);
             const int q_row = m0 + dq_mt * 16 + g;
             float* dq_acc = params.dq_accum +
                             ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
@@ -450,7 +461,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                     for (int j = 0; j < 2; ++j) {
                         uint32_t b[4];
                         // dq_col0 is a multiple of 64 elements: whole rows of the 8-chunk swizzle pattern.
-                        ldmatrix_x4_trans(b, addr_bt(2 * dg + j, kOffK + kk * 16 * kHeadDim) + 2 * dq_col0);
+                        ldsm_x4_t(b, addr_bt(2 * dg + j, kOffK + kk * 16 * kHeadDim) + 2 * dq_col0);
                         mma_16816<T>(acc[2 * j], ads[kk], b[0], b[1]);
                         mma_16816<T>(acc[2 * j + 1], ads[kk], b[2], b[3]);
                     }

@@ -50,9 +50,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
     constexpr int kKQ = kHeadDim / 16;
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    const auto sQ = SmemPtr<T>::from(smem_raw);
-    const auto sK = sQ + Traits::kSmemQ;              // [kStages][kBlockN][kHeadDim]
-    const auto sV = sK + kStages * Traits::kSmemKV;   // [kStages][kBlockN][kHeadDim]
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + Traits::kSmemQ;                 // [kStages][kBlockN][kHeadDim]
+    T* sV = sK + kStages * Traits::kSmemKV;      // [kStages][kBlockN][kHeadDim]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -119,8 +119,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
         cp_async_commit();
 
         const int stage = i % kStages;
-        const auto cK = sK + (stage * Traits::kSmemKV + warp * 16 * kHeadDim);  // this warp's 16 keys
-        const auto cV = sV + (stage * Traits::kSmemKV + warp * 16 * kHeadDim);
+        const T* cK = sK + stage * Traits::kSmemKV + warp * 16 * kHeadDim;  // this warp's 16 keys
+        const T* cV = sV + stage * Traits::kSmemKV + warp * 16 * kHeadDim;
         const int key0 = (tile_begin + i) * kBlockN + warp * 16;
 
         float acc_s[kMT][2][4];
@@ -192,7 +192,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
             }
         }
     __syncthreads();
-    float* s_o = reinterpret_cast<float*>(smem_raw + Traits::kSmemQ * sizeof(T));  // [warps][kRows][kHeadDim]
+    float* s_o = reinterpret_cast<float*>(sK);  // [warps][kRows][kHeadDim]
 #pragma unroll
     for (int m = 0; m < kMT; ++m)
 #pragma unroll

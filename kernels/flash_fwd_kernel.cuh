@@ -82,8 +82,7 @@ struct SwzCols {
 // all of its rows and the source pointer advances by a constant, so no per-row 64-bit offsets stay live in
 // registers across the main loop.
 template <typename Traits, int kRows, typename T>
-__device__ __forceinline__ void load_tile_async(SmemPtr<T> smem, const T* gmem, int64_t row_stride, int valid_rows,
-                                                int tid) {
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows, int tid) {
     constexpr int kChunks = Traits::kChunks;
     constexpr int kRowStep = Traits::kThreads / kChunks;
     constexpr int kIters = kRows / kRowStep;
@@ -91,7 +90,7 @@ __device__ __forceinline__ void load_tile_async(SmemPtr<T> smem, const T* gmem, 
     const int row = tid / kChunks;
     const int chunk = tid % kChunks;
     const T* src = gmem + row * row_stride + chunk * 8;
-    const SmemPtr<T> dst = smem + swz<Traits::kHeadDim>(row, chunk);
+    T* dst = smem + swz<Traits::kHeadDim>(row, chunk);
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
         const bool ok = row + it * kRowStep < valid_rows;
@@ -222,7 +221,7 @@ struct WarpTile {
     static constexpr bool kQInRegs = kMT == 1;
     using Scores = float[kMT][kNT][4];
 
-    SmemPtr<T> sQ;
+    const T* sQ;
     SwzCols cols;
     int cbit_k, cbit_qv;  // (cbit ^ (lane & 1)) * 8 of the K pattern and of the Q / V^T pattern
     int k_row;            // + 16 np: this lane's key row for K fragments
@@ -230,7 +229,7 @@ struct WarpTile {
     int q_row;            // + 16 m: this lane's query row (within the block) for Q fragments
     uint32_t q_frag[kQInRegs ? kKQ : 1][4];
 
-    __device__ __forceinline__ WarpTile(SmemPtr<T> sQ_, int warp, int lane)
+    __device__ __forceinline__ WarpTile(const T* sQ_, int warp, int lane)
         : sQ(sQ_), cols(lane), cbit_k((((lane / 8) % 2) ^ (lane & 1)) * 8), cbit_qv(((lane / 16) ^ (lane & 1)) * 8),
           k_row((lane % 8) + (lane / 16) * 8), v_row((lane % 8) + ((lane / 8) % 2) * 8),
           q_row(warp * Traits::kWarpRows + lane % 16) {}
@@ -244,7 +243,7 @@ struct WarpTile {
     }
 
     // S = Q K^T for the warp's rows x the tile's keys.
-    __device__ __forceinline__ void qk(Scores& acc_s, SmemPtr<T> cK) const {
+    __device__ __forceinline__ void qk(Scores& acc_s, const T* cK) const {
 #pragma unroll
         for (int m = 0; m < kMT; ++m)
 #pragma unroll
@@ -297,7 +296,7 @@ struct WarpTile {
     }
 
     // O += P V, P the softmax-updated scores (as A fragments, never written to memory).
-    __device__ __forceinline__ void pv(float (&acc_o)[kMT][kDT][4], const Scores& p, SmemPtr<T> cV) const {
+    __device__ __forceinline__ void pv(float (&acc_o)[kMT][kDT][4], const Scores& p, const T* cV) const {
 #pragma unroll
         for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
             uint32_t a[kMT][4];
@@ -328,9 +327,9 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     constexpr int kDT = kHeadDim / 8;   // n-tiles of O per m-tile
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    const auto sQ = SmemPtr<T>::from(smem_raw);
-    const auto sK = sQ + Traits::kSmemQ;    // [2][kBlockN][kHeadDim]
-    const auto sV = sK + 2 * Traits::kSmemKV;  // [2][kBlockN][kHeadDim]
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sK = sQ + Traits::kSmemQ;            // [2][kBlockN][kHeadDim]
+    T* sV = sK + 2 * Traits::kSmemKV;       // [2][kBlockN][kHeadDim]
 
     const int tid = threadIdx.x;
     const int warp = tid / 32;
@@ -338,7 +337,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     const int g = lane / 4;
     const int t = lane % 4;
 
-    // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
+        // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
     // so blocks launch longest first across all heads and the short ones fill the tail of the last wave.
     constexpr bool kHeadsFirst = kCausal && !kSplit;
     const int m_block = kHeadsFirst ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
@@ -503,7 +502,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     } else {
         // Stage the tile in (swizzled) shared memory so the global stores are 16-byte and coalesced.
         __syncthreads();
-        const SmemPtr<T> sO = sQ;  // the Q tile's space
+        T* sO = sQ;
 #pragma unroll
         for (int m = 0; m < kMT; ++m)
 #pragma unroll
@@ -511,9 +510,8 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
                 const int row = warp * kWarpRows + m * 16 + g + r * 8;
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
-                    st_shared_b32((sO + (swz<kHeadDim>(row, dt) + 2 * t)).addr,
-                                  pack2<T>(st.acc_o[m][dt][2 * r] * inv_sum[m][r],
-                                           st.acc_o[m][dt][2 * r + 1] * inv_sum[m][r]));
+                    *reinterpret_cast<uint32_t*>(sO + swz<kHeadDim>(row, dt) + 2 * t) =
+                        pack2<T>(st.acc_o[m][dt][2 * r] * inv_sum[m][r], st.acc_o[m][dt][2 * r + 1] * inv_sum[m][r]);
                 }
                 if (params.lse != nullptr && t == 0 && row0 + row < seqlen_q) {
                     params.lse[(static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + row0 + row] =
@@ -531,7 +529,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
             const int chunk = idx % Traits::kChunks;
             if (row0 + row < seqlen_q) {
                 *reinterpret_cast<uint4*>(o_ptr + static_cast<int64_t>(row) * params.o_row_stride + chunk * 8) =
-                    ld_shared_v4((sO + swz<kHeadDim>(row, chunk)).addr);
+                    *reinterpret_cast<const uint4*>(sO + swz<kHeadDim>(row, chunk));
             }
         }
     }

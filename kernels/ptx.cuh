@@ -15,63 +15,24 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A pointer into shared memory held as its 32-bit .shared byte address, with T* element arithmetic. Every tile
-// address in the mma.sync kernels is one of these rather than a T*: a generic pointer is 64-bit, and NVRTC (unlike
-// nvcc, which narrows shared pointers itself) then does the per-fragment address arithmetic in 64 bits, which costs
-// enough registers to spill (kernels/NOTES.md v7).
-template <typename T>
-struct SmemPtr {
-    uint32_t addr;
-    __device__ __forceinline__ static SmemPtr from(const void* p) { return {smem_u32(p)}; }
-    __device__ __forceinline__ SmemPtr operator+(int elems) const {
-        return {addr + static_cast<uint32_t>(elems) * static_cast<uint32_t>(sizeof(T))};
-    }
-};
-
 // 16-byte global->shared copy that bypasses L1; when !valid nothing is read and the 16 bytes are zero-filled.
-__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     const int src_size = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_size));
-}
-template <typename T>
-__device__ __forceinline__ void cp_async_16(SmemPtr<T> smem, const void* gmem, bool valid) {
-    cp_async_16(smem.addr, gmem, valid);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_size));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// ldmatrix from a 32-bit shared-memory byte address.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem));
+                 : "r"(smem_u32(smem)));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem));
-}
-template <typename T>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], SmemPtr<T> smem) {
-    ldmatrix_x4(r, smem.addr);
-}
-template <typename T>
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], SmemPtr<T> smem) {
-    ldmatrix_x4_trans(r, smem.addr);
-}
-
-// 4-byte store and 16-byte load at a shared-memory address (the output tile's staging).
-__device__ __forceinline__ void st_shared_b32(uint32_t smem, uint32_t v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t smem) {
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(smem)
-                 : "memory");
-    return v;
+                 : "r"(smem_u32(smem)));
 }
 
 // D = A * B + D, fp32 accumulate. T is half or __nv_bfloat16.
