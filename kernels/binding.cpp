@@ -6,8 +6,10 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "flash.h"
@@ -22,9 +24,17 @@ int g_tile = llm_attn::kTileAuto;
 // Numbers in error messages are formatted with std::to_string, never streamed: on the H100 image, streaming an
 // integer from this extension (its own instantiation of ostream::_M_insert<long>) segfaulted inside TORCH_CHECK,
 // turning a bad-input error into a crash (cuda-gdb backtrace in kernels/NOTES.md). Strings stream safely.
+// Floating-point numbers go through snprintf's %g instead (std::to_string's %f prints -1e-9 as -0.000000), which
+// the NVRTC backend's messages match with Python's f"{x:g}" (llm_attn/_nvrtc.py).
 template <typename N>
 std::string num(N v) {
-    return std::to_string(v);
+    if constexpr (std::is_floating_point_v<N>) {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+        return buf;
+    } else {
+        return std::to_string(v);
+    }
 }
 std::string shape(at::IntArrayRef a) {
     std::string r = "[";
@@ -72,6 +82,9 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
                     lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == num_heads && lse.size(2) == seqlen_q,
                 "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
     CHECK_INPUT(std::isfinite(scale), "scale must be finite");
+    // As flash_attn_func (llm_attn/ops.py): with scale < 0 the row max taken before scaling is the wrong one.
+    CHECK_INPUT(scale >= 0, "scale must be >= 0 (the kernels' online softmax takes each row's max before scaling), ",
+                "got ", num(scale));
     if (seqused_k.has_value()) {
         const at::Tensor& s = *seqused_k;
         CHECK_INPUT(s.is_cuda() && s.device() == q.device(), "seqused_k must be on q's device");
