@@ -6,8 +6,10 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "flash.h"
@@ -22,9 +24,17 @@ int g_tile = llm_attn::kTileAuto;
 // Numbers in error messages are formatted with std::to_string, never streamed: on the H100 image, streaming an
 // integer from this extension (its own instantiation of ostream::_M_insert<long>) segfaulted inside TORCH_CHECK,
 // turning a bad-input error into a crash (cuda-gdb backtrace in kernels/NOTES.md). Strings stream safely.
+// Floating-point numbers go through snprintf's %g instead (std::to_string's %f prints -1e-9 as -0.000000), which
+// the NVRTC backend's messages match with Python's f"{x:g}" (llm_attn/_nvrtc.py).
 template <typename N>
 std::string num(N v) {
-    return std::to_string(v);
+    if constexpr (std::is_floating_point_v<N>) {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+        return buf;
+    } else {
+        return std::to_string(v);
+    }
 }
 std::string shape(at::IntArrayRef a) {
     std::string r = "[";
@@ -43,6 +53,27 @@ void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
                     shape(t.strides()));
     }
     CHECK_INPUT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+// The fields that FlashFwdParams and FlashBwdParams share, filled alike for the forward and the backward: q, k, v,
+// out and lse (the forward's output, the backward's input), their strides, the shapes, the scale (also times
+// log2(e): the kernels work in base 2), causal and the dtype.
+template <typename Params>
+void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                       const at::Tensor& lse, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
+    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+    p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+    p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+    p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+    p.batch = q.size(0), p.num_heads = q.size(1), p.num_kv_heads = k.size(1);
+    p.seqlen_q = q.size(2), p.seqlen_k = k.size(2), p.head_dim = q.size(3);
+    p.scale = static_cast<float>(scale);
+    p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+    p.causal = causal;
+    p.is_bf16 = q.scalar_type() == at::kBFloat16;
 }
 
 void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -72,6 +103,9 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
                     lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == num_heads && lse.size(2) == seqlen_q,
                 "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
     CHECK_INPUT(std::isfinite(scale), "scale must be finite");
+    // As flash_attn_func (llm_attn/ops.py): with scale < 0 the row max taken before scaling is the wrong one.
+    CHECK_INPUT(scale >= 0, "scale must be >= 0 (the kernels' online softmax takes each row's max before scaling), ",
+                "got ", num(scale));
     if (seqused_k.has_value()) {
         const at::Tensor& s = *seqused_k;
         CHECK_INPUT(s.is_cuda() && s.device() == q.device(), "seqused_k must be on q's device");
@@ -81,22 +115,7 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 
     const c10::cuda::CUDAGuard guard(q.device());
     llm_attn::FlashFwdParams p{};
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.o = out.data_ptr();
-    p.lse = lse.data_ptr<float>();
-    p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
-    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
-    p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
-    p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
-    p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
-    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
-    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
-    p.scale = static_cast<float>(scale);
-    p.scale_log2 = static_cast<float>(scale * M_LOG2E);
-    p.causal = causal;
-    p.is_bf16 = q.scalar_type() == at::kBFloat16;
+    set_shared_params(p, q, k, v, out, lse, seqused_k, scale, causal);
     p.tile = g_tile;
 
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -229,28 +248,16 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     at::Tensor lse_log2 = at::empty({batch, num_heads, seqlen_q}, f32);
 
     llm_attn::FlashBwdParams p{};
-    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = dout.data_ptr();
-    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
-    p.lse = lse.data_ptr<float>();
+    set_shared_params(p, q, k, v, out, lse, seqused_k, scale, causal);
+    p.dout = dout.data_ptr(), p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
-    p.seqused_k = seqused_k.has_value() ? seqused_k->data_ptr<int>() : nullptr;
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dsum = dsum.data_ptr<float>();
     p.lse_log2 = lse_log2.data_ptr<float>();
-    p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
-    p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
-    p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
-    p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
     p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
     p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
     p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
     p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
-    p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
-    p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim;
-    p.scale = static_cast<float>(scale);
-    p.scale_log2 = static_cast<float>(scale * M_LOG2E);
-    p.causal = causal;
-    p.is_bf16 = q.scalar_type() == at::kBFloat16;
     llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits);
     at::Tensor dk_accum, dv_accum;
     if (p.num_splits > 1) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "flash_bwd_kernel.cuh"
+#include "launch_smem.h"
 
 namespace llm_attn {
 
@@ -29,10 +30,8 @@ cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
 
     auto kernel = flash_bwd_dkdv_kernel<T, Traits, kCausal>;
     constexpr int smem = Traits::kSmemBytes;
-    if (smem > 48 * 1024) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (err != cudaSuccess) return err;
-    }
+    err = opt_in_dynamic_smem<flash_bwd_dkdv_kernel<T, Traits, kCausal>, smem>();
+    if (err != cudaSuccess) return err;
     const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     // Causal: KV heads in x so the longest key blocks (the first ones) launch first across heads (the binding keeps
     // n_blocks within gridDim.y's 65535).

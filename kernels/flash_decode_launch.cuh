@@ -2,6 +2,7 @@
 #pragma once
 
 #include "flash_decode_kernel.cuh"
+#include "launch_smem.h"
 
 namespace llm_attn {
 
@@ -9,10 +10,8 @@ template <typename T, typename Traits>
 cudaError_t launch_decode(FlashFwdParams& params, cudaStream_t stream) {
     auto kernel = flash_decode_kernel<T, Traits>;
     constexpr int smem = Traits::kSmemBytes;
-    if (smem > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (err != cudaSuccess) return err;
-    }
+    const cudaError_t err = opt_in_dynamic_smem<flash_decode_kernel<T, Traits>, smem>();
+    if (err != cudaSuccess) return err;
     dim3 grid(params.num_splits, params.num_kv_heads, params.batch);
     kernel<<<grid, Traits::kThreads, smem, stream>>>(params);
     return cudaGetLastError();

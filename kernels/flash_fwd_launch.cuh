@@ -4,6 +4,7 @@
 
 #include "flash_fwd_kernel.cuh"
 #include "flash_fwd_config.h"
+#include "launch_smem.h"
 
 namespace llm_attn {
 
@@ -11,9 +12,9 @@ template <typename T, typename Traits, bool kCausal, bool kSplit>
 cudaError_t launch_fwd(FlashFwdParams& params, cudaStream_t stream) {
     auto kernel = flash_fwd_kernel<T, Traits, kCausal, kSplit>;
     constexpr int smem = Traits::kSmemBytes;
-    if (smem > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (err != cudaSuccess) return err;
+    if (const cudaError_t err = opt_in_dynamic_smem<flash_fwd_kernel<T, Traits, kCausal, kSplit>, smem>();
+        err != cudaSuccess) {
+        return err;
     }
     const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     // Causal, not split: heads in x so that blocks launch longest first across heads (flash_fwd_kernel). The

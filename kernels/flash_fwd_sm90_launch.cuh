@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "flash_fwd_sm90_kernel.cuh"
+#include "launch_smem.h"
 
 namespace llm_attn {
 namespace sm90 {
@@ -84,7 +85,7 @@ cudaError_t launch_tile(const FlashFwdParams& p, cudaStream_t stream) {
                            p.o_head_stride, p.o_row_stride, 64);
     if (!ok) return cudaErrorInvalidValue;
     auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+    cudaError_t err = opt_in_dynamic_smem<flash_fwd_sm90_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
     if (err != cudaSuccess) return err;
     const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
     const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : dim3(m_blocks, p.num_heads, p.batch);

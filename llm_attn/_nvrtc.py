@@ -464,6 +464,9 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         _fail("lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device")
     if not math.isfinite(scale):
         _fail("scale must be finite")
+    if scale < 0:  # binding.cpp formats the number with %g
+        _fail("scale must be >= 0 (the kernels' online softmax takes each row's max before scaling), got ",
+              f"{scale:g}")
     if seqused_k is not None and not (seqused_k.is_cuda and seqused_k.device == q.device):
         _fail("seqused_k must be on q's device")
     if seqused_k is not None and not (seqused_k.dtype == torch.int32 and seqused_k.dim() == 1

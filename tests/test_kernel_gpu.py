@@ -8,6 +8,7 @@ Every test that takes ``cuda_ext`` runs once per kernel backend (the compiled ex
 
 import itertools
 import math
+import re
 import zlib
 
 import pytest
@@ -145,6 +146,13 @@ def test_raw_binding_errors_raise(cuda_ext):
             cuda_ext.mha_fwd(qq, kk, kk, out, lse, None, 0.125, False)
     with pytest.raises(RuntimeError, match=r"out \[1, 4, 7, 64\] must match q"):
         cuda_ext.mha_fwd(q, kv, kv, q[:, :, :7], torch.empty(1, 4, 8, device="cuda"), None, 0.125, False)
+    # A negative scale (flash_attn_func raises ValueError before reaching the binding): the whole message, the same
+    # text on both backends, the number formatted as %g.
+    for scale, shown in ((-0.125, "-0.125"), (-1e-5, "-1e-05")):
+        msg = ("llm_attn.mha_fwd: scale must be >= 0 (the kernels' online softmax takes each row's max before "
+               f"scaling), got {shown}")
+        with pytest.raises(RuntimeError, match=re.escape(msg)):
+            cuda_ext.mha_fwd(q, kv, kv, torch.empty_like(q), torch.empty(1, 4, 8, device="cuda"), None, scale, False)
 
 
 def launched_kernels(fn):
