@@ -3,11 +3,14 @@
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
-# awq installs gptqmodel and its source-only dependencies from .whl/ (carried; see llm_attn/models.py) into
-# /tmp/site. Make .whl/ on a machine with PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4
-# logbar==0.4.15 tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28`, then `pip wheel --no-deps --no-build-isolation
-# -w .whl` each sdist but pypcre's (it compiles on the GPU machine) and delete those sdists; ttft runs `python -m llm_attn.ttft` with the defaults; sweep runs experiments/default.toml into
-# experiments/results/ (copied to $OUT; make the report from it anywhere: it needs no GPU).
+# readme runs the README's two commands, read from README.md, in a clean copy of the tree, as a new user would
+# (after awq when both are given, so that the default ttft model can load). awq installs gptqmodel and its
+# source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
+# PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 tokenicer==0.0.14
+# device-smi==0.5.7 defuser==0.0.28`, then `pip wheel --no-deps --no-build-isolation -w .whl` each sdist but pypcre's
+# (it compiles on the GPU machine) and delete those sdists; ttft runs `python -m llm_attn.ttft` with the defaults;
+# sweep runs experiments/default.toml into experiments/results/ (copied to $OUT; make the report from it anywhere: it
+# needs no GPU).
 # The built extension and its source stamp are copied to $OUT so the next session can carry them instead of
 # rebuilding (a stamp mismatch rebuilds).
 set -uo pipefail
@@ -38,18 +41,27 @@ fi
 if has awq; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/*.whl \
     .whl/pypcre-*.tar.gz >"$OUT/awq_install.log" 2>&1 || { tail -30 "$OUT/awq_install.log"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PYTHONPATH
+  awq_site=/tmp/site; export PYTHONPATH=$awq_site:$PYTHONPATH
   python3 -m llm_attn.models backends
 fi
-if has readme; then  # a new user: a clean copy (no build outputs, no links), the README's install and test command
+if has readme; then
+  # A new user: a clean copy (no build outputs, no links), no PYTHONPATH but the awq step's /tmp/site (so the
+  # default ttft model loads when `awq` ran before: give both), and the README's two commands as written there: the
+  # first two lines of its first ```bash block that are not comments. Command 1 ends with `python -m llm_attn.ttft`,
+  # whose default GPU model needs gptqmodel (the awq step); without it that run stops with its install hint.
   rm -rf /tmp/readme && mkdir -p /tmp/readme && tar --exclude=./build --exclude='./llm_attn/_C*' \
     --exclude=./llm_attn/patches --exclude=./.whl --exclude='*.egg-info' -cf - . | tar -xf - -C /tmp/readme
-  (cd /tmp/readme && LLM_ATTN_CUDA_ARCHS=${LLM_ATTN_CUDA_ARCHS:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
-     python3 -m pip install --no-build-isolation -e ".[dev,nvrtc]" >"$OUT/readme_install.log" 2>&1 \
-     && echo "README install: ok ($(python3 -c 'import llm_attn; print(llm_attn.kernel_backend())'))" \
-     || { echo "README install FAILED"; tail -30 "$OUT/readme_install.log"; }
-   LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc python3 -m pytest -q -p no:cacheprovider tests 2>&1 \
-     | tee "$OUT/readme_pytest.log" | tail -3)
+  (cd /tmp/readme && export LLM_ATTN_CUDA_ARCHS=${LLM_ATTN_CUDA_ARCHS:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+   if [ -n "${awq_site:-}" ]; then export PYTHONPATH=$awq_site; else unset PYTHONPATH; fi
+   cmds=$(awk '/^```bash/ {n++; next} n == 1 && /^```/ {exit} n == 1 && !/^[[:space:]]*#/ && NF' README.md | head -2)
+   cmd1=$(sed -n 1p <<<"$cmds") cmd2=$(sed -n 2p <<<"$cmds")
+   [ -n "$cmd2" ] || { echo "README: the first bash block has fewer than two commands"; exit 1; }
+   echo "README command 1 (python: $(command -v python), pip: $(command -v pip)): $cmd1"
+   bash -c "$cmd1" >"$OUT/readme_cmd1.log" 2>&1 && rc=0 || rc=$?
+   echo "README command 1: exit code $rc, kernel backend $(cd /tmp && python -c 'import llm_attn; print(llm_attn.kernel_backend())' 2>&1 | tail -1)"
+   tail -$(( rc ? 30 : 8 )) "$OUT/readme_cmd1.log"
+   echo "README command 2: $cmd2"
+   LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | tail -3)
 fi
 if has test; then
   python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
