@@ -147,7 +147,7 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
     else:
         busy = 0.0
         for e in cpu:
-            if e.activity_type != "cpu_op" or not (start_us <= e.time_range.start <= end_us):
+            if not _is_cpu_op(e) or not (start_us <= e.time_range.start <= end_us):
                 continue
             chain = list(_ancestors(e))
             dur = e.self_cpu_time_total / 1e3
@@ -168,6 +168,16 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
         "attention_ranges": len(ranges),
         "top": [{"category": c, "name": n, "ms": ms} for (c, n), ms in top.most_common(12)],
     }
+
+
+def _is_cpu_op(e) -> bool:
+    """An ATen op (or other CPU activity that does work), not a record_function range. torch >= 2.12 says so in
+    ``activity_type``; torch 2.11 (the H100 machine's) has no such field, so the ranges are told apart by their
+    ``is_user_annotation`` flag and by name."""
+    kind = getattr(e, "activity_type", None)
+    if kind is not None:
+        return kind == "cpu_op"
+    return not getattr(e, "is_user_annotation", False) and not _is_annotation(e)
 
 
 def _is_annotation(e) -> bool:

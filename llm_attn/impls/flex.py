@@ -4,7 +4,8 @@ Causality (bottom-right) is a block mask, built once per (q_len, kv_len, device)
 ``enable_gqa``. Prefill calls get one statically compiled function per shape (torch 2.11's flex template failed to
 lower with dynamic shapes on the H100: ``NoValidChoicesError``), each with its own code object so that dynamo's
 recompile limit never silently drops a shape back to uncompiled flex; decode calls (q_len 1, no mask, a new kv_len
-every token) share one function compiled with automatic dynamic shapes. On CPU the uncompiled flex_attention runs
+every token) share one function compiled with automatic dynamic shapes; only they use inductor's flex-decoding
+template (see ``_call``). On CPU the uncompiled flex_attention runs
 (correctness only; it says nothing about speed).
 ``seqused_k`` would need a data-dependent block mask per call: such calls take the stock path.
 """
@@ -28,10 +29,15 @@ def _missing() -> str | None:
     return None
 
 
-def _call(q, k, v, block_mask, scale, enable_gqa):
+def _call(q, k, v, block_mask, scale, enable_gqa, short_query_kernel):
     from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
 
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    # Inductor lowers queries shorter than 128 rows to its flex-decoding template, which finds no valid config for
+    # prefill-sized GQA queries (torch 2.11 on the H100, q_len 63 over 1000 keys: NoValidChoicesError). Only decode
+    # (q_len 1) keeps that template; every other query runs the main flex_attention template.
+    options = None if short_query_kernel else {"FORCE_USE_FLEX_ATTENTION": True}
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          kernel_options=options)
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,7 +75,7 @@ def flex(q, k, v, *, causal, scale, seqused_k=None):
     gqa = q.shape[1] != k.shape[1]
     if q.is_cuda:
         key = None if sq == 1 else (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), causal, float(scale))
-        out = _compiled(key)(q, k, v, mask, scale, gqa)
+        out = _compiled(key)(q, k, v, mask, scale, gqa, sq == 1)
     else:
         with warnings.catch_warnings():  # "called without torch.compile": on CPU that is the point
             warnings.simplefilter("ignore", UserWarning)
