@@ -69,7 +69,8 @@ def test_breakdown_through_the_cli_and_the_report(tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     # --device cpu: on a GPU machine 'auto' would be the 8B AWQ model; this test is about the CPU split.
     assert ttft.main(["--device", "cpu", "--impl", "sdpa", "llm_attn", "--seq", "16", "32",
-                      "--measure", "ttft", "breakdown", "--repeats", "1", "--warmup", "1", "--no-progress", "--out", str(out)]) == 0
+                      "--measure", "ttft", "breakdown", "--repeats", "1", "--warmup", "1", "--no-progress",
+                      "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "TTFT if attention took 0 ms" in text and "idle (host, no op)" in text
     rows = [json.loads(x) for x in out.read_text().splitlines()]
