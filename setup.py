@@ -1,13 +1,14 @@
 """Builds the llm_attn package and, when a CUDA build of PyTorch and nvcc are present, its CUDA extension.
 
-    pip install --no-build-isolation -e .        # uses the torch already installed; never pulls a CUDA torch
-    pip install --no-build-isolation .           # the same, as a regular install
+    python -m pip install --no-build-isolation -e .   # uses the torch already installed; never pulls a CUDA torch
+    python -m pip install --no-build-isolation .      # the same, as a regular install
 
 pyproject.toml names the setuptools backend (PEP 517/660); the metadata stays here so that setuptools 59 (JetPack)
 builds it too.
 
 Environment:
-    LLM_ATTN_CUDA_ARCHS   semicolon list of compute capabilities (default "8.0;8.6;8.7;8.9;9.0"), e.g. "8.9" for an
+    LLM_ATTN_CUDA_ARCHS   semicolon list of compute capabilities (default: those of the GPUs visible at build time,
+                          or "8.0;8.6;8.7;8.9;9.0" where none is visible), e.g. "8.9" for an
                           RTX 4060 Ti, "8.7" for Jetson Orin, "9.0" for H100. Fewer archs build faster. 9.0 (or 9.0a)
                           compiles sm_90a: the Hopper-only kernels need its wgmma/TMA/setmaxnreg instructions.
     LLM_ATTN_NO_CUDA=1    skip the extension even where it could be built (the kernel then runs through NVRTC).
@@ -74,10 +75,23 @@ def _loud_build_ext(base):
                     f"  {type(e).__name__}: {str(e).strip()[:500]}",
                     "The compiler output above says why (nvcc older than torch's CUDA, missing host compiler, ...).",
                     "To install without it (the kernel then compiles at first use through NVRTC, no nvcc needed):",
-                    "  LLM_ATTN_NO_CUDA=1 pip install --no-build-isolation -e '.[nvrtc]'",
+                    "  LLM_ATTN_NO_CUDA=1 python -m pip install --no-build-isolation -e '.[nvrtc]'",
                 ]), file=sys.stderr, flush=True)
                 raise
     return LoudBuildExt
+
+
+def _visible_archs(torch) -> str | None:
+    """The compute capabilities of the GPUs this build can see ("9.0" on an H100): a build on a GPU machine then
+    compiles for that GPU only, several times faster than for every default architecture. None without a GPU
+    (a CI or wheel-building machine: the default list)."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    except Exception:  # noqa: BLE001 (a driver problem at build time: build for every default architecture)
+        return None
+    return ";".join(f"{major}.{minor}" for major, minor in caps) or None
 
 
 def _extensions():
@@ -88,7 +102,7 @@ def _extensions():
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
         print("llm_attn: torch is not importable at build time; installing without the CUDA extension "
-              "(use `pip install --no-build-isolation` to build it)", file=sys.stderr)
+              "(use `python -m pip install --no-build-isolation` to build it)", file=sys.stderr)
         return [], {}
     if torch.version.cuda is None or CUDA_HOME is None:
         if torch.version.cuda is not None:  # a GPU machine without nvcc: fine, but say what happens instead
@@ -102,7 +116,9 @@ def _extensions():
                   file=sys.stderr)
         return [], {}
     sources = sorted(glob.glob(os.path.join("kernels", "*.cu"))) + ["kernels/binding.cpp"]
-    archs = os.environ.get("LLM_ATTN_CUDA_ARCHS", DEFAULT_ARCHS)
+    archs = os.environ.get("LLM_ATTN_CUDA_ARCHS") or _visible_archs(torch) or DEFAULT_ARCHS
+    print(f"llm_attn: building the CUDA extension for compute capabilities {archs} "
+          "(LLM_ATTN_CUDA_ARCHS overrides)", file=sys.stderr)
     nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",

@@ -284,7 +284,7 @@ def main() -> int:
         print("\n4. kernel time, ms per call (CUDA graph of 20 calls, median of 15; prefill tile forced 'large'):")
         print(tabulate(gpu_rows, headers=["shape", "aot", "nvrtc", "nvrtc/aot", "max |aot - nvrtc|"]))
         if not have_aot:
-            print("\n(AOT columns absent: build the extension, `pip install --no-build-isolation -e .`, to compare)")
+            print("\n(AOT columns absent: build the extension, `python -m pip install --no-build-isolation -e .`, to compare)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))

@@ -12,7 +12,7 @@ Torch tensors go to Numba through ``__cuda_array_interface__`` (no copy, any str
 torch's current stream, without host synchronisation. With ``NUMBA_ENABLE_CUDASIM=1`` the same kernel runs in
 Numba's CUDA simulator on CPU tensors (tests; tiny shapes only — every thread is a Python thread).
 
-Needs ``pip install numba-cuda`` (the ``numba`` extra).
+Needs ``python -m pip install numba-cuda`` (the ``numba`` extra).
 """
 
 from __future__ import annotations
