@@ -50,7 +50,10 @@ def example():
     return mod
 
 
-def _check_agreement(result, rtol, native_key, calls_per_step, grad_rtol):
+def _check_agreement(result, rtol, native_key, calls_per_step, grad_rtol, last_rtol, cos_tol):
+    """Losses within rtol every step; LoRA gradients: cosine > 1 - cos_tol at step 1 and the last step, worst
+    tensor's max|g - g_ref| / max|g_ref| <= grad_rtol at step 1 and <= last_rtol at the last step (the weights have
+    drifted apart by then, and AdamW's first steps amplify tiny differences of near-zero gradients)."""
     ref, ours = result["runs"]
     assert ref["impl"] == "sdpa" and ours["impl"] == "llm_attn"
     steps = result["args"]["steps"]
@@ -67,9 +70,9 @@ def _check_agreement(result, rtol, native_key, calls_per_step, grad_rtol):
     # Step 1: lora_B starts at 0, so the lora_A gradients are exactly 0 on both sides and the lora_B ones are not.
     assert ours["grad_step1"]["zero_on_both"] == n_layers_x4 > 0
     assert ours["grad_last"]["zero_on_both"] == 0
-    for key in ("grad_step1", "grad_last"):
-        assert ours[key]["cosine"] > 1 - grad_rtol, ours[key]
-        assert ours[key]["max_rel_diff"] <= grad_rtol, ours[key]
+    for key, tol in (("grad_step1", grad_rtol), ("grad_last", last_rtol)):
+        assert ours[key]["cosine"] > 1 - cos_tol, ours[key]
+        assert ours[key]["max_rel_diff"] <= tol, ours[key]
 
 
 def test_cpu_tiny_two_steps_match_sdpa(example, capsys):
@@ -78,7 +81,8 @@ def test_cpu_tiny_two_steps_match_sdpa(example, capsys):
     assert "rel diff llm_attn" in out and "max rel loss diff" in out
     assert result["args"]["dtype"] == "fp32"
     # 2 decoder layers -> 2 attention calls per step, on the PyTorch reference (CPU).
-    _check_agreement(result, rtol=1e-4, native_key="reference", calls_per_step=2, grad_rtol=1e-4)
+    _check_agreement(result, rtol=1e-4, native_key="reference", calls_per_step=2, grad_rtol=1e-4,
+                     last_rtol=1e-3, cos_tol=1e-6)
     # The adapters learn: the two steps see different batches, but the losses are not a constant.
     assert result["runs"][0]["loss"][0] != result["runs"][0]["loss"][1]
 
@@ -127,4 +131,5 @@ def test_gpu_tiny_fp16_kernel_matches_sdpa(example, capsys):
     result = example.main(["--device", "cuda", "--model", "tiny", "--dtype", "fp16", "--seq", "256",
                            "--steps", "3", "--backend", "cuda"])
     print(capsys.readouterr().out)
-    _check_agreement(result, rtol=1e-2, native_key="cuda", calls_per_step=2, grad_rtol=2e-2)
+    _check_agreement(result, rtol=1e-2, native_key="cuda", calls_per_step=2, grad_rtol=2e-2,
+                     last_rtol=1e-1, cos_tol=1e-3)
