@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
     ap.add_argument("--model", default=None,
-                    help="llm_attn.models preset (tiny, llama-3-8b); default llama-3-8b on cuda, tiny on cpu")
+                    help="llm_attn.models preset (tiny, llama-3-8b), optionally with the weight dtype as in "
+                         "load_model specs (llama-3-8b:fp16); default llama-3-8b on cuda, tiny on cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight dtype; default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--impl", nargs="+", default=["sdpa", "llm_attn"],
@@ -104,6 +105,14 @@ def resolve_args(args):
         raise UsageError(f"--device cuda but CUDA is not available (torch {torch.__version__})")
     gpu = args.device == "cuda"
     args.model = args.model or ("llama-3-8b" if gpu else "tiny")
+    if ":" in args.model:  # "llama-3-8b:fp16": the preset and its weight dtype
+        args.model, _, suffix = args.model.partition(":")
+        if suffix not in DTYPES:
+            raise UsageError(f"--model {args.model}:{suffix}: the suffix must be one of {', '.join(sorted(DTYPES))} "
+                             "(random weights of that dtype; quantised checkpoints are not trained here)")
+        if args.dtype not in (None, suffix):
+            raise UsageError(f"--model {args.model}:{suffix} contradicts --dtype {args.dtype}")
+        args.dtype = suffix
     args.dtype = args.dtype or ("bf16" if gpu else "fp32")
     args.steps = 20 if args.steps is None and gpu else 2 if args.steps is None else args.steps
     args.seq = args.seq if args.seq is not None else (2048 if gpu else 128)
@@ -125,7 +134,8 @@ def resolve_args(args):
         if name == "sdpa":
             continue
         if name not in known:
-            raise UsageError(f"--impl {name!r}: unknown; known: sdpa (stock), {', '.join(n for n in known if n != 'sdpa')}")
+            others = ", ".join(n for n in known if n != "sdpa")
+            raise UsageError(f"--impl {name!r}: unknown; known: sdpa (stock), {others}")
         why = registry.unavailable_reason(name, args.device)
         if why:
             raise UsageError(f"--impl {name!r} cannot run on {args.device}: {why}")

@@ -95,6 +95,8 @@ def test_cpu_tiny_two_steps_match_sdpa(example, capsys):
     (["--impl", "sdpa", "sdpa"], "twice"),
     (["--data", "/nonexistent/lora.txt"], "no such file"),
     (["--lr", "-1"], "--lr must be a positive number"),
+    (["--model", "tiny:awq"], "the suffix must be one of"),
+    (["--model", "tiny:fp16", "--dtype", "bf16"], "contradicts --dtype bf16"),
     (["--device", "cpu", "--model", "tiny", "--seq", "100000"], "max_position_embeddings"),
 ])
 def test_bad_arguments_exit_2_with_one_line(example, capsys, argv, message):
@@ -113,8 +115,8 @@ def test_missing_optional_dependency_names_the_extra(example, capsys, monkeypatc
         example.main(["--device", "cpu"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [f'{example.PROG}: error: datasets not installed; run: '
-                                'python -m pip install -e ".[finetune]"'], err
+    expected = f'{example.PROG}: error: datasets not installed; run: python -m pip install -e ".[finetune]"'
+    assert err.splitlines() == [expected], err
 
 
 @pytest.mark.gpu
