@@ -166,6 +166,9 @@ setup(
         # The `numba` attention entry (llm_attn/impls/numba_fa2.py) and the Thunder executor (llm_attn/thunder.py).
         "numba": ["numba-cuda>=0.30.4"],
         "thunder": ["lightning-thunder==0.2.6"],
+        # examples/finetune_lora.py (LoRA through the patch) and tests/test_finetune_lora.py. optimum: peft refuses
+        # every LoRA layer when gptqmodel (the AWQ backend) is installed without optimum >= 1.24.
+        "finetune": ["peft>=0.13", "datasets>=2.20", "optimum>=1.24"],
     },
     # Installed packages register attention implementations here (llm_attn.registry reads the group), e.g.
     #   [project.entry-points."llm_attn.attention"] mine = "my_pkg.attention:register"

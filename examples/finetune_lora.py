@@ -1,0 +1,394 @@
+"""LoRA fine-tuning through the llm_attn patch: stock sdpa and ours, same weights, same LoRA init, same batches.
+
+    python examples/finetune_lora.py                                  # CPU: tiny Llama, reference path, 2 steps
+    python examples/finetune_lora.py --model llama-3-8b --seq 2048    # GPU: Llama-3-8B-shaped model, bf16, 20 steps
+
+What it does, end to end:
+
+* reads a small local text file (examples/data/lora_notes.txt, a few KB, CC0) through the ``datasets`` library's
+  ``text`` builder (nothing is downloaded) and tokenises it byte-level (UTF-8 bytes are the token ids, so no
+  tokenizer has to be fetched); every step takes ``--batch`` windows of ``--seq`` tokens at seeded offsets;
+* builds a Llama of a preset geometry from ``llm_attn.models.llama_config`` with random weights (seeded; the
+  8B-shaped model is created directly on the GPU in ``--dtype``, 16 GB, no checkpoint on disk), attention dropout 0;
+* wraps it with peft LoRA (q/k/v/o projections, rank ``--lora-r``, LoRA dropout 0, adapters in float32 as peft
+  keeps them) and remembers the adapters' initial values;
+* for each entry of ``--impl`` (``sdpa`` = the stock attention, unpatched; any other name = ``patch_model(model,
+  impl=name)``, e.g. ``llm_attn``, ours) it restores the same initial adapters, builds a fresh AdamW and runs the
+  same batches: forward, ``loss.backward()`` (through ``llm_attn::flash_bwd`` for ours), optimizer step;
+* prints per step the step time and loss of each implementation and the relative loss difference to the first
+  one, then the median step time (steps 2..N), the max relative loss difference over the run, the gradient
+  agreement of the LoRA gradients at step 1 and at the last step (cosine similarity, and the worst tensor's
+  max |g - g_ref| / max |g_ref|), and the patch report's call counters.
+
+At step 1 peft's LoRA B matrices are zero, so every lora_A gradient is exactly zero for every implementation; the
+step-1 agreement is that of the lora_B gradients (the zero ones are checked to be zero on both sides). The
+last-step agreement covers all adapters, but also includes the drift of the weights over the earlier steps.
+
+float16 runs use a ``torch.amp.GradScaler`` (the same for every implementation); bfloat16 and float32 need none.
+
+Needs ``peft`` and ``datasets``:  python -m pip install -e ".[finetune]"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "lora_notes.txt"
+INSTALL_HINT = 'python -m pip install -e ".[finetune]"'
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+PROG = "finetune_lora.py"
+
+
+class UsageError(Exception):
+    """Bad input or a missing optional dependency: one line on stderr, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when available")
+    ap.add_argument("--model", default=None,
+                    help="llm_attn.models preset (tiny, llama-3-8b), optionally with the weight dtype as in "
+                         "load_model specs (llama-3-8b:fp16); default llama-3-8b on cuda, tiny on cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="weight dtype; default bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--impl", nargs="+", default=["sdpa", "llm_attn"],
+                    help="implementations to compare, the first is the reference; 'sdpa' = stock (unpatched), "
+                         "others = patch_model(model, impl=NAME)")
+    ap.add_argument("--backend", choices=["auto", "cuda", "reference"], default="auto",
+                    help="patch_model backend for the patched implementations")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps; default 20 on cuda, 2 on cpu")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence; default 2048 on cuda, 128 on cpu")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step")
+    ap.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate")
+    ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute each decoder layer in the backward (less activation memory)")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="UTF-8 text file (datasets 'text' builder)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    ap.add_argument("--fail-above", type=float, default=None, metavar="RTOL",
+                    help="exit 1 when the max relative loss difference exceeds RTOL")
+    return ap
+
+
+def _import_optional():
+    missing = []
+    for name in ("peft", "datasets"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise UsageError(f"{' and '.join(missing)} not installed; run: {INSTALL_HINT}")
+
+
+def resolve_args(args):
+    """Fill device-dependent defaults and check everything that can be checked before building the model."""
+    import torch
+
+    from llm_attn import registry
+    from llm_attn.models import PRESETS
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device cuda but CUDA is not available (torch {torch.__version__})")
+    gpu = args.device == "cuda"
+    args.model = args.model or ("llama-3-8b" if gpu else "tiny")
+    if ":" in args.model:  # "llama-3-8b:fp16": the preset and its weight dtype
+        args.model, _, suffix = args.model.partition(":")
+        if suffix not in DTYPES:
+            raise UsageError(f"--model {args.model}:{suffix}: the suffix must be one of {', '.join(sorted(DTYPES))} "
+                             "(random weights of that dtype; quantised checkpoints are not trained here)")
+        if args.dtype not in (None, suffix):
+            raise UsageError(f"--model {args.model}:{suffix} contradicts --dtype {args.dtype}")
+        args.dtype = suffix
+    args.dtype = args.dtype or ("bf16" if gpu else "fp32")
+    args.steps = 20 if args.steps is None and gpu else 2 if args.steps is None else args.steps
+    args.seq = args.seq if args.seq is not None else (2048 if gpu else 128)
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model!r}: unknown preset; known: {', '.join(sorted(PRESETS))}")
+    for name, value, low in (("--steps", args.steps, 1), ("--seq", args.seq, 2), ("--batch", args.batch, 1),
+                             ("--lora-r", args.lora_r, 1)):
+        if value < low:
+            raise UsageError(f"{name} must be >= {low}, got {value}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    limit = PRESETS[args.model].max_position_embeddings
+    if args.seq > limit:
+        raise UsageError(f"--seq {args.seq} exceeds the {args.model} preset's max_position_embeddings ({limit})")
+    if len(set(args.impl)) != len(args.impl):
+        raise UsageError(f"--impl lists an implementation twice: {' '.join(args.impl)}")
+    known = registry.names()
+    for name in args.impl:
+        if name == "sdpa":
+            continue
+        if name not in known:
+            others = ", ".join(n for n in known if n != "sdpa")
+            raise UsageError(f"--impl {name!r}: unknown; known: sdpa (stock), {others}")
+        why = registry.unavailable_reason(name, args.device)
+        if why:
+            raise UsageError(f"--impl {name!r} cannot run on {args.device}: {why}")
+    if not args.data.is_file():
+        raise UsageError(f"--data {args.data}: no such file")
+    if args.fail_above is not None and not args.fail_above >= 0:
+        raise UsageError(f"--fail-above must be >= 0, got {args.fail_above}")
+    return args
+
+
+# -- data -------------------------------------------------------------------------------------------------------------
+
+def load_token_stream(path: Path):
+    """The file through datasets' local 'text' builder (one row per paragraph), as UTF-8 byte ids."""
+    import torch
+    from datasets import load_dataset
+
+    with tempfile.TemporaryDirectory(prefix="llm_attn_lora_ds_") as cache:
+        ds = load_dataset("text", data_files={"train": str(path)}, sample_by="paragraph", split="train",
+                          cache_dir=cache)
+        paragraphs = [row["text"].strip() for row in ds]
+    text = "\n\n".join(p for p in paragraphs if p)
+    if not text:
+        raise UsageError(f"--data {path}: no text")
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long), len(paragraphs)
+
+
+def make_batches(stream, steps: int, batch: int, seq: int, seed: int):
+    """``steps`` tensors of (batch, seq) windows of the stream at seeded offsets (the stream repeats as needed)."""
+    import torch
+
+    reps = -(-(seq + 1) // stream.numel()) + 1
+    stream = stream.repeat(reps)
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - seq + 1, (steps, batch), generator=gen)
+    return [torch.stack([stream[s:s + seq] for s in row.tolist()]) for row in starts]
+
+
+# -- model ------------------------------------------------------------------------------------------------------------
+
+def build_lora_model(args):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llm_attn.models import llama_config
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    cfg = llama_config(args.model, attention_dropout=0.0)
+    torch.manual_seed(args.seed)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.requires_grad_(False)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                      task_type="CAUSAL_LM")
+    torch.manual_seed(args.seed + 1)
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ImportError as e:  # e.g. peft with gptqmodel installed but not optimum
+        raise UsageError(f"peft cannot build LoRA layers here: {str(e).splitlines()[0]} (run: {INSTALL_HINT})") from e
+    peft_model.train()
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    init = {n: p.detach().clone() for n, p in trainable.items()}
+    return peft_model, model, trainable, init
+
+
+def _sync(device: str):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_impl(impl: str, args, peft_model, base, trainable, init, batches):
+    """Train from the initial adapters on ``batches`` with ``impl``; returns per-step times/losses and grads."""
+    import torch
+
+    from llm_attn.patches import patch_model, unpatch_model
+
+    with torch.no_grad():
+        for n, p in trainable.items():
+            p.copy_(init[n])
+            p.grad = None
+    fp16 = args.dtype == "fp16"
+    opt = torch.optim.AdamW(list(trainable.values()), lr=args.lr, weight_decay=0.0)
+    scaler = torch.amp.GradScaler(args.device, init_scale=2.0**12, enabled=fp16)
+    report = None
+    if impl != "sdpa":
+        report = patch_model(base, impl=impl, on_unsupported="error", backend=args.backend)
+    times, losses, skipped, grads = [], [], [], {}
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        for step, ids in enumerate(batches, 1):
+            ids = ids.to(args.device)
+            _sync(args.device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = peft_model(input_ids=ids, labels=ids).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scale_before = scaler.get_scale() if fp16 else None
+            scaler.step(opt)
+            scaler.update()
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+            if fp16 and scaler.get_scale() < scale_before:
+                skipped.append(step)  # inf/nan gradients: GradScaler skipped the update and lowered the scale
+            if step in (1, len(batches)):
+                grads[step] = {n: p.grad.detach().float().clone() for n, p in trainable.items()}
+    finally:
+        if impl != "sdpa":
+            unpatch_model(base)
+    out = {"impl": impl, "step_s": times, "loss": losses, "skipped_steps": skipped}
+    if args.device == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if report is not None:
+        out["native_calls"] = dict(report.native_calls)
+        out["fallback_calls"] = {str(k): v for k, v in report.fallback_calls.items()}
+    return out, grads
+
+
+def grad_agreement(got: dict, ref: dict) -> dict:
+    """Cosine similarity over all LoRA gradients, and the worst tensor's max|g - g_ref| / max|g_ref|."""
+    import torch
+
+    dot = na = nb = 0.0
+    worst, worst_name, zero_both = 0.0, None, 0
+    for name, r in ref.items():
+        g = got[name]
+        dot += float((g.double() * r.double()).sum())
+        na += float(g.double().square().sum())
+        nb += float(r.double().square().sum())
+        scale = float(r.abs().max())
+        diff = float((g - r).abs().max())
+        if scale == 0.0 and diff == 0.0:
+            zero_both += 1
+            continue
+        rel = diff / scale if scale > 0 and math.isfinite(diff) else math.inf  # NaN/inf never looks close
+        if worst_name is None or rel > worst:
+            worst, worst_name = rel, name
+    cos = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else math.nan
+    if any(not bool(torch.isfinite(g).all()) for g in got.values()):
+        cos = math.nan
+    return {"cosine": cos, "max_rel_diff": worst, "worst_tensor": worst_name, "tensors": len(ref),
+            "zero_on_both": zero_both}
+
+
+# -- main -------------------------------------------------------------------------------------------------------------
+
+def train_and_compare(args) -> dict:
+    import torch
+    from tabulate import tabulate
+
+    stream, n_par = load_token_stream(args.data)
+    batches = make_batches(stream, args.steps, args.batch, args.seq, args.seed)
+    peft_model, base, trainable, init = build_lora_model(args)
+    n_lora = sum(p.numel() for p in trainable.values())
+    n_all = sum(p.numel() for p in peft_model.parameters())
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"model {args.model} ({n_all / 1e6:.1f}M params, {args.dtype}, random weights) on {dev_name}; "
+          f"LoRA r={args.lora_r} on {'/'.join(LORA_TARGETS)}: {n_lora / 1e6:.2f}M trainable; "
+          f"data {args.data.name}: {n_par} paragraphs, {stream.numel()} byte tokens; "
+          f"{args.steps} steps x batch {args.batch} x seq {args.seq}"
+          f"{'; gradient checkpointing' if args.gradient_checkpointing else ''}", flush=True)
+
+    runs, grads = [], []
+    for impl in args.impl:
+        try:
+            res, g = run_impl(impl, args, peft_model, base, trainable, init, batches)
+        except NotImplementedError as e:  # e.g. the backward kernel is not in the NVRTC backend
+            raise UsageError(f"--impl {impl}: {e}") from e
+        runs.append(res)
+        grads.append(g)
+        print(f"  {impl}: done, median step {_median_ms(res):.1f} ms", flush=True)
+
+    ref = runs[0]
+    rows = []
+    for i in range(args.steps):
+        row = [i + 1]
+        for r in runs:
+            row += [r["step_s"][i] * 1e3, r["loss"][i]]
+        row += [abs(r["loss"][i] - ref["loss"][i]) / abs(ref["loss"][i]) for r in runs[1:]]
+        rows.append(row)
+    headers = ["step"] + [h for r in runs for h in (f"{r['impl']} ms", f"{r['impl']} loss")]
+    headers += [f"rel diff {r['impl']}" for r in runs[1:]]
+    print(tabulate(rows, headers=headers, floatfmt=("d",) + (".1f", ".6f") * len(runs) + (".2e",) * (len(runs) - 1)))
+
+    summary = []
+    last = args.steps
+    for r, g in zip(runs, grads):
+        rdiffs = [abs(a - b) / abs(b) for a, b in zip(r["loss"], ref["loss"])]
+        r["max_rel_loss_diff"] = max(rdiffs)
+        r["median_step_ms"] = _median_ms(r)
+        r["grad_step1"] = grad_agreement(g[1], grads[0][1])
+        r["grad_last"] = grad_agreement(g[last], grads[0][last])
+        summary.append([
+            r["impl"], r["median_step_ms"], r["median_step_ms"] / ref["median_step_ms"], r["max_rel_loss_diff"],
+            r["grad_step1"]["cosine"], r["grad_step1"]["max_rel_diff"],
+            r["grad_last"]["cosine"], r["grad_last"]["max_rel_diff"],
+            f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-",
+            _calls(r), ",".join(map(str, r["skipped_steps"])) or "-"])
+    print()
+    print(tabulate(summary, floatfmt=("", ".1f", ".3f", ".2e", ".6f", ".2e", ".6f", ".2e"), headers=[
+        "impl", "median step ms", f"x {ref['impl']}", "max rel loss diff", "grad cos step 1",
+        "grad max rel step 1", f"grad cos step {last}", f"grad max rel step {last}", "peak GiB", "attention calls",
+        "skipped steps"]))
+    print(f"(reference: {ref['impl']}; median over steps 2..{args.steps} when there are 2 or more; gradients are the "
+          f"LoRA gradients after unscaling; at step 1 lora_A gradients are 0 for every implementation because "
+          f"lora_B starts at 0)")
+    result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "device": dev_name, "torch": torch.__version__, "runs": runs}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def _median_ms(r) -> float:
+    t = r["step_s"][1:] if len(r["step_s"]) > 1 else r["step_s"]
+    return statistics.median(t) * 1e3
+
+
+def _calls(r) -> str:
+    if "native_calls" not in r:
+        return "stock"
+    native = ", ".join(f"{k} {v}" for k, v in r["native_calls"].items()) or "none"
+    fallback = sum(r["fallback_calls"].values())
+    return f"{native}; fallback {fallback}"
+
+
+def main(argv=None) -> dict:
+    """Run the example; returns the results dict (raises SystemExit(2) on bad input or missing dependencies)."""
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local file only: never reach the Hub
+    try:
+        _import_optional()
+        resolve_args(args)
+        result = train_and_compare(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.fail_above is not None:
+        worst = max(r["max_rel_loss_diff"] for r in result["runs"])
+        if not worst <= args.fail_above:
+            print(f"{PROG}: max relative loss difference {worst:.3e} exceeds --fail-above {args.fail_above}",
+                  file=sys.stderr)
+            raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
