@@ -38,6 +38,7 @@ from tabulate import tabulate
 
 from llm_attn import registry
 from llm_attn.envinfo import environment
+from llm_attn.harness.cli_args import add_plugin_argument, load_plugins
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", "flash", "cudnn", "efficient", "math"]
@@ -208,8 +209,6 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
 
 
 def main(argv=None):
-    from llm_attn.ttft import add_plugin_argument, load_plugins  # noqa: PLC0415
-
     load_plugins(argv, "python -m llm_attn.bench")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,4 +12,7 @@ Modules, one job each:
 - ``measure``  — TTFT, decode (``generate`` and static-cache/CUDA-graph) and correctness measurements.
 - ``breakdown``— one prefill under torch.profiler: attention / GEMM / quantised weights / other / idle.
 - ``sweep``    — runs a grid of points through ``measure``, writing one row per measurement, and the summary table.
+- ``session``  — one measurement session: defaults, checks, loading the model, running a sweep, summarising rows.
+- ``experiments`` — experiment definitions (TOML) and where their results go.
+- ``cli_args`` — argparse pieces the command lines share (number types, --plugin).
 """
