@@ -60,7 +60,7 @@ def make_fn(impl: str, q, k, v, causal: bool):
     if impl == "ours":
         from llm_attn import flash_attn_func
 
-        return (lambda: flash_attn_func(q, k, v, causal=causal, backend="cuda")), ""
+        return (lambda: flash_attn_func(q, k, v, causal=causal, path="kernel")), ""
     if impl.startswith("ours-"):  # ours with one prefill tile forced (kernel tuning); set for each call/capture
         from llm_attn import flash_attn_func
         from llm_attn.ops import force_tile
@@ -69,7 +69,7 @@ def make_fn(impl: str, q, k, v, causal: bool):
 
         def forced():
             with force_tile(tile):
-                return flash_attn_func(q, k, v, causal=causal, backend="cuda")
+                return flash_attn_func(q, k, v, causal=causal, path="kernel")
 
         return forced, f"tile {tile}"
     from torch.nn.attention import sdpa_kernel
