@@ -19,7 +19,7 @@ import contextlib
 import torch
 
 from llm_attn import reference
-from llm_attn._ext import get_ext, kernel_backend
+from llm_attn._ext import get_ext, kernel_build
 from llm_attn.kernel_contract import aligned16 as _aligned16
 
 
@@ -56,7 +56,7 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
     ext = get_ext()
     if not hasattr(ext, "mha_bwd"):
         raise NotImplementedError(
-            f"the backward kernel is in the compiled extension only; the {kernel_backend()} backend runs the forward "
+            f"the backward kernel is in the compiled extension only; the {kernel_build()} build runs the forward "
             "pass. Build the extension (README, 'Building the kernel') or use path='reference'.")
     ext.mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k, float(scale),
                 bool(causal))

@@ -6,8 +6,8 @@
 
 A definition names a sweep over models, dtypes, implementations, batch sizes and prompt lengths (the keys are
 those of ``ExperimentDef`` in llm_attn/harness/experiments.py and of the ``SweepParams`` it shares with
-``llm_attn.ttft``; see experiments/default.toml). ``plugins = ["my_kernel.py"]`` (or ``--plugin``) brings implementations from outside
-the repository; ``measurements = [..., "breakdown"]`` adds the profiled prefill split. Results go to
+``llm_attn.ttft``; see experiments/default.toml). ``plugins = ["my_kernel.py"]`` (or ``--plugin``) brings
+implementations from outside the repository; ``measurements = [..., "breakdown"]`` adds the profiled prefill split. Results go to
 ``<results-dir>/<device-slug>/<name>.jsonl``, where the device slug comes from the GPU name ("h100-80gb-hbm3",
 "rtx-4060-ti", "cpu"), one row per measurement in the format of ``python -m llm_attn.ttft``. Running the same
 command again resumes: points that already have a row (measured, or out of memory) are skipped, so an

@@ -87,7 +87,7 @@ def executor():
     from thunder.core.proxies import TensorProxy  # noqa: PLC0415
     from thunder.extend import OperatorExecutor, register_executor  # noqa: PLC0415
 
-    from llm_attn import __version__  # noqa: PLC0415
+    from llm_attn._version import __version__  # noqa: PLC0415
     from llm_attn.ops import flash_attn_func  # noqa: PLC0415
 
     ex = OperatorExecutor("llm_attn", version=__version__)

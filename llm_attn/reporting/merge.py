@@ -9,10 +9,12 @@ from pathlib import Path
 from llm_attn.harness import flops
 from llm_attn.harness.devices import Device, find_device
 from llm_attn.harness.results import (
+    READABLE_SCHEMAS,
     SCHEMA,
     iter_rows,
     point_key,
     result_files,
+    upgrade_row,
     validate_row,
 )
 
@@ -48,9 +50,10 @@ def load_rows(paths: list[str | Path], experiment: str | None = None) -> tuple[l
     for f in result_files(paths):
         bad = foreign = 0
         for row in iter_rows(f):
-            if row.get("schema") != SCHEMA:
+            if row.get("schema") not in READABLE_SCHEMAS:
                 foreign += 1
                 continue
+            row = upgrade_row(row)  # older schemas read in today's words
             try:
                 validate_row(row)
             except ValueError:

@@ -129,11 +129,11 @@ def env_md(m: Merged) -> str:
         entry = m.entry[d]
         lines.append([d, m.device_name[d], env.get("compute_capability", ""), env.get("sms", ""),
                       env.get("driver", "") or "", env.get("cuda_runtime", "") or "", env.get("torch", ""),
-                      env.get("transformers", ""), model.get("awq_backend") or "",
+                      env.get("transformers", ""), env.get("kernel_build") or "", model.get("awq_backend") or "",
                       (env.get("git_sha") or env.get("llm_attn_git") or "")[:12], len(m.device_rows[d]),
                       entry.name if entry else "not in table"])
     return tabulate(lines, headers=["device", "GPU", "CC", "SMs", "driver", "CUDA", "torch", "transformers",
-                                    "AWQ backend", "git", "rows", "datasheet entry"], tablefmt="github",
+                                    "kernel build", "AWQ backend", "git", "rows", "datasheet entry"], tablefmt="github",
                     disable_numparse=True)
 
 
