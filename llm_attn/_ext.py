@@ -20,7 +20,7 @@ BUILD_HELP = (
     "  - compiled at install (needs nvcc): pip install --no-build-isolation -e .   (or: python setup.py build_ext "
     "--inplace), with LLM_ATTN_CUDA_ARCHS e.g. 8.9 for an RTX 4060 Ti, 8.7 for Jetson Orin, 9.0 for H100 "
     "(default: 8.0;8.6;8.7;8.9;9.0).\n"
-    "See README.md, 'Building the kernel'. Without either, flash_attn_func(..., backend='reference') runs the "
+    "See README.md, 'Building the kernel'. Without either, flash_attn_func(..., path='reference') runs the "
     "pure-PyTorch path."
 )
 
