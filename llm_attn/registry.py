@@ -206,7 +206,10 @@ def _loading(source: dict) -> Iterator[None]:
 def _caller_source(fn) -> dict:
     if _current_source:
         return dict(_current_source[-1])
-    return {"kind": "api", "module": getattr(fn, "__module__", None)}
+    module = getattr(fn, "__module__", None)
+    if module in _BUILTIN_MODULES:  # a built-in module imported directly (e.g. llm_attn.impls.flash_kernel) first
+        return {"kind": "built-in", "module": module}
+    return {"kind": "api", "module": module}
 
 
 def _reference_entry() -> AttentionImpl | None:
@@ -286,6 +289,14 @@ def _load_builtins() -> None:
     for mod in _BUILTIN_MODULES:
         with _loading({"kind": "built-in", "module": mod}):
             importlib.import_module(mod)
+    # Built-ins first, in their modules' order, whichever was imported first (a caller may import
+    # llm_attn.impls.flash_kernel directly before the registry is used); then the others as registered.
+    order = {m: i for i, m in enumerate(_BUILTIN_MODULES)}
+    builtin = sorted((e for e in _REGISTRY.values() if e.source.get("kind") == "built-in"),
+                     key=lambda e: order.get(e.source.get("module"), len(order)))
+    rest = [e for e in _REGISTRY.values() if e.source.get("kind") != "built-in"]
+    _REGISTRY.clear()
+    _REGISTRY.update((e.name, e) for e in builtin + rest)
 
 
 def load_entry_points() -> None:
