@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -141,9 +141,11 @@ setup(
     description="A from-scratch FlashAttention CUDA kernel, a patch registry for Hugging Face LLMs, and a "
                 "TTFT/decode harness",
     python_requires=">=3.10",
-    packages=["llm_attn", "llm_attn.harness", "llm_attn.patches"],
-    # The patch registry lives in patches/ (design card) but installs as llm_attn.patches, never as a top-level
-    # `patches` module.
+    # Every subpackage of llm_attn/ (impls, harness, models, reporting, ...: a hand-written list once left impls out
+    # of regular installs). The patch registry lives in patches/ (design card) but installs as llm_attn.patches, never
+    # as a top-level `patches` module; llm_attn/patches, a development symlink to it, is excluded here.
+    packages=[*find_packages(include=["llm_attn", "llm_attn.*"], exclude=["llm_attn.patches", "llm_attn.patches.*"]),
+              "llm_attn.patches"],
     package_dir={"llm_attn": "llm_attn", "llm_attn.patches": "patches"},
     install_requires=[
         "torch>=2.4",

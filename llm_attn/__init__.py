@@ -5,12 +5,11 @@ time-to-first-token and decode speed.
 Importing this package never needs the compiled extension; the CUDA kernel is loaded on first use.
 """
 
-from llm_attn._ext import KernelNotBuiltError, kernel_available, kernel_backend
+from llm_attn._ext import KernelNotBuiltError, kernel_available, kernel_backend, kernel_build
+from llm_attn._version import __version__  # noqa: F401
 from llm_attn.ops import flash_attn_func
 from llm_attn.reference import attention_naive, attention_tiled
 from llm_attn.registry import AttentionImpl, load_plugin, register_attention
-
-__version__ = "0.1.0"
 
 _PATCH_API = ("patch_model", "unpatch_model", "patched")
 
@@ -32,6 +31,7 @@ __all__ = [
     "kernel_available",
     "load_plugin",
     "kernel_backend",
+    "kernel_build",
     "patch_model",
     "patched",
     "register_attention",

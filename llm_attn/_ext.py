@@ -1,6 +1,8 @@
-"""Chooses the kernel backend: the compiled extension ``llm_attn._C`` ("aot") when it imports, otherwise the
-runtime-compiled NVRTC backend ("nvrtc", ``llm_attn._nvrtc``); ``LLM_ATTN_BACKEND=aot|nvrtc`` forces one. Both
-expose the same functions (``mha_fwd``, ``num_splits``, ``set_tile``), so the op does not care which runs.
+"""Chooses the kernel build: the compiled extension ``llm_attn._C`` ("aot") when it imports, otherwise the
+runtime-compiled NVRTC launcher ("nvrtc", ``llm_attn._nvrtc``); ``LLM_ATTN_BUILD=aot|nvrtc`` (or its older name
+``LLM_ATTN_BACKEND``) forces one. Both expose the same functions (``mha_fwd``, ``num_splits``, ``set_tile``), so the
+op does not care which runs. Words: the *build* is how the kernel was compiled (this module); the *path* is whether
+the kernel or the reference runs (``flash_attn_func(path=...)``); a *variant* is what the registry counts.
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 import functools
 import os
 
-BACKENDS = ("aot", "nvrtc")
+BUILDS = ("aot", "nvrtc")
+BACKENDS = BUILDS  # the old name
 
 BUILD_HELP = (
     "The llm_attn CUDA kernel is not available. Either backend works:\n"
@@ -17,7 +20,7 @@ BUILD_HELP = (
     "  - compiled at install (needs nvcc): pip install --no-build-isolation -e .   (or: python setup.py build_ext "
     "--inplace), with LLM_ATTN_CUDA_ARCHS e.g. 8.9 for an RTX 4060 Ti, 8.7 for Jetson Orin, 9.0 for H100 "
     "(default: 8.0;8.6;8.7;8.9;9.0).\n"
-    "See README.md, 'Building the kernel'. Without either, flash_attn_func(..., backend='reference') runs the "
+    "See README.md, 'Building the kernel'. Without either, flash_attn_func(..., path='reference') runs the "
     "pure-PyTorch path."
 )
 
@@ -49,9 +52,10 @@ _forced: str | None = None  # set_backend(); the environment variable otherwise
 
 
 def _requested() -> str:
-    name = _forced or os.environ.get("LLM_ATTN_BACKEND", "").strip().lower() or "auto"
-    if name not in ("auto", *BACKENDS):
-        raise ValueError(f"LLM_ATTN_BACKEND must be 'aot', 'nvrtc' or unset, got {name!r}")
+    var = "LLM_ATTN_BUILD" if os.environ.get("LLM_ATTN_BUILD", "").strip() else "LLM_ATTN_BACKEND"
+    name = _forced or os.environ.get(var, "").strip().lower() or "auto"
+    if name not in ("auto", *BUILDS):
+        raise ValueError(f"{var} must be 'aot', 'nvrtc' or unset, got {name!r}")
     return name
 
 
@@ -65,8 +69,8 @@ def set_backend(name: str | None) -> str | None:
     return prev
 
 
-def kernel_backend() -> str | None:
-    """The backend the kernel runs on: 'aot', 'nvrtc', or None where neither is available."""
+def kernel_build() -> str | None:
+    """How the kernel that runs was built: 'aot', 'nvrtc', or None where neither is available."""
     req = _requested()
     for name in BACKENDS if req == "auto" else (req,):
         if _load(name)[0] is not None:
@@ -81,12 +85,15 @@ def backend_status() -> dict[str, str]:
 
 def kernel_available() -> bool:
     """True when a kernel backend can run here."""
-    return kernel_backend() is not None
+    return kernel_build() is not None
+
+
+kernel_backend = kernel_build  # the old name, kept: users call it
 
 
 def get_ext():
     """The backend's module (the extension, or llm_attn._nvrtc), or a KernelNotBuiltError that says what to do."""
-    name = kernel_backend()
+    name = kernel_build()
     if name is not None:
         return _load(name)[0]
     why = "; ".join(f"{n}: {msg}" for n, msg in backend_status().items() if _requested() in ("auto", n))

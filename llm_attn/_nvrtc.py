@@ -23,7 +23,6 @@ import ctypes
 import functools
 import hashlib
 import json
-import math
 import os
 import re
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from llm_attn import _plan
+from llm_attn import _plan, kernel_contract
 
 CACHE_FORMAT = 1
 # NVRTC has no C++ standard library: flash.h and ptx.cuh include <cstdint>, which this in-memory header provides
@@ -409,69 +408,15 @@ def _fail(*parts) -> None:
     raise RuntimeError("llm_attn.mha_fwd: " + "".join(str(p) for p in parts))
 
 
-def _shape(t) -> str:
-    return "[" + ", ".join(str(x) for x in t) + "]"
-
-
-def _check_operand(t: torch.Tensor, name: str, q: torch.Tensor) -> None:
-    if not t.is_cuda:
-        _fail(name, " must be a CUDA tensor")
-    if t.device != q.device:
-        _fail(name, " is on ", t.device, " but q is on ", q.device)
-    if t.dtype != q.dtype:
-        _fail(name, " dtype ", t.dtype, " != q dtype ", q.dtype)
-    if t.dim() != 4:
-        _fail(name, " must be 4-D (batch, heads, seq, head_dim), got ", t.dim(), "-D")
-    st = t.stride()
-    if st[3] != 1:
-        _fail(name, " must be contiguous in head_dim")
-    for d in range(3):
-        if st[d] % 8 and t.shape[d] != 1:
-            _fail(name, " strides must be multiples of 8 elements (16 bytes), got ", _shape(st))
-    if t.data_ptr() % 16:
-        _fail(name, " must be 16-byte aligned")
-
-
 def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
             seqused_k: torch.Tensor | None, scale: float, causal: bool) -> None:
-    """FlashAttention forward into preallocated out/lse: kernels/binding.cpp's mha_fwd, same checks."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        _fail("only float16 and bfloat16 are supported, got ", q.dtype)
-    for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")):
-        _check_operand(t, name, q)
+    """FlashAttention forward into preallocated out/lse: kernels/binding.cpp's mha_fwd, with the same checks
+    (llm_attn.kernel_contract.launcher_problem states them once)."""
+    problem = kernel_contract.launcher_problem(q, k, v, out, lse, seqused_k, scale, causal)
+    if problem:
+        _fail(problem)
     batch, num_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    if head_dim not in (64, 128):
-        _fail("head_dim must be 64 or 128, got ", head_dim)
-    if k.shape != v.shape:
-        _fail("k ", _shape(k.shape), " and v ", _shape(v.shape), " must have the same shape")
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        _fail("k/v ", _shape(k.shape), " do not match q ", _shape(q.shape))
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        _fail("query heads (", num_heads, ") must be a multiple of kv heads (", num_kv_heads, ")")
-    if min(batch, num_heads, seqlen_q, seqlen_k) <= 0:
-        _fail("empty input: q ", _shape(q.shape), ", k ", _shape(k.shape))
-    if seqlen_q >= 1 << 30 or seqlen_k >= 1 << 30:
-        _fail("sequence too long")
-    if num_heads > 65535 or batch > 65535:
-        _fail("at most 65535 heads and batch 65535, got ", num_heads, " and ", batch)
-    if causal and seqlen_q > 65535 * 64:
-        _fail("causal q_len must be <= ", 65535 * 64, ", got ", seqlen_q)
-    if out.shape != q.shape:
-        _fail("out ", _shape(out.shape), " must match q ", _shape(q.shape))
-    if not (lse.is_cuda and lse.device == q.device and lse.dtype == torch.float32 and lse.is_contiguous()
-            and tuple(lse.shape) == (batch, num_heads, seqlen_q)):
-        _fail("lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device")
-    if not math.isfinite(scale):
-        _fail("scale must be finite")
-    if scale < 0:  # binding.cpp formats the number with %g
-        _fail("scale must be >= 0 (the kernels' online softmax takes each row's max before scaling), got ",
-              f"{scale:g}")
-    if seqused_k is not None and not (seqused_k.is_cuda and seqused_k.device == q.device):
-        _fail("seqused_k must be on q's device")
-    if seqused_k is not None and not (seqused_k.dtype == torch.int32 and seqused_k.dim() == 1
-                                      and seqused_k.shape[0] == batch and seqused_k.is_contiguous()):
-        _fail("seqused_k must be a contiguous int32 tensor of shape (batch,)")
 
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     is_bf16 = q.dtype == torch.bfloat16

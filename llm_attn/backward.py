@@ -9,7 +9,7 @@ given) and calls ``llm_attn::flash_bwd``, which recomputes the attention probabi
   reference path stays differentiable on CPU.
 
 Both ops have fake implementations, so ``torch.compile`` traces forward and backward without graph breaks.
-Imported by ``llm_attn.ops`` (registration is a side effect of the import).
+``llm_attn.ops`` imports it and calls ``register_autograd`` on its forward op.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import contextlib
 import torch
 
 from llm_attn import reference
-from llm_attn._ext import get_ext, kernel_backend
-from llm_attn.ops import _aligned16, _flash_fwd
+from llm_attn._ext import get_ext, kernel_build
+from llm_attn.kernel_contract import aligned16 as _aligned16
 
 
 def _kernel_ready(t: torch.Tensor) -> bool:
@@ -56,8 +56,8 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
     ext = get_ext()
     if not hasattr(ext, "mha_bwd"):
         raise NotImplementedError(
-            f"the backward kernel is in the compiled extension only; the {kernel_backend()} backend runs the forward "
-            "pass. Build the extension (README, 'Building the kernel') or use backend='reference'.")
+            f"the backward kernel is in the compiled extension only; the {kernel_build()} build runs the forward "
+            "pass. Build the extension (README, 'Building the kernel') or use path='reference'.")
     ext.mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k, float(scale),
                 bool(causal))
     for g, w in zip(grads, work):
@@ -87,7 +87,10 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None
 
 
-torch.library.register_autograd("llm_attn::flash_fwd", _backward, setup_context=_setup_context)
+def register_autograd(flash_fwd) -> None:
+    """Make the forward op ``flash_fwd`` (``llm_attn.ops._flash_fwd``) differentiable; ``llm_attn.ops`` calls this
+    once it has defined the op (this module does not import ``llm_attn.ops``: imports go one way)."""
+    torch.library.register_autograd(flash_fwd, _backward, setup_context=_setup_context)
 
 
 @contextlib.contextmanager

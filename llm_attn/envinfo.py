@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from llm_attn._ext import kernel_backend
+from llm_attn._ext import kernel_available, kernel_build
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPO = REPO_ROOT  # older name
@@ -94,7 +94,7 @@ def environment() -> dict:
         "triton": _version("triton"),
         "numba_cuda": _version("numba-cuda"),
         "llm_attn_git": git_sha(),
-        "kernel_backend": kernel_backend(),  # 'aot', 'nvrtc' or None (no kernel)
+        "kernel_build": kernel_build(),  # 'aot', 'nvrtc' or None (no kernel); 'kernel_backend' in schema 1 rows
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -111,8 +111,6 @@ def capture_env(device: str) -> dict:
     """Everything needed to judge or reproduce a TTFT row: ``environment()`` plus the device the run used and its
     slug, the full SHA, more library versions and whether our kernel is built. Cached per device: it does not
     change during a run, and nvidia-smi costs a subprocess."""
-    from llm_attn import kernel_available  # noqa: PLC0415 (keeps this module importable on its own)
-
     dev = torch.device(device)
     env = dict(environment())
     env.update({

@@ -1,87 +1,34 @@
-"""The public attention op: validation, the ``torch.library`` registration, and dispatch kernel/reference."""
+"""The public attention op: the ``torch.library`` registration and dispatch kernel/reference. What the kernel
+accepts is checked by ``llm_attn.kernel_contract``; the backward is ``llm_attn.backward``."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Literal
 
 import torch
 
-from llm_attn import reference
+from llm_attn import backward, reference
 from llm_attn._ext import get_ext
 
-KERNEL_HEAD_DIMS = (64, 128)
-KERNEL_MAX_CAUSAL_Q_LEN = 65535 * 64
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-Backend = Literal["auto", "cuda", "reference"]
+# The contract's names, re-exported for callers of llm_attn.ops.
+from llm_attn.kernel_contract import (  # noqa: E402,F401
+    KERNEL_DTYPES,
+    KERNEL_HEAD_DIMS,
+    KERNEL_MAX_CAUSAL_Q_LEN,
+    REFERENCE_DTYPES,
+    aligned16,
+    check_inputs,
+)
+
+Path = Literal["auto", "kernel", "reference"]
+Backend = Literal["auto", "cuda", "reference"]  # the old keyword's values (deprecated)
+_OLD_BACKEND = {"auto": "auto", "cuda": "kernel", "reference": "reference"}
 
 
-def _check_inputs(q, k, v, causal, scale, seqused_k, backend) -> bool:
-    """Validate; return True when the CUDA kernel will run. Every message names the argument and the fix."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-        if t.numel() == 0:
-            raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): every dim must be > 0")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {t.stride()}; "
-                             f"call .contiguous() first")
-    if backend not in ("auto", "cuda", "reference"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    b, hq, sq, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != b:
-        raise ValueError(f"batch mismatch: q has {b}, k/v have {k.shape[0]}")
-    if k.shape[3] != d:
-        raise ValueError(f"head_dim mismatch: q has {d}, k/v have {k.shape[3]}")
-    hkv = k.shape[1]
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if seqused_k is not None:
-        if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (b,):
-            raise ValueError(f"seqused_k must be an int32 tensor of shape ({b},), got "
-                             f"{getattr(seqused_k, 'dtype', type(seqused_k))} {tuple(getattr(seqused_k, 'shape', ()))}")
-        if seqused_k.device != q.device:
-            raise ValueError(f"seqused_k must be on {q.device}, got {seqused_k.device}")
-
-    use_kernel = backend == "cuda" or (backend == "auto" and q.is_cuda)
-    if use_kernel:
-        if not q.is_cuda:
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got {q.device}; use backend='reference' on CPU")
-        if q.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"the CUDA kernel takes float16 or bfloat16, got {q.dtype}")
-        if d not in KERNEL_HEAD_DIMS:
-            raise ValueError(f"the CUDA kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}")
-        if scale is not None and scale < 0:
-            raise ValueError(f"the CUDA kernel takes a scale >= 0 (its online softmax takes each row's max before "
-                             f"scaling), got {scale}; use backend='reference' for a negative scale")
-        if hq > 65535 or b > 65535:
-            raise ValueError(f"the CUDA kernel takes at most 65535 heads and batch 65535, got {hq} and {b}")
-        if causal and sq > KERNEL_MAX_CAUSAL_Q_LEN:
-            raise ValueError(f"causal q_len must be <= {KERNEL_MAX_CAUSAL_Q_LEN} for the CUDA kernel (its grid holds "
-                             f"one 64-row block per y index), got {sq}; split the queries into chunks")
-        if not torch.compiler.is_compiling():  # traced code must not look up the backend (the op's body does)
-            get_ext()  # raises KernelNotBuiltError with build instructions
-    elif q.dtype not in REFERENCE_DTYPES:
-        raise TypeError(f"unsupported dtype {q.dtype}; use one of {REFERENCE_DTYPES}")
-    return use_kernel
-
-
-def _aligned16(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and all(st % 8 == 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3]))
+_aligned16 = aligned16
 
 
 def _empty_outputs(q: torch.Tensor):
@@ -124,9 +71,12 @@ def _flash_fwd_fake(q, k, v, seqused_k, scale, causal, use_kernel):
     return _empty_outputs(q)
 
 
+backward.register_autograd(_flash_fwd)  # its backward: the llm_attn::flash_bwd op of llm_attn.backward
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, return_lse: bool = False,
-                    seqused_k: torch.Tensor | None = None, backend: Backend = "auto"):
+                    seqused_k: torch.Tensor | None = None, path: Path = "auto", *, backend: Backend | None = None):
     """FlashAttention forward.
 
     Args:
@@ -142,13 +92,27 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
            ``-inf`` for a row that sees no key (its output is 0).
         seqused_k: optional int32 (batch,) tensor: batch ``b`` uses only its first ``seqused_k[b]`` keys (a static
            KV cache with unused slots). Read on the device: no host synchronisation.
-        backend: 'auto' (the CUDA kernel for CUDA tensors, the PyTorch reference otherwise), 'cuda', 'reference'.
+        path: what runs: 'auto' (the CUDA kernel for CUDA tensors, the PyTorch reference otherwise), 'kernel'
+           (the CUDA kernel, or an error that says why not) or 'reference'. How the kernel was built (aot or nvrtc)
+           is ``llm_attn.kernel_build()``'s business, not this argument's.
+        backend: the old name of ``path`` ('auto', 'cuda' = 'kernel', 'reference'); deprecated, still honoured.
 
     Returns:
         out (batch, num_heads, q_len, head_dim) in q's dtype (stored as (batch, q_len, num_heads, head_dim), so
         ``out.transpose(1, 2)`` is contiguous), and ``lse`` if ``return_lse``.
     """
-    use_kernel = _check_inputs(q, k, v, causal, scale, seqused_k, backend)
+    if backend is not None:
+        warnings.warn("flash_attn_func(backend=...) is deprecated: use path='auto' | 'kernel' | 'reference' "
+                      "(backend='cuda' is path='kernel')", DeprecationWarning, stacklevel=2)
+        if backend not in _OLD_BACKEND:
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        path = _OLD_BACKEND[backend]
+    elif path == "cuda":  # the old keyword's value, passed by position
+        warnings.warn("flash_attn_func(..., 'cuda') is deprecated: use path='kernel'", DeprecationWarning, stacklevel=2)
+        path = "kernel"
+    use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
+    if use_kernel and not torch.compiler.is_compiling():  # traced code must not look up the build (the op does)
+        get_ext()  # raises KernelNotBuiltError with build instructions
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel)
     return (out, lse) if return_lse else out
@@ -179,4 +143,3 @@ def force_tile(tile: str):
     finally:
         ext.set_tile(prev)
 
-from llm_attn import backward as _backward  # noqa: E402,F401  (registers autograd for llm_attn::flash_fwd)

@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 
 ENTRY_POINT_GROUP = "llm_attn.attention"
+# What a caller may ask of any entry (patch_model(backend=...)): 'auto', 'cuda' (refuse non-CUDA tensors), or
+# 'reference' (the entry registered with provides_reference=True runs its reference in place of any entry).
 BACKENDS = ("auto", "cuda", "reference")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 # Built-in entries, in the order tables list them; each module registers its entries on import.
@@ -79,10 +81,13 @@ class AttentionImpl:
     default: bool = False
     # () -> None, or why this implementation cannot run at all here (a package that is not installed).
     requires: Callable[[], str | None] | None = None
-    # Advanced: (device, dtype, head_dim, backend) -> (variant, None) or (None, why). The variant names the path
-    # that serves the call (counted in the report) and is passed to ``fn`` as ``backend=``. Without it the variant
-    # is the device type and ``fn`` gets no backend argument.
+    # Advanced: (device, dtype, head_dim, requested) -> (variant, None) or (None, why), ``requested`` one of
+    # BACKENDS. The variant names what serves the call (counted in the report) and is passed to ``fn`` as
+    # ``variant=``. Without it the variant is the device type and ``fn`` gets no variant argument.
     select: Callable | None = dataclasses.field(default=None, compare=False)
+    # Advanced: this entry (it needs a ``select``) answers ``backend='reference'`` asked of any entry: a debugging
+    # path that runs a plain reference in place of the implementation. One entry at most (llm_attn's).
+    provides_reference: bool = False
 
     @property
     def stock(self) -> bool:
@@ -101,14 +106,14 @@ class AttentionImpl:
                backend: str = "auto") -> tuple[str | None, str | None]:
         """Which variant serves tensors like these: (variant, None), or (None, why not).
 
-        ``backend='reference'`` runs llm_attn's PyTorch reference in place of any implementation (debugging);
-        ``backend='cuda'`` refuses tensors that are not on a CUDA device."""
-        if backend == "reference":
-            from llm_attn.ops import REFERENCE_DTYPES  # noqa: PLC0415
-
-            if dtype not in REFERENCE_DTYPES:
-                return None, f"the reference takes {REFERENCE_DTYPES}, got {dtype}"
-            return "reference", None
+        ``backend='reference'`` runs the reference of the entry registered with ``provides_reference`` (llm_attn's
+        PyTorch reference) in place of any implementation (debugging); ``backend='cuda'`` refuses tensors that are
+        not on a CUDA device."""
+        if backend == "reference" and not self.provides_reference:
+            ref = _reference_entry()
+            if ref is None:
+                return None, "no registered implementation provides a reference path"
+            return ref.choose(device, dtype, head_dim, backend)
         if self.select is not None:
             return self.select(device, dtype, head_dim, backend)
         if backend == "cuda" and device.type != "cuda":
@@ -126,14 +131,14 @@ class AttentionImpl:
     def run(self, variant: str, q, k, v, *, causal: bool, scale: float, seqused_k=None) -> torch.Tensor:
         """One call, (B, Hq, Sq, D) out. Inside a profiler, the call is a ``llm_attn.attention:<name>`` range, so
         that ``--measure breakdown`` attributes exactly this implementation's kernels to attention."""
-        if variant == "reference":
-            from llm_attn.ops import flash_attn_func  # noqa: PLC0415
-
-            call = lambda: flash_attn_func(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,  # noqa: E731
-                                           backend="reference")
-        elif self.select is not None:
-            call = lambda: self.fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,  # noqa: E731
-                                   backend=variant)
+        entry = self
+        if variant == "reference" and not self.provides_reference:
+            entry = _reference_entry()
+            if entry is None:
+                raise RuntimeError("no registered implementation provides a reference path")
+        if entry.select is not None:
+            call = lambda: entry.fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,  # noqa: E731
+                                    variant=variant)
         else:
             call = lambda: self.fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k)  # noqa: E731
         if _profiling():
@@ -201,7 +206,15 @@ def _loading(source: dict) -> Iterator[None]:
 def _caller_source(fn) -> dict:
     if _current_source:
         return dict(_current_source[-1])
-    return {"kind": "api", "module": getattr(fn, "__module__", None)}
+    module = getattr(fn, "__module__", None)
+    if module in _BUILTIN_MODULES:  # a built-in module imported directly (e.g. llm_attn.impls.flash_kernel) first
+        return {"kind": "built-in", "module": module}
+    return {"kind": "api", "module": module}
+
+
+def _reference_entry() -> AttentionImpl | None:
+    _load_builtins()
+    return next((e for e in _REGISTRY.values() if e.provides_reference), None)
 
 
 def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.bfloat16), head_dims=None,
@@ -221,7 +234,8 @@ def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.
         description: one line for tables and ``--help``.
         replace: allow replacing an entry of the same name from another source (same source: always allowed, so
             a plugin can be loaded twice).
-        advanced: ``hf_name``, ``default``, ``requires``, ``select`` (see ``AttentionImpl``); built-ins use them.
+        advanced: ``hf_name``, ``default``, ``requires``, ``select``, ``provides_reference`` (see
+            ``AttentionImpl``); built-ins use them.
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"attention implementation name must start with a letter and hold letters, digits, "
@@ -240,7 +254,7 @@ def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.
     devices = (devices,) if isinstance(devices, str) else tuple(devices)
     if not devices or not all(isinstance(d, str) for d in devices):
         raise ValueError(f"register_attention({name!r}): devices must be device types like 'cuda', 'cpu'")
-    unknown = set(advanced) - {"hf_name", "default", "requires", "select"}
+    unknown = set(advanced) - {"hf_name", "default", "requires", "select", "provides_reference"}
     if unknown:
         raise TypeError(f"register_attention() got unexpected arguments {sorted(unknown)}")
     entry = AttentionImpl(name=name, fn=fn, dtypes=dtypes, head_dims=head_dims, devices=devices,
@@ -250,6 +264,12 @@ def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.
     if old is not None and not replace and old.source != entry.source:
         raise ValueError(f"an attention implementation named {name!r} is already registered ({old.source_label}); "
                          f"pick another name or pass replace=True")
+    if entry.provides_reference:
+        if entry.select is None:
+            raise ValueError(f"register_attention({name!r}): provides_reference needs a select")
+        other = next((e.name for e in _REGISTRY.values() if e.provides_reference and e.name != name), None)
+        if other is not None:
+            raise ValueError(f"register_attention({name!r}): {other!r} already provides the reference path")
     _REGISTRY[name] = entry
     return entry
 
@@ -269,6 +289,14 @@ def _load_builtins() -> None:
     for mod in _BUILTIN_MODULES:
         with _loading({"kind": "built-in", "module": mod}):
             importlib.import_module(mod)
+    # Built-ins first, in their modules' order, whichever was imported first (a caller may import
+    # llm_attn.impls.flash_kernel directly before the registry is used); then the others as registered.
+    order = {m: i for i, m in enumerate(_BUILTIN_MODULES)}
+    builtin = sorted((e for e in _REGISTRY.values() if e.source.get("kind") == "built-in"),
+                     key=lambda e: order.get(e.source.get("module"), len(order)))
+    rest = [e for e in _REGISTRY.values() if e.source.get("kind") != "built-in"]
+    _REGISTRY.clear()
+    _REGISTRY.update((e.name, e) for e in builtin + rest)
 
 
 def load_entry_points() -> None:

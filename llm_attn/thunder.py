@@ -55,7 +55,7 @@ def import_thunder():
 
 
 def _supported(q, k, v, attn_mask, dropout_p, is_causal) -> bool:
-    from llm_attn.impls.flash_kernel import backend_problem  # noqa: PLC0415
+    from llm_attn.impls.flash_kernel import variant_problem  # noqa: PLC0415
 
     if attn_mask is not None or dropout_p:
         return False
@@ -69,7 +69,7 @@ def _supported(q, k, v, attn_mask, dropout_p, is_causal) -> bool:
         return False
     dtype = _torch_dtype(q.dtype)
     device = torch.device(str(q.device.device_str() if hasattr(q.device, "device_str") else q.device))
-    backend, _ = backend_problem("auto", device, dtype, q.shape[3])
+    backend, _ = variant_problem("auto", device, dtype, q.shape[3])
     return backend is not None
 
 
@@ -87,7 +87,7 @@ def executor():
     from thunder.core.proxies import TensorProxy  # noqa: PLC0415
     from thunder.extend import OperatorExecutor, register_executor  # noqa: PLC0415
 
-    from llm_attn import __version__  # noqa: PLC0415
+    from llm_attn._version import __version__  # noqa: PLC0415
     from llm_attn.ops import flash_attn_func  # noqa: PLC0415
 
     ex = OperatorExecutor("llm_attn", version=__version__)

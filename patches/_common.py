@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from llm_attn import registry
-from llm_attn.ops import KERNEL_HEAD_DIMS
+from llm_attn.kernel_contract import KERNEL_HEAD_DIMS
 
 ON_UNSUPPORTED = ("error", "fallback")
 BACKENDS = registry.BACKENDS
@@ -151,12 +151,12 @@ class AttentionRuntime:
         self._choices: dict = {}
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
-    def count_native(self, backend: str) -> None:
+    def count_native(self, variant: str) -> None:
         if _is_compiling():
             # A counter bumped while dynamo traces would be replayed as a constant; a flag set to True is not.
             self.report.compiled_native_seen = True
         else:
-            self.report.native_calls[backend] += 1
+            self.report.native_calls[variant] += 1
 
     def setting_unsupported(self, reason: str) -> None:
         """A model/setting problem found at call time: raise under on_unsupported='error', else count a fallback."""
@@ -172,28 +172,28 @@ class AttentionRuntime:
             self.report.fallback_calls[reason] += 1
 
     # -- the call ------------------------------------------------------------------------------------------------
-    def choose_backend(self, query: torch.Tensor) -> tuple[str | None, str | None]:
-        return self.choose_backend_for(query.device, query.dtype, query.shape[-1])
+    def choose_variant(self, query: torch.Tensor) -> tuple[str | None, str | None]:
+        return self.choose_variant_for(query.device, query.dtype, query.shape[-1])
 
-    def choose_backend_for(self, device: torch.device, dtype: torch.dtype, head_dim: int):
+    def choose_variant_for(self, device: torch.device, dtype: torch.dtype, head_dim: int):
         key = (device, dtype, head_dim)
         got = self._choices.get(key)
         if got is None:
             got = self._choices[key] = self.impl.choose(device, dtype, head_dim, self.options.backend)
         return got
 
-    def seqused_problem(self, backend: str) -> str | None:
+    def seqused_problem(self, variant: str) -> str | None:
         """Why a call that needs ``seqused_k`` cannot run on this implementation (None when it can)."""
-        if backend == "reference" or self.impl.supports_seqused_k:
+        if variant == "reference" or self.impl.supports_seqused_k:
             return None
         return f"{self.impl.name} does not support seqused_k (a KV cache with unused slots): stock attention"
 
-    def run(self, backend: str, query, key, value, *, causal: bool, scale: float | None,
+    def run(self, variant: str, query, key, value, *, causal: bool, scale: float | None,
             seqused_k: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) -> (B, Sq, Hq, D) contiguous, the layout transformers expects."""
         if scale is None:
             scale = 1.0 / math.sqrt(query.shape[-1])
-        out = self.impl.run(backend, query, key, value, causal=causal, scale=float(scale), seqused_k=seqused_k)
+        out = self.impl.run(variant, query, key, value, causal=causal, scale=float(scale), seqused_k=seqused_k)
         return out.transpose(1, 2).contiguous()  # llm_attn's op stores (B, Sq, Hq, D): then this is free
 
 
@@ -248,8 +248,8 @@ def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, t
     report.impl_source = dict(impl.source)
     problems = config_problems(config, training=training)
     head_dim = model_head_dim(config)
-    backend, why = impl.choose(device, dtype or torch.float16, head_dim, options.backend)
-    if backend is None:
+    variant, why = impl.choose(device, dtype or torch.float16, head_dim, options.backend)
+    if variant is None:
         problems.append(why)
     if problems and options.on_unsupported == "error":
         raise UnsupportedModelError(
@@ -257,13 +257,13 @@ def check_settings(report: PatchReport, options: PatchOptions, config: Any, *, t
             + ". Patch with on_unsupported='fallback' to keep the stock attention for these calls.")
     for p in problems:
         report.fallbacks.append(f"every attention call: {p}")
-    if backend == "reference":
+    if variant == "reference":
         report.expected_path = "llm_attn PyTorch reference (tiled, same algorithm as the kernel)"
         if device.type == "cpu" and head_dim not in KERNEL_HEAD_DIMS:
             report.notes.append(f"head_dim {head_dim} runs on the reference only; the CUDA kernel supports "
                                 f"{KERNEL_HEAD_DIMS}")
-    elif backend is not None:
-        report.expected_path = f"{impl.name} on {backend} ({impl.description}; {impl.source_label})"
+    elif variant is not None:
+        report.expected_path = f"{impl.name} on {variant} ({impl.description}; {impl.source_label})"
     if not impl.supports_seqused_k:
         report.notes.append(f"{impl.name} does not support seqused_k: calls over a KV cache with unused slots "
                             f"(StaticCache) take the stock path and are counted below")

@@ -128,21 +128,21 @@ def _make_fused_forward(module, original, runtime: AttentionRuntime, mask_check:
             return None, "ALiBi attention bias is not implemented by llm_attn", True
         if m.is_hf_transformers:
             return None, "fused AWQ modules driven by transformers' own AWQ fusing are not verified", True
-        backend, why = runtime.choose_backend_for(hidden_states.device, hidden_states.dtype, m.head_dim)
-        if backend is None:
+        variant, why = runtime.choose_variant_for(hidden_states.device, hidden_states.dtype, m.head_dim)
+        if variant is None:
             return None, why, True
         seqlen = hidden_states.shape[1]
         if seqlen == 1:
-            return backend, False, None  # stock ignores the mask for a single query: all cached keys
+            return variant, False, None  # stock ignores the mask for a single query: all cached keys
         if attention_mask is None:
-            return backend, False, None  # stock adds no mask: every key of the chunk
+            return variant, False, None  # stock adds no mask: every key of the chunk
         if mask_check(attention_mask, seqlen):
-            return backend, True, None
+            return variant, True, None
         return None, "fused prefill mask is not the plain causal mask: stock attention", False
 
     def forward(hidden_states, attention_mask=None, *args, **kwargs):
-        backend, causal, flag = plan(hidden_states, attention_mask)
-        if backend is None:
+        variant, causal, flag = plan(hidden_states, attention_mask)
+        if variant is None:
             if flag:
                 runtime.setting_unsupported(causal)
             else:
@@ -186,8 +186,8 @@ def _make_fused_forward(module, original, runtime: AttentionRuntime, mask_check:
             key = kp.permute(0, 1, 3, 2, 4).reshape(bsz, kp.shape[1], n, m.head_dim)
         else:
             key, value = xk.transpose(1, 2), xv.transpose(1, 2)       # the chunk only, as stock
-        out = runtime.run(backend, query, key, value, causal=causal, scale=1.0 / math.sqrt(m.head_dim))
-        runtime.count_native(backend)
+        out = runtime.run(variant, query, key, value, causal=causal, scale=1.0 / math.sqrt(m.head_dim))
+        runtime.count_native(variant)
         attention_weight = out.reshape(bsz, seqlen, -1)
         attn_output = m.o_proj(attention_weight)
         m.start_pos += seqlen

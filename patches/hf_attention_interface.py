@@ -153,9 +153,9 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
         problem = f"attention dropout in training mode (p={dropout}) is not implemented by {runtime.impl.name}"
     if problem is None and query.shape[-1] != value.shape[-1]:
         problem = f"query head_dim {query.shape[-1]} != value head_dim {value.shape[-1]}"
-    backend = None
+    variant = None
     if problem is None:
-        backend, problem = runtime.choose_backend(query)
+        variant, problem = runtime.choose_variant(query)
     if problem is not None:
         runtime.setting_unsupported(problem)
         return stock()
@@ -171,20 +171,20 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
         if causal and kv_len > q_len:
             # Prefill into an empty static cache: stock crops keys to q_len (top-left causal), so do we.
             key, value = key[:, :, :q_len], value[:, :, :q_len]
-        out = runtime.run(backend, query, key, value, causal=causal, scale=scaling)
-        runtime.count_native(backend)
+        out = runtime.run(variant, query, key, value, causal=causal, scale=scaling)
+        runtime.count_native(variant)
         return out, None
 
     seqused = getattr(attention_mask, SEQUSED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
     if (seqused is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
             and attention_mask.shape[-2] == q_len and seqused.shape == (query.shape[0],)
             and seqused.device == query.device):
-        why = runtime.seqused_problem(backend)
+        why = runtime.seqused_problem(variant)
         if why is not None:
             runtime.count_fallback(why)
             return stock()
-        out = runtime.run(backend, query, key, value, causal=True, scale=scaling, seqused_k=seqused)
-        runtime.count_native(backend)
+        out = runtime.run(variant, query, key, value, causal=True, scale=scaling, seqused_k=seqused)
+        runtime.count_native(variant)
         return out, None
 
     runtime.count_fallback("attention mask is not a causal prefix (padding or custom mask): stock sdpa")

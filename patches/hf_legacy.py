@@ -17,7 +17,7 @@ what the stock class would:
   one host sync, cached by mask identity), the kernel with ``seqused_k = cache_position[-1] + 1`` and bottom-right
   causality; otherwise the original forward runs unchanged (counted as a fallback);
 * anything we do not implement (output_attentions, pretraining_tp > 1, dropout in training, a dtype/head_dim/device
-  the chosen backend lacks): the original forward, or an error under ``on_unsupported='error'``.
+  the chosen variant lacks): the original forward, or an error under ``on_unsupported='error'``.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
         DynamicCache = StaticCache = ()
 
     def plan(hidden_states, attention_mask, past_key_value, cache_position, output_attentions):
-        """(backend, causal, seqused_k) for the kernel, or (None, reason, is_setting) for the original forward."""
+        """(variant, causal, seqused_k) for the kernel, or (None, reason, is_setting) for the original forward."""
         if runtime.forced:
             return None, runtime.forced[0], True
         if output_attentions:
@@ -130,13 +130,13 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
             return None, f"pretraining_tp={module.config.pretraining_tp} is not implemented", True
         if module.training and module.attention_dropout > 0:
             return None, f"attention dropout in training mode (p={module.attention_dropout}) is not implemented", True
-        backend, why = runtime.choose_backend_for(hidden_states.device, hidden_states.dtype, module.head_dim)
-        if backend is None:
+        variant, why = runtime.choose_variant_for(hidden_states.device, hidden_states.dtype, module.head_dim)
+        if variant is None:
             return None, why, True
         bsz, q_len = hidden_states.shape[:2]
         if attention_mask is None:
             if q_len == 1:
-                return backend, False, None
+                return variant, False, None
             past = 0
             if past_key_value is not None:
                 if not isinstance(past_key_value, DynamicCache):
@@ -144,7 +144,7 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
                 past = past_key_value.get_seq_length(module.layer_idx)
             if past != 0:  # stock sdpa's is_causal is top-left: differs from ours over a non-empty cache
                 return None, "no mask, causal chunk over a non-empty cache", False
-            return backend, True, None
+            return variant, True, None
         if cache_position is None:
             return None, "a mask without cache_position", False
         if past_key_value is None:
@@ -158,16 +158,16 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
         seqused = analysis.seqused(attention_mask, cache_position, kv_len, bsz)
         if seqused is None:
             return None, "attention mask is not a causal prefix (padding or custom mask): stock attention", False
-        why = runtime.seqused_problem(backend)
+        why = runtime.seqused_problem(variant)
         if why is not None:
             return None, why, False
-        return backend, True, seqused
+        return variant, True, seqused
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_value=None, output_attentions=False,
                 use_cache=False, cache_position=None, position_embeddings=None, **kwargs):
-        backend, causal, seqused = plan(hidden_states, attention_mask, past_key_value, cache_position,
+        variant, causal, seqused = plan(hidden_states, attention_mask, past_key_value, cache_position,
                                         output_attentions)
-        if backend is None:
+        if variant is None:
             reason, is_setting = causal, seqused
             if is_setting:
                 runtime.setting_unsupported(reason)
@@ -192,8 +192,8 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
             key, value = past_key_value.update(key, value, m.layer_idx, cache_kwargs)
         # GQA: K/V stay un-repeated; the kernel maps query head h to KV head h // num_key_value_groups, as repeat_kv.
-        out = runtime.run(backend, query, key, value, causal=causal, scale=None, seqused_k=seqused)
-        runtime.count_native(backend)
+        out = runtime.run(variant, query, key, value, causal=causal, scale=None, seqused_k=seqused)
+        runtime.count_native(variant)
         out = m.o_proj(out.reshape(bsz, q_len, -1))
         return out, None, past_key_value
 

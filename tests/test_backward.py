@@ -1,6 +1,6 @@
 """CPU tests of the backward pass: autograd through ``llm_attn::flash_fwd`` on the reference path.
 
-- ``torch.autograd.gradcheck`` (float64) of ``flash_attn_func(..., backend="reference")``, the lse output included;
+- ``torch.autograd.gradcheck`` (float64) of ``flash_attn_func(..., path="reference")``, the lse output included;
 - ``torch.library.opcheck`` of both custom ops (schema, fake tensors, autograd registration, AOT dispatch);
 - the reference backward against float64 autograd of ``attention_naive`` over MHA/GQA/MQA, causal, q_len != kv_len,
   seqused_k (garbage, even NaN, past the used keys);
@@ -40,7 +40,7 @@ def test_gradcheck_reference_float64(causal, sq, sk, heads):
     q, k, v = _inputs(1, hq // 2, max(hkv // 2, 1), sq, sk, 8, seed=zlib.crc32(repr((causal, sq, sk, heads)).encode()))
 
     # The lse output is float32 by contract (too coarse for finite differences): test_lse_gradient covers it.
-    fn = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, backend="reference")  # noqa: E731
+    fn = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, path="reference")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
@@ -59,7 +59,7 @@ def test_gradcheck_seqused_k_and_scale():
 def test_reference_backward_matches_naive_autograd(dtype, causal, sq, sk, heads):
     hq, hkv = HEADS[heads]
     q, k, v = _inputs(2, hq, hkv, sq, sk, 16, dtype, seed=zlib.crc32(repr((dtype, causal, sq, sk, heads)).encode()))
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="reference")
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, path="reference")
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
     ref_out, _ = attention_naive(q, k, v, causal=causal)
@@ -80,14 +80,14 @@ def test_seqused_k_garbage_gets_zero_gradient():
         k[1, :, 5:] = float("nan")
         v[1, :, 5:] = 1e30
     for causal in (False, True):
-        out = flash_attn_func(q, k, v, causal=causal, seqused_k=used, backend="reference")
+        out = flash_attn_func(q, k, v, causal=causal, seqused_k=used, path="reference")
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
         assert torch.all(dk[1, :, 5:] == 0) and torch.all(dv[1, :, 5:] == 0)
         # The used part equals the gradient of the cropped problem.
         kc, vc = k[1:, :, :5].detach().requires_grad_(), v[1:, :, :5].detach().requires_grad_()
         qc = q[1:].detach().requires_grad_()
-        outc = flash_attn_func(qc, kc, vc, causal=causal, backend="reference")
+        outc = flash_attn_func(qc, kc, vc, causal=causal, path="reference")
         rq, rk, rv = torch.autograd.grad(outc, (qc, kc, vc), torch.ones_like(outc))
         torch.testing.assert_close(dq[1:], rq)
         torch.testing.assert_close(dk[1:, :, :5], rk)
@@ -97,7 +97,7 @@ def test_seqused_k_garbage_gets_zero_gradient():
 def test_lse_gradient():
     """The lse output is differentiable too (d lse / d S = P), through the same backward op."""
     q, k, v = _inputs(1, 4, 2, 7, 7, 8, seed=11)
-    _, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend="reference")
+    _, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, path="reference")
     got = torch.autograd.grad(lse.sum(), (q, k, v))
     s = torch.matmul(q, k.repeat_interleave(2, 1).transpose(-1, -2)) / 8 ** 0.5
     s = s.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))

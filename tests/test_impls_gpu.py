@@ -101,7 +101,7 @@ def test_patch_model_on_the_gpu(name):
 
 
 def test_entries_in_the_kernel_benchmark():
-    from llm_attn.bench import bench_point
+    from llm_attn.harness.kernel_bench import bench_point
 
     names = [n for n in ("naive", "numba", "flex") if registry.get(n).unavailable_reason("cuda") is None]
     rows = bench_point("prefill", ["flash", *names], 1, 8, 2, 512, 512, 128, torch.bfloat16, True, 2, 3,

@@ -299,7 +299,8 @@ def test_cached_checkpoint_reuses_and_regenerates_interrupted(tmp_path, monkeypa
         calls.append(a)
         return real(*a, **k)
 
-    monkeypatch.setattr(models, "write_synthetic_checkpoint", counting)
+    # cached_checkpoint calls the writer of its own module, llm_attn.models.synthetic.
+    monkeypatch.setattr(models.synthetic, "write_synthetic_checkpoint", counting)
     p1 = models.cached_checkpoint("tiny", "fp16", cache_dir=tmp_path)
     assert (p1 / models.MARKER_FILE).is_file() and len(calls) == 1
     stamp = (p1 / "config.json").stat().st_mtime_ns

@@ -205,3 +205,19 @@ def test_wheel_ships_the_kernel_headers(tmp_path):
     shipped = {p.name for p in (tmp_path / "llm_attn" / "_kernels").iterdir()}
     assert {"flash.h", "flash_fwd_kernel.cuh", "flash_decode_kernel.cuh", "ptx.cuh", "flash_fwd_config.h"} <= shipped
     assert (tmp_path / "llm_attn" / "patches" / "__init__.py").is_file() and not (tmp_path / "patches").exists()
+
+
+def test_build_env_var_new_name_wins_and_old_name_still_works(monkeypatch):
+    """LLM_ATTN_BUILD is the build's name (aot | nvrtc); LLM_ATTN_BACKEND, its older name, keeps working."""
+    from llm_attn import _ext
+
+    monkeypatch.delenv("LLM_ATTN_BACKEND", raising=False)
+    monkeypatch.setenv("LLM_ATTN_BUILD", "fast")
+    with pytest.raises(ValueError, match="LLM_ATTN_BUILD must be"):
+        _ext.kernel_build()
+    monkeypatch.setenv("LLM_ATTN_BUILD", "nvrtc")
+    monkeypatch.setenv("LLM_ATTN_BACKEND", "aot")
+    assert _ext._requested() == "nvrtc"
+    monkeypatch.delenv("LLM_ATTN_BUILD")
+    assert _ext._requested() == "aot"
+    assert _ext.kernel_backend is _ext.kernel_build

@@ -143,8 +143,14 @@ def test_validation_errors(make, err, match):
 
 def test_validation_of_options():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="path must be 'auto', 'kernel' or 'reference'"):
+        flash_attn_func(q, k, v, path="triton")
+    with pytest.raises(ValueError, match="backend"), pytest.warns(DeprecationWarning):
         flash_attn_func(q, k, v, backend="triton")
+    # The old keyword still works, with a DeprecationWarning, and means the same path.
+    with pytest.warns(DeprecationWarning, match="path="):
+        old = flash_attn_func(q, k, v, causal=True, backend="reference")
+    assert torch.equal(old, flash_attn_func(q, k, v, causal=True, path="reference"))
     with pytest.raises(ValueError, match="scale"):
         flash_attn_func(q, k, v, scale=float("nan"))
     with pytest.raises(TypeError, match="causal"):
@@ -152,7 +158,7 @@ def test_validation_of_options():
     with pytest.raises(ValueError, match="seqused_k"):
         flash_attn_func(q, k, v, seqused_k=torch.tensor([16]))  # int64, not int32
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        flash_attn_func(q.half(), k.half(), v.half(), backend="cuda")
+        flash_attn_func(q.half(), k.half(), v.half(), path="kernel")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without the kernel")

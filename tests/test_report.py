@@ -18,7 +18,7 @@ import pytest
 from llm_attn import report as report_mod
 from llm_attn.harness.devices import find_device, load_devices
 from llm_attn.envinfo import device_slug
-from llm_attn.harness.results import iter_rows, validate_row
+from llm_attn.harness.results import OLD_SCHEMAS, SCHEMA, iter_rows, upgrade_row, validate_row
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "results"
@@ -46,8 +46,30 @@ def test_fixtures_follow_the_row_schema():
     assert {f.parent.name for f in files} == {"h100-80gb-hbm3", "rtx-4060-ti"}
     for f in files:
         for r in iter_rows(f, strict=True):
-            validate_row(r)
+            assert r["schema"] in OLD_SCHEMAS + (SCHEMA,)
+            validate_row(upgrade_row(r))  # schema 1 rows (the fixtures) are read in today's words
             assert r["env"]["hostname"] == "fixture"  # never mistaken for a measurement
+
+
+def test_report_reads_schema_1_rows_with_their_old_field_names(tmp_path):
+    """Schema 2 renamed env.kernel_backend to env.kernel_build: a schema 1 file still makes a report, and the
+    build it recorded is shown; a schema 2 row of the same point (newer) wins over it."""
+    src = FIXTURES / "rtx-4060-ti" / "default.jsonl"
+    rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+    assert rows[0]["schema"] == "llm_attn.ttft/1"
+    for r in rows:
+        r["env"]["kernel_backend"] = "nvrtc"
+    (tmp_path / "res").mkdir()
+    (tmp_path / "res" / "old.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    up = upgrade_row(rows[0])
+    assert up["schema"] == SCHEMA and up["env"]["kernel_build"] == "nvrtc" and "kernel_backend" not in up["env"]
+    assert rows[0]["env"]["kernel_backend"] == "nvrtc"  # the input row is not changed
+    validate_row(up)
+    with pytest.raises(ValueError, match="schema"):
+        validate_row(rows[0])  # un-upgraded, an old row is not a current one
+    md = report_mod.write_report([tmp_path / "res"], tmp_path / "out", no_projection=True).read_text()
+    assert "kernel build" in md and "| nvrtc " in md
+    assert f"from {len(rows)} rows" in md
 
 
 def test_device_table_and_slugs():
@@ -150,7 +172,7 @@ def test_newest_row_wins_and_no_projection(tmp_path):
     assert row_line(section(text, "## NVIDIA H100 80GB HBM3 — measured"), 2048, "sdpa")[2] == "60.00"
     assert "PROJECTED" not in text
     assert "1 rows of another format ignored" in text
-    assert "1 llm_attn.ttft/1 rows skipped (they fail validation)" in text
+    assert f"1 {SCHEMA} rows skipped (they fail validation)" in text  # an old row, read as today's
 
 
 def test_report_cli(tmp_path):

@@ -1,5 +1,5 @@
 """The measurement harness behind ``python -m llm_attn.ttft``, ``python -m llm_attn.experiment`` and
-``python -m llm_attn.report``.
+``python -m llm_attn.bench`` (the report's library is ``llm_attn.reporting``).
 
 Modules, one job each:
 
@@ -12,4 +12,8 @@ Modules, one job each:
 - ``measure``  — TTFT, decode (``generate`` and static-cache/CUDA-graph) and correctness measurements.
 - ``breakdown``— one prefill under torch.profiler: attention / GEMM / quantised weights / other / idle.
 - ``sweep``    — runs a grid of points through ``measure``, writing one row per measurement, and the summary table.
+- ``session``  — one measurement session: defaults, checks, loading the model, running a sweep, summarising rows.
+- ``experiments`` — experiment definitions (TOML) and where their results go.
+- ``kernel_bench`` — the kernel benchmark's timing and points (``python -m llm_attn.bench``).
+- ``cli_args`` — argparse pieces the command lines share (number types, --plugin).
 """

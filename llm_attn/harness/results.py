@@ -17,7 +17,11 @@ from pathlib import Path
 
 import torch
 
-SCHEMA = "llm_attn.ttft/1"
+# 2: the environment's kernel_backend is called kernel_build (how the kernel was compiled: aot | nvrtc | None).
+SCHEMA = "llm_attn.ttft/2"
+# Older row formats this code still reads, after upgrade_row.
+OLD_SCHEMAS = ("llm_attn.ttft/1",)
+READABLE_SCHEMAS = (SCHEMA, *OLD_SCHEMAS)
 
 MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness", "breakdown")
 KINDS = MEASUREMENTS + ("error",)
@@ -77,6 +81,18 @@ def is_finished(row: dict) -> bool:
     """A point counts as done when it was measured, ran out of memory or is unsupported (re-running would only
     give the same). Other errors are retried on resumption."""
     return row.get("status") in ("ok", "oom", "unsupported")
+
+
+def upgrade_row(row: dict) -> dict:
+    """A row of an older schema (OLD_SCHEMAS) in the current one's words; other rows are returned as they are."""
+    if row.get("schema") == "llm_attn.ttft/1":
+        row = dict(row, schema=SCHEMA)
+        env = row.get("env")
+        if isinstance(env, dict) and "kernel_backend" in env:
+            env = dict(env)
+            env.setdefault("kernel_build", env.pop("kernel_backend"))
+            row["env"] = env
+    return row
 
 
 def validate_row(row: dict) -> None:
@@ -206,4 +222,4 @@ def finished_keys(path: str | os.PathLike) -> set[tuple]:
     """Keys of the points already measured (or OOM) in ``path``; empty when the file does not exist yet."""
     if not Path(path).exists():
         return set()
-    return {point_key(r) for r in iter_rows(path) if r.get("schema") == SCHEMA and is_finished(r)}
+    return {point_key(r) for r in iter_rows(path) if r.get("schema") in READABLE_SCHEMAS and is_finished(r)}

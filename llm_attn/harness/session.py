@@ -1,0 +1,155 @@
+"""What one measurement session needs, whoever drives it (``python -m llm_attn.ttft``, ``python -m
+llm_attn.experiment``, a notebook): defaults for the device, dtype and prompt lengths, checks made before anything
+heavy happens, loading the model, running a sweep into a results file and summarising its rows.
+
+The checks return a problem as a sentence (or raise ``ValueError``) rather than exiting: the command lines turn it
+into one ``error:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from llm_attn.envinfo import capture_env, device_name
+from llm_attn.harness.devices import find_device, load_devices
+from llm_attn.harness.results import ResultWriter, finished_keys
+from llm_attn.harness.sweep import DTYPES, Sweep, SweepConfig, breakdown_table, correctness_table, summary_table
+
+DEFAULT_SEQS = {"cuda": [512, 1024, 2048], "cpu": [32, 64]}
+
+
+def default_dtype(spec: str, device: str) -> str:
+    """float16 on a GPU; float32 on CPU (fast and exact there), except for an AWQ preset, whose int4 kernels
+    compute in float16."""
+    return "float16" if device == "cuda" or spec.endswith(":awq") else "float32"
+
+
+def resolve_device(choice: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'. Raises ValueError for 'cuda' without a GPU."""
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA GPU is visible to torch "
+                         f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+    return choice
+
+
+def model_spec_problem(spec: str) -> str | None:
+    """A model path that does not exist, said before anything heavy happens; None otherwise. Presets, hub ids
+    and the rest are checked by ``llm_attn.models.load_model``, whose errors say what it accepts."""
+    from llm_attn.models import PRESETS  # noqa: PLC0415 (heavy: keep --help fast)
+
+    if spec == "auto" or spec.partition(":")[0] in PRESETS or Path(spec).expanduser().exists():
+        return None
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or spec.endswith((".safetensors", ".json")):
+        return "no such file or directory"
+    return None
+
+
+def describe_model(info, device: str, spec: str = "auto") -> str:
+    get = (lambda k: info.get(k)) if isinstance(info, dict) else (lambda k: getattr(info, k, None))
+    parts = [str(get("quant"))]
+    if get("awq_backend"):
+        parts.append(f"AWQ backend {get('awq_backend')}")
+    if get("dequant_fallback"):
+        parts.append("DEQUANTISED FP16 FALLBACK: the int4 linear layers are NOT what runs")
+    line = f"model: {get('name')} ({', '.join(parts)}; source {get('source')}) on {device_name(device)}"
+    if device == "cpu":
+        auto = " (no GPU here, so 'auto' is the tiny Llama-architecture model)" if spec == "auto" else ""
+        line += (f"\non CPU{auto}: llm_attn runs through the PyTorch reference, not the CUDA kernel; "
+                 "these timings check the harness and say nothing about the kernel")
+    return line
+
+
+def load(spec: str, device: str, dtype: str, allow_dequant_fallback: bool):
+    from llm_attn.models import load_model  # noqa: PLC0415
+
+    return load_model(spec, device=device, dtype=DTYPES[dtype], allow_dequant_fallback=allow_dequant_fallback,
+                      attn_implementation="sdpa")
+
+
+def default_seqs(model, device: str, new_tokens: int) -> list[int]:
+    """The default lengths that fit the model with the decoded tokens (a small model may allow fewer positions)."""
+    from llm_attn.models import max_seq_len  # noqa: PLC0415
+
+    limit = max_seq_len(model) - new_tokens
+    return [s for s in DEFAULT_SEQS[device] if s <= limit] or [max(1, limit)]
+
+
+def length_problem(model, seqs: list[int], new_tokens: int, measurements: list[str],
+                   names: tuple[str, str] = ("--seq", "--new-tokens")) -> str | None:
+    """The first prompt length the model cannot take (with the decoded tokens when a decode is measured), as a
+    sentence naming the option (``names``); None when every length fits."""
+    from llm_attn.models import max_seq_len  # noqa: PLC0415
+
+    limit = max_seq_len(model)
+    decodes = any(m not in ("ttft", "breakdown") for m in measurements)
+    for s in seqs:
+        need = s + new_tokens if decodes else s
+        if need > limit:
+            return (f"{names[0]} {s}: longer than the model allows ({limit} positions)"
+                    + (f"; decode needs seq + {names[1]} = {need} positions" if decodes and s <= limit else ""))
+    return None
+
+
+def run(cfg: SweepConfig, model, info, out: str | Path, resume: bool, devices_path: str | Path | None,
+        progress: bool = True, argv: list[str] | None = None) -> tuple[list[dict], int]:
+    """Measure ``cfg`` on a loaded model, appending rows to ``out``. Returns (rows written, number of measurements
+    skipped because ``resume`` found them in ``out``)."""
+    env = capture_env(cfg.device)
+    try:
+        entry = find_device(env["device_name"], load_devices(devices_path))
+    except (OSError, ValueError) as e:
+        print(f"warning: device table unusable ({e}); no %-of-peak or bandwidth bound", file=sys.stderr)
+        entry = None
+    done = finished_keys(out) if resume else set()
+    with ResultWriter(out) as writer:
+        sweep = Sweep(cfg, model, info, env, writer, entry, done=done, progress=progress, argv=argv)
+        rows = sweep.run()
+    return rows, sweep.skipped
+
+
+def rows_tables(rows: list[dict]) -> str:
+    """The summary table, then the correctness and breakdown tables where the rows have them."""
+    parts = [summary_table(rows)]
+    parts += [t for t in (correctness_table(rows), breakdown_table(rows)) if t]
+    return "\n\n".join(parts)
+
+
+def rows_summary(rows: list[dict], out: str | Path) -> tuple[str, int]:
+    """The closing line of a session and its exit status (1 when some point failed for another reason than OOM or
+    a stock path that cannot be measured that way, e.g. eager attention inside a CUDA graph)."""
+    failed = [r for r in rows if r["status"] == "error"]
+    ooms = [r for r in rows if r["status"] == "oom"]
+    unsupported = [r for r in rows if r["status"] == "unsupported"]
+    line = (f"{len(rows)} rows appended to {out}"
+            + (f"; {len(ooms)} out of memory" if ooms else "")
+            + (f"; {len(unsupported)} unsupported (see their rows)" if unsupported else "")
+            + (f"; {len(failed)} FAILED (see the 'error' rows and the messages above)" if failed else ""))
+    return line, (1 if failed else 0)
+
+
+class SetupError(ValueError):
+    """A model that cannot be loaded, or prompt lengths it cannot take: one line for the user."""
+
+
+def load_checked(spec: str, device: str, dtype: str, allow_dequant_fallback: bool, seqs: list[int] | None,
+                 new_tokens: int, measurements: list[str], names: tuple[str, str, str] = ("--model", "--seq",
+                                                                                          "--new-tokens")):
+    """Load ``spec`` and check the prompt lengths against it (``seqs`` None: the defaults that fit). Returns
+    (model, info, seqs); raises SetupError, whose message starts with the option it is about (``names``: model,
+    lengths, new tokens). KeyboardInterrupt goes through."""
+    try:
+        model, info = load(spec, device, dtype, allow_dequant_fallback)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 (the loader's message says what it accepts: pass it on)
+        raise SetupError(f"{names[0]} {spec}: cannot load it: {type(e).__name__}: {e}") from e
+    seqs = seqs or default_seqs(model, device, new_tokens)
+    problem = length_problem(model, seqs, new_tokens, measurements, names=names[1:])
+    if problem:
+        raise SetupError(problem)
+    return model, info, seqs

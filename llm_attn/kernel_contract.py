@@ -1,0 +1,184 @@
+"""What this project's CUDA kernel accepts: the one Python statement of it.
+
+Every Python entry point asks this module: ``llm_attn.ops.flash_attn_func`` (``check_inputs``), the registry entry
+``llm_attn`` (``llm_attn/impls/flash_kernel.py``, through ``kernel_problem``) and the NVRTC launcher
+(``llm_attn/_nvrtc.py``, through ``launcher_problem``, whose messages are those of ``kernels/binding.cpp``'s
+``TORCH_CHECK``s word for word). The compiled extension keeps its ``TORCH_CHECK``s as the last line of defence, as
+flash-attention's ``flash_api.cpp`` does; tests/test_kernel_contract.py feeds the same invalid inputs to every entry
+point and checks that they say the same thing. The tile dispatch mirror is ``llm_attn/_plan.py``.
+
+Imports torch only: the ops, the registry entry and the kernel backends all sit above it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 128)
+# The grid: batch and heads on y/z (at most 65535 each); a causal launch holds one 64-row block per y index.
+KERNEL_MAX_GRID_YZ = 65535
+KERNEL_MAX_CAUSAL_Q_LEN = KERNEL_MAX_GRID_YZ * 64
+KERNEL_MAX_SEQ_LEN = 1 << 30  # exclusive: lengths are int32 and offsets must not overflow
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+PATHS = ("auto", "kernel", "reference")
+
+
+# ------------------------------------------------------------------------------ what the user-facing op checks
+
+def reference_problem(dtype: torch.dtype) -> str | None:
+    """Why the PyTorch reference cannot take ``dtype``, or None."""
+    if dtype not in REFERENCE_DTYPES:
+        return f"the reference takes {REFERENCE_DTYPES}, got {dtype}"
+    return None
+
+
+def kernel_problem(dtype: torch.dtype, head_dim: int, *, scale: float | None = None, heads: int = 1,
+                   batch: int = 1, q_len: int = 1, causal: bool = False) -> str | None:
+    """Why the CUDA kernel cannot take inputs like these (device and build aside), or None. One sentence that
+    names the fix."""
+    if dtype not in KERNEL_DTYPES:
+        return f"the CUDA kernel takes float16 or bfloat16, got {dtype}"
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"the CUDA kernel supports head_dim {KERNEL_HEAD_DIMS}, got {head_dim}"
+    if scale is not None and scale < 0:
+        return (f"the CUDA kernel takes a scale >= 0 (its online softmax takes each row's max before scaling), got "
+                f"{scale}; use path='reference' for a negative scale")
+    if heads > KERNEL_MAX_GRID_YZ or batch > KERNEL_MAX_GRID_YZ:
+        return (f"the CUDA kernel takes at most {KERNEL_MAX_GRID_YZ} heads and batch {KERNEL_MAX_GRID_YZ}, got "
+                f"{heads} and {batch}")
+    if causal and q_len > KERNEL_MAX_CAUSAL_Q_LEN:
+        return (f"causal q_len must be <= {KERNEL_MAX_CAUSAL_Q_LEN} for the CUDA kernel (its grid holds one 64-row "
+                f"block per y index), got {q_len}; split the queries into chunks")
+    return None
+
+
+def check_inputs(q, k, v, causal, scale, seqused_k, path: str) -> bool:
+    """Validate the arguments of ``flash_attn_func``; return True when the CUDA kernel will run (``path`` 'kernel',
+    or 'auto' with CUDA tensors). Raises TypeError/ValueError whose message names the argument and the fix."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): every dim must be > 0")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {t.stride()}; "
+                             f"call .contiguous() first")
+    if path not in PATHS:
+        raise ValueError(f"path must be 'auto', 'kernel' or 'reference', got {path!r}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b:
+        raise ValueError(f"batch mismatch: q has {b}, k/v have {k.shape[0]}")
+    if k.shape[3] != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, k/v have {k.shape[3]}")
+    hkv = k.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA/MQA")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if seqused_k is not None:
+        if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or seqused_k.shape != (b,):
+            raise ValueError(f"seqused_k must be an int32 tensor of shape ({b},), got "
+                             f"{getattr(seqused_k, 'dtype', type(seqused_k))} {tuple(getattr(seqused_k, 'shape', ()))}")
+        if seqused_k.device != q.device:
+            raise ValueError(f"seqused_k must be on {q.device}, got {seqused_k.device}")
+
+    use_kernel = path == "kernel" or (path == "auto" and q.is_cuda)
+    if use_kernel:
+        if not q.is_cuda:
+            raise ValueError(f"path='kernel' needs CUDA tensors, got {q.device}; use path='reference' on CPU")
+        problem = kernel_problem(q.dtype, d, scale=scale, heads=hq, batch=b, q_len=sq, causal=causal)
+        if problem:
+            raise (TypeError if q.dtype not in KERNEL_DTYPES else ValueError)(problem)
+    elif reference_problem(q.dtype):
+        raise TypeError(f"unsupported dtype {q.dtype}; use one of {REFERENCE_DTYPES}")
+    return use_kernel
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """The layout cp.async reads in place: 16-byte aligned base, strides of batch/heads/seq multiples of 8 elements
+    (a dim of size 1 has any stride). Other layouts are copied once by the op, never rejected."""
+    return t.data_ptr() % 16 == 0 and all(st % 8 == 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3]))
+
+
+# ------------------------------------------------- what the launcher checks (kernels/binding.cpp's TORCH_CHECKs)
+
+def _shape(t) -> str:
+    return "[" + ", ".join(str(x) for x in t) + "]"
+
+
+def _operand_problem(t: torch.Tensor, name: str, q: torch.Tensor) -> str | None:
+    if not t.is_cuda:
+        return f"{name} must be a CUDA tensor"
+    if t.device != q.device:
+        return f"{name} is on {t.device} but q is on {q.device}"
+    if t.dtype != q.dtype:
+        return f"{name} dtype {t.dtype} != q dtype {q.dtype}"
+    if t.dim() != 4:
+        return f"{name} must be 4-D (batch, heads, seq, head_dim), got {t.dim()}-D"
+    st = t.stride()
+    if st[3] != 1:
+        return f"{name} must be contiguous in head_dim"
+    for d in range(3):
+        if st[d] % 8 and t.shape[d] != 1:
+            return f"{name} strides must be multiples of 8 elements (16 bytes), got {_shape(st)}"
+    if t.data_ptr() % 16:
+        return f"{name} must be 16-byte aligned"
+    return None
+
+
+def launcher_problem(q, k, v, out, lse, seqused_k, scale: float, causal: bool) -> str | None:
+    """What ``mha_fwd`` of a kernel backend refuses, in the words of kernels/binding.cpp (without its
+    "llm_attn.mha_fwd: " prefix), or None. The NVRTC launcher raises it; the extension checks the same in C++."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"only float16 and bfloat16 are supported, got {q.dtype}"
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")):
+        problem = _operand_problem(t, name, q)
+        if problem:
+            return problem
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim must be {' or '.join(map(str, KERNEL_HEAD_DIMS))}, got {head_dim}"
+    if k.shape != v.shape:
+        return f"k {_shape(k.shape)} and v {_shape(v.shape)} must have the same shape"
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        return f"k/v {_shape(k.shape)} do not match q {_shape(q.shape)}"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+    if min(batch, num_heads, seqlen_q, seqlen_k) <= 0:
+        return f"empty input: q {_shape(q.shape)}, k {_shape(k.shape)}"
+    if seqlen_q >= KERNEL_MAX_SEQ_LEN or seqlen_k >= KERNEL_MAX_SEQ_LEN:
+        return "sequence too long"
+    if num_heads > KERNEL_MAX_GRID_YZ or batch > KERNEL_MAX_GRID_YZ:
+        return f"at most {KERNEL_MAX_GRID_YZ} heads and batch {KERNEL_MAX_GRID_YZ}, got {num_heads} and {batch}"
+    if causal and seqlen_q > KERNEL_MAX_CAUSAL_Q_LEN:
+        return f"causal q_len must be <= {KERNEL_MAX_CAUSAL_Q_LEN}, got {seqlen_q}"
+    if out.shape != q.shape:
+        return f"out {_shape(out.shape)} must match q {_shape(q.shape)}"
+    if not (lse.is_cuda and lse.device == q.device and lse.dtype == torch.float32 and lse.is_contiguous()
+            and tuple(lse.shape) == (batch, num_heads, seqlen_q)):
+        return "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device"
+    if not math.isfinite(scale):
+        return "scale must be finite"
+    if scale < 0:  # binding.cpp formats the number with %g
+        return ("scale must be >= 0 (the kernels' online softmax takes each row's max before scaling), got "
+                f"{scale:g}")
+    if seqused_k is not None and not (seqused_k.is_cuda and seqused_k.device == q.device):
+        return "seqused_k must be on q's device"
+    if seqused_k is not None and not (seqused_k.dtype == torch.int32 and seqused_k.dim() == 1
+                                      and seqused_k.shape[0] == batch and seqused_k.is_contiguous()):
+        return "seqused_k must be a contiguous int32 tensor of shape (batch,)"
+    return None

@@ -1,0 +1,186 @@
+"""The PNG plots of the report: TTFT vs prompt length, speedup over stock, decode tok/s, prefill breakdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import matplotlib.ticker
+
+matplotlib.use("Agg")  # files only: no display on CI machines or GPU hosts
+import matplotlib.pyplot as plt  # noqa: E402
+
+from llm_attn.harness.devices import Device  # noqa: E402
+from llm_attn.reporting.merge import (  # noqa: E402
+    BREAKDOWN,
+    IMPL_ORDER,
+    STOCK_ORDER,
+    Merged,
+    _breakdown_rows,
+    _is_stock,
+)
+from llm_attn.reporting.tables import projection  # noqa: E402
+
+
+def _grid(n: int):
+    cols = min(n, 3)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def _color(impl: str) -> str:
+    """One colour per implementation across every panel and plot (plugins: a stable colour from the name)."""
+    n = IMPL_ORDER.get(impl)
+    if n is None:
+        n = len(IMPL_ORDER) + sum(map(ord, impl)) % 3
+    return f"C{n % 10}"
+
+
+def _plain_log_y(ax):
+    ax.set_yscale("log")
+    fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(fmt)
+    ax.yaxis.set_minor_formatter(fmt)
+
+
+def _log2_x(ax, seqs):
+    ax.set_xscale("log", base=2)
+    if seqs:
+        ax.set_xticks(seqs)
+        ax.set_xticklabels([str(s) for s in seqs], rotation=45)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _save(fig, title: str, path: Path) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _projection_panel(ax, m: Merged, series: tuple, proj: list[Device], seqs: list[int], key: str, bound: str,
+                      ylabel: str, log_y: bool, **legend) -> None:
+    """The last panel of a plot: each table device's roofline projection of ``key``, dashed, labelled PROJECTED."""
+    for dev in proj:
+        p = projection(m, series, dev, seqs)
+        if p:
+            ax.plot([x["seq"] for x in p], [x[key] for x in p], linestyle="--", marker="o",
+                    markerfacecolor="none", label=f"{dev.name} (projected)")
+    ax.set_title(f"PROJECTED: {bound}, not measured")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel(ylabel)
+    if log_y:
+        _plain_log_y(ax)
+    _log2_x(ax, seqs)
+    ax.legend(**legend)
+
+
+def plot_ttft(m: Merged, series: tuple, proj: list[Device], path: Path) -> None:
+    devices = [d for d in m.measured if m.seqs(d, series)]
+    all_seqs = sorted({s for d in devices for s in m.seqs(d, series)})
+    panels = len(devices) + (1 if proj else 0)
+    fig, axes = _grid(panels)
+    for ax, d in zip(axes, devices):
+        for impl in m.impls(d, series):
+            pts = [(s, r["stats"]["p50"]) for s in m.seqs(d, series) if (r := m.ok(d, series, s, impl, "ttft"))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=_color(impl), label=impl)
+        ax.set_title(f"{m.device_name[d]} (measured)")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT p50 (ms)")
+        _plain_log_y(ax)
+        _log2_x(ax, m.seqs(d, series))
+        ax.legend()
+    if proj:
+        _projection_panel(axes[-1], m, series, proj, all_seqs, "ttft_ms", "roofline lower bound", "TTFT bound (ms)",
+                          log_y=True)
+    _save(fig, f"TTFT vs prompt length — {series[0]}, batch {series[1]}", path)
+
+
+def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
+    """TTFT speedup of every non-stock implementation over each stock one measured beside it."""
+    devices = [d for d in m.measured if any(not _is_stock(r) for r in m.device_rows[d] if m.series(r) == series)]
+    if not devices:
+        return False
+    fig, axes = _grid(len(devices))
+    for ax, d in zip(axes, devices):
+        impls = m.impls(d, series)
+        stocks = [s for s in STOCK_ORDER if s in impls]
+        mine = [i for i in impls if i not in STOCK_ORDER
+                and not any(_is_stock(r) for r in m.device_rows[d] if r["impl"] == i)]
+        styles = ("-", "--", ":", "-.")
+        for impl in mine:
+            for n, stock in enumerate(stocks):
+                pts = []
+                for s in m.seqs(d, series):
+                    got, ref = m.ok(d, series, s, impl, "ttft"), m.ok(d, series, s, stock, "ttft")
+                    if got and ref:
+                        pts.append((s, ref["stats"]["p50"] / got["stats"]["p50"]))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=_color(impl), linestyle=styles[n % len(styles)],
+                            label=f"{impl} vs {stock}")
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_title(f"{m.device_name[d]} (measured)")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT speedup (stock p50 / impl p50)")
+        _log2_x(ax, m.seqs(d, series))
+        ax.legend(fontsize="small")
+    _save(fig, f"TTFT speedup over stock attention — {series[0]}, batch {series[1]}", path)
+    return True
+
+
+def plot_breakdown(m: Merged, series: tuple, path: Path) -> bool:
+    """Stacked bars: one per (impl, seq), segments attention / GEMM / quantised weights / other / idle in ms."""
+    devices = [d for d in m.measured if _breakdown_rows(m, d, series)]
+    if not devices:
+        return False
+    fig, axes = _grid(len(devices))
+    for ax, d in zip(axes, devices):
+        rows = _breakdown_rows(m, d, series)
+        labels = [f"{r['impl']}\n{r['seq']}" for r in rows]
+        bottom = [0.0] * len(rows)
+        for n, (cat, label) in enumerate(BREAKDOWN):
+            vals = [r["category_ms"][cat] for r in rows]
+            ax.bar(range(len(rows)), vals, bottom=bottom, label=label, color=("C3", "C0", "C1", "C7", "0.85")[n],
+                   edgecolor="white", linewidth=0.5)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize="small")
+        ax.set_ylabel("profiled prefill time (ms)")
+        gpu = any(r.get("device_type") == "cuda" for r in rows)
+        ax.set_title(f"{m.device_name[d]} (measured{'' if gpu else '; CPU: ATen op self time'})")
+        ax.legend(fontsize="small")
+    _save(fig, f"Where prefill time goes — {series[0]}, batch {series[1]} (impl / prompt tokens)", path)
+    return True
+
+
+def plot_decode(m: Merged, series: tuple, proj: list[Device], path: Path) -> bool:
+    devices = [d for d in m.measured
+               if any(m.ok(d, series, s, i, k) for s in m.seqs(d, series) for i in m.impls(d, series)
+                      for k in ("decode_generate", "decode_graph"))]
+    if not devices:
+        return False
+    all_seqs = sorted({s for d in devices for s in m.seqs(d, series)})
+    fig, axes = _grid(len(devices) + (1 if proj else 0))
+    for ax, d in zip(axes, devices):
+        for impl in m.impls(d, series):
+            color = _color(impl)
+            for kind, style in (("decode_generate", "-"), ("decode_graph", ":")):
+                pts = [(s, r["tok_s"]) for s in m.seqs(d, series) if (r := m.ok(d, series, s, impl, kind))]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", linestyle=style, color=color,
+                            label=f"{impl} ({kind.split('_')[1]})")
+        ax.set_title(f"{m.device_name[d]} (measured)")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("decode tok/s per sequence")
+        _log2_x(ax, m.seqs(d, series))
+        ax.legend(fontsize="small")
+    if proj:
+        _projection_panel(axes[-1], m, series, proj, all_seqs, "decode_tok_s", "bandwidth upper bound",
+                          "decode tok/s bound", log_y=False, fontsize="small")
+    _save(fig, f"Decode speed — {series[0]}, batch {series[1]} (solid: generate, dotted: CUDA graph)", path)
+    return True
