@@ -10,15 +10,22 @@
 //
 // kSplit: flash-decoding. blockIdx.z also enumerates KV splits; each split covers a contiguous range of key
 // tiles and writes float32 partials (output normalised within the split, and its lse) that flash_combine_kernel merges.
+//
+// Built from the named parts beside it: smem_tile.cuh (swizzled tiles, cp.async copies), softmax.cuh (the online
+// softmax state), mask.cuh, mma_frag.cuh (C -> A fragments, acc += A B) and combine.cuh (the KV-split merge). This
+// file holds the kernel's own parts: FwdTraits, WarpTile (one warp's Q K^T and P V), the two main loops
+// (fwd_mainloop_pipelined, fwd_mainloop_simple) and the epilogue.
 #pragma once
 
+#include "combine.cuh"
 #include "flash.h"
+#include "mask.cuh"
+#include "mma_frag.cuh"
 #include "ptx.cuh"
+#include "smem_tile.cuh"
+#include "softmax.cuh"
 
 namespace llm_attn {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // kMTiles: m16 row tiles per warp. With 2, every K/V fragment read from shared memory feeds two mma (half the
 // shared-memory traffic per FLOP), at the price of 2x the accumulators; Q is then re-read from shared memory per
@@ -51,162 +58,6 @@ struct FwdTraits {
     static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must divide evenly among threads");
     static_assert((kBlockM * kChunks) % kThreads == 0, "Q tile copy must divide evenly among threads");
 };
-
-// Element offset of (row, 16-byte chunk) in a swizzled [rows][kHeadDim] tile. XOR with row % 8 spreads the 8 rows
-// an ldmatrix phase reads (same logical chunk) over 8 different bank groups: conflict-free without padding.
-template <int kHeadDim>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
-
-// Per-thread ldmatrix column offsets for a fragment loop over k-steps kk (two 16-byte chunks each), for rows whose
-// (row & 7) is this lane's (lane & 7) — every ldmatrix address pattern here. The swizzled chunk
-// (2 kk + cbit) ^ (lane & 7) equals 2 (kk & ~3) + [2 ((kk & 3) ^ ((lane & 7) >> 1)) + (cbit ^ (lane & 1))]: only 4
-// values depend on the lane (shared by every pattern: `off`), plus the pattern's (cbit ^ (lane & 1)) * 8; the rest
-// is a compile-time immediate. Precomputing them keeps ptxas from hoisting a separate address per unrolled
-// (kk, tile) into registers across the main loop (kernels/NOTES.md v4).
-struct SwzCols {
-    int off[4];
-    __device__ __forceinline__ explicit SwzCols(int lane) {
-        const int s = (lane & 7) >> 1;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) off[j] = (j ^ s) * 16;
-    }
-    // Element offset within a row of k-step kk (a compile-time constant in unrolled loops); `cbit8` is
-    // (cbit ^ (lane & 1)) * 8 for the caller's fragment pattern.
-    __device__ __forceinline__ int operator()(int kk, int cbit8) const { return (kk & ~3) * 16 + off[kk & 3] + cbit8; }
-};
-
-// Async copy of a [kRows][kHeadDim] tile; rows >= valid_rows are zero-filled (so masked keys multiply zeros).
-// Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + i * kRowStep: the swizzle term is the same for
-// all of its rows and the source pointer advances by a constant, so no per-row 64-bit offsets stay live in
-// registers across the main loop.
-template <typename Traits, int kRows, typename T>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows, int tid) {
-    constexpr int kChunks = Traits::kChunks;
-    constexpr int kRowStep = Traits::kThreads / kChunks;
-    constexpr int kIters = kRows / kRowStep;
-    static_assert(kRowStep % 8 == 0, "row step must keep row % 8 (the swizzle phase) fixed");
-    const int row = tid / kChunks;
-    const int chunk = tid % kChunks;
-    const T* src = gmem + row * row_stride + chunk * 8;
-    T* dst = smem + swz<Traits::kHeadDim>(row, chunk);
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const bool ok = row + it * kRowStep < valid_rows;
-        cp_async_16(dst + it * kRowStep * Traits::kHeadDim, ok ? src : gmem, ok);
-        src += kRowStep * row_stride;
-    }
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// Online-softmax state of one thread: its two rows (g, g + 8) of each of kMT m16 tiles, the running max in the
-// base-2 scaled domain, the running (per-thread partial) sum, and the O accumulators of kDT n-tiles per tile.
-template <int kMT, int kDT>
-struct SoftmaxState {
-    float row_max[kMT][2];
-    float row_sum[kMT][2];
-    float acc_o[kMT][kDT][4];
-
-    __device__ __forceinline__ void init() {
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-            row_max[m][0] = row_max[m][1] = -INFINITY;
-            row_sum[m][0] = row_sum[m][1] = 0.f;
-#pragma unroll
-            for (int i = 0; i < kDT; ++i) acc_o[m][i][0] = acc_o[m][i][1] = acc_o[m][i][2] = acc_o[m][i][3] = 0.f;
-        }
-    }
-
-    // Folds a tile of scores S (kNT n-tiles of C fragments, masked entries -inf) into the state and replaces S in
-    // place by P = exp2(S * scale - max). Lazy rescaling: the running max of the warp's rows moves only when some
-    // row's tile max exceeds it by more than kRescaleLog2 (a warp-uniform vote). Otherwise the stale max stays,
-    // P stays below 2^kRescaleLog2 (exact in fp32 sums, no overflow in fp16/bf16) and the O accumulators skip the
-    // multiply by alpha — which otherwise sits on the critical path between S = QK^T and O += PV. The lse and the
-    // final 1/sum use the same max the P values were computed with, so the result is the same softmax.
-    static constexpr float kRescaleLog2 = 8.f;
-
-    template <int kNT>
-    __device__ __forceinline__ void update(float (&acc_s)[kMT][kNT][4], float scale_log2) {
-        float alpha[kMT][2];
-        if (update_scores(acc_s, scale_log2, alpha)) rescale_o(alpha);
-    }
-
-    // The first half of update(): the scores become P and the row statistics move; returns whether O must be
-    // multiplied by alpha (rescale_o). Split so that a caller can do it while O is still being accumulated by an
-    // asynchronous P V of the previous tile (the Hopper kernel), and rescale once that has finished.
-    template <int kNT>
-    __device__ __forceinline__ bool update_scores(float (&acc_s)[kMT][kNT][4], float scale_log2,
-                                                  float (&alpha)[kMT][2]) {
-        float tile_max[kMT][2];
-        bool grow = false;
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[m][nt][2 * r], acc_s[m][nt][2 * r + 1]));
-                tile_max[m][r] = quad_max(mx) * scale_log2;
-                // -inf > -inf is false: rows that saw only masked keys never ask for a rescale.
-                grow |= tile_max[m][r] > row_max[m][r] + kRescaleLog2;
-            }
-        }
-        const bool rescale = __any_sync(0xffffffff, grow);
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float new_max = rescale ? fmaxf(row_max[m][r], tile_max[m][r]) : row_max[m][r];
-                // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-                const float mm = new_max == -INFINITY ? 0.f : new_max;
-                alpha[m][r] = exp2f(row_max[m][r] - mm);
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
-                    acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, -mm));
-                    acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
-                    sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
-                }
-                row_sum[m][r] = row_sum[m][r] * alpha[m][r] + sum;  // per-thread partial; quad-reduced at the end
-                row_max[m][r] = new_max;
-            }
-        }
-        return rescale;
-    }
-
-    __device__ __forceinline__ void rescale_o(const float (&alpha)[kMT][2]) {
-#pragma unroll
-        for (int m = 0; m < kMT; ++m)
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                acc_o[m][dt][0] *= alpha[m][0];
-                acc_o[m][dt][1] *= alpha[m][0];
-                acc_o[m][dt][2] *= alpha[m][1];
-                acc_o[m][dt][3] *= alpha[m][1];
-            }
-    }
-};
-
-// The P tile's n-tiles (2kk, 2kk + 1) of C fragments are exactly the A fragment of k-step kk of P V.
-template <typename T, int kMT, int kNT>
-__device__ __forceinline__ void p_fragment(uint32_t (&a)[kMT][4], const float (&acc_s)[kMT][kNT][4], int kk) {
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-        a[m][0] = pack2<T>(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
-        a[m][1] = pack2<T>(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
-        a[m][2] = pack2<T>(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
-        a[m][3] = pack2<T>(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
-    }
-}
 
 // One warp's share of the tile math: its rows x one K/V tile in shared memory. Holds this lane's fragment
 // addressing (rows and swizzled columns of the K, V and Q ldmatrix patterns) and, with one m-tile per warp, the Q
@@ -277,43 +128,150 @@ struct WarpTile {
             }
         }
     }
-
-    // -inf on keys past the end and (causal) above the diagonal; `row0`: the warp's first query row.
-    template <bool kCausal>
-    __device__ __forceinline__ static void mask(Scores& acc_s, int key0, int row0, int seqlen_k, int causal_offset,
-                                                int lane) {
-        const int g = lane / 4, t = lane % 4;
-#pragma unroll
-        for (int m = 0; m < kMT; ++m)
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + nt * 8 + 2 * t + (e & 1);
-                    const int row = row0 + m * 16 + g + (e >= 2 ? 8 : 0);
-                    if (key >= seqlen_k || (kCausal && key > row + causal_offset)) acc_s[m][nt][e] = -INFINITY;
-                }
-    }
-
     // O += P V, P the softmax-updated scores (as A fragments, never written to memory).
     __device__ __forceinline__ void pv(float (&acc_o)[kMT][kDT][4], const Scores& p, const T* cV) const {
 #pragma unroll
         for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-            uint32_t a[kMT][4];
-            p_fragment<T>(a, p, kk);
-#pragma unroll
-            for (int dp = 0; dp < kDT / 2; ++dp) {
-                uint32_t b[4];
+            mma_c_as_a<T>(acc_o, p, kk, [&](uint32_t (&b)[4], int dp) {
                 ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols(dp, cbit_qv));
-#pragma unroll
-                for (int m = 0; m < kMT; ++m) {
-                    mma_16816<T>(acc_o[m][2 * dp], a[m], b[0], b[1]);
-                    mma_16816<T>(acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
-                }
-            }
+            });
         }
     }
 };
+
+
+// A block's view for the main loops: where its Q, K and V tiles come from, how they go to shared memory, and which
+// key tiles need masking or can be skipped by a warp.
+template <typename T, typename Traits, bool kCausal>
+struct FwdBlock {
+    static constexpr int kBlockM = Traits::kBlockM;
+    static constexpr int kBlockN = Traits::kBlockN;
+    const FlashFwdParams& params;
+    T* sQ;
+    T* sK;  // [2][kBlockN][kHeadDim]
+    T* sV;  // [2][kBlockN][kHeadDim]
+    const T* q_ptr;
+    const T* k_ptr;
+    const T* v_ptr;
+    int seqlen_q, seqlen_k, causal_offset;  // row i sees keys j <= i + causal_offset
+    int row0, warp_row0;                    // the block's and this warp's first query row
+    int tid;
+
+    __device__ __forceinline__ void load_q() const {
+        load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
+    }
+    __device__ __forceinline__ void load_k(int n_block, int stage) const {
+        const int kv = n_block * kBlockN;
+        load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
+                                         params.k_row_stride, seqlen_k - kv, tid);
+    }
+    __device__ __forceinline__ void load_v(int n_block, int stage) const {
+        const int kv = n_block * kBlockN;
+        load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
+                                         params.v_row_stride, seqlen_k - kv, tid);
+    }
+    // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
+    __device__ __forceinline__ bool need_mask(int n_block) const {
+        const int key0 = n_block * kBlockN;
+        return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
+    }
+    // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
+    // the first warps of the block on its last key tile): the warp skips its softmax and P V.
+    __device__ __forceinline__ bool warp_masked_out(int n_block) const {
+        return kCausal && n_block * kBlockN > warp_row0 + Traits::kWarpRows - 1 + causal_offset;
+    }
+    template <int kMT, int kNT>
+    __device__ __forceinline__ void mask(float (&acc_s)[kMT][kNT][4], int n_block, int lane) const {
+        if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+    }
+};
+
+// Software-pipelined main loop over key tiles [n_block_min, n_block_max) (one m-tile per warp): S of the next tile
+// (tensor cores) is issued in the same straight-line stretch as the softmax of the current one (FMA/MUFU/shuffles),
+// so each warp always has independent work in flight instead of alternating an mma phase and a softmax phase. K runs
+// one tile ahead of V: the group in flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile
+// j - 1 counterpart freed.
+template <typename T, typename Traits, bool kCausal, typename State>
+__device__ __forceinline__ void fwd_mainloop_pipelined(const FwdBlock<T, Traits, kCausal>& blk, State& st,
+                                                       int n_block_min, int n_block_max, int warp, int lane,
+                                                       float scale_log2) {
+    constexpr int kMT = Traits::kMTiles;
+    constexpr int kNT = Traits::kBlockN / 8;
+    using Tile = WarpTile<T, Traits>;
+    Tile wt(blk.sQ, warp, lane);
+    blk.load_q();
+    blk.load_k(n_block_min, 0);
+    cp_async_commit();
+    blk.load_v(n_block_min, 0);
+    if (n_block_min + 1 < n_block_max) blk.load_k(n_block_min + 1, 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    wt.load_q();
+    typename Tile::Scores acc_s;
+    wt.qk(acc_s, blk.sK);
+    for (int n_block = n_block_min;; ++n_block) {
+        const int stage = (n_block - n_block_min) & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
+        const bool last = n_block + 1 == n_block_max;
+        if (n_block + 2 < n_block_max) blk.load_k(n_block + 2, stage);
+        if (!last) blk.load_v(n_block + 1, stage ^ 1);
+        cp_async_commit();
+        blk.mask(acc_s, n_block, lane);
+        if (last) {
+            if (!blk.warp_masked_out(n_block)) {
+                st.update(acc_s, scale_log2);
+                wt.pv(st.acc_o, acc_s, blk.sV + stage * Traits::kSmemKV);
+            }
+            break;
+        }
+        typename Tile::Scores acc_next;
+        wt.qk(acc_next, blk.sK + (stage ^ 1) * Traits::kSmemKV);
+        st.update(acc_s, scale_log2);
+        wt.pv(st.acc_o, acc_s, blk.sV + stage * Traits::kSmemKV);
+#pragma unroll
+        for (int m = 0; m < kMT; ++m)
+#pragma unroll
+            for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
+    }
+}
+
+// Simple main loop: K/V tile j + 1 loads (cp.async, into the other stage) while tile j goes through S = Q K^T, the
+// softmax and P V.
+template <typename T, typename Traits, bool kCausal, typename State>
+__device__ __forceinline__ void fwd_mainloop_simple(const FwdBlock<T, Traits, kCausal>& blk, State& st,
+                                                    int n_block_min, int n_block_max, int warp, int lane,
+                                                    float scale_log2) {
+    using Tile = WarpTile<T, Traits>;
+    Tile wt(blk.sQ, warp, lane);
+    blk.load_q();
+    blk.load_k(n_block_min, 0);
+    blk.load_v(n_block_min, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    wt.load_q();
+    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+        const int stage = (n_block - n_block_min) & 1;
+        if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
+            blk.load_k(n_block + 1, stage ^ 1);
+            blk.load_v(n_block + 1, stage ^ 1);
+        }
+        cp_async_commit();
+        if (!blk.warp_masked_out(n_block)) {
+            typename Tile::Scores acc_s;
+            wt.qk(acc_s, blk.sK + stage * Traits::kSmemKV);
+            blk.mask(acc_s, n_block, lane);
+            st.update(acc_s, scale_log2);
+            wt.pv(st.acc_o, acc_s, blk.sV + stage * Traits::kSmemKV);
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
+    }
+}
 
 // The body of the forward kernel: one block of kBlockM query rows of one (batch, head[, split]).
 template <typename T, typename Traits, bool kCausal, bool kSplit>
@@ -323,7 +281,6 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kMT = Traits::kMTiles;
     constexpr int kWarpRows = Traits::kWarpRows;
-    constexpr int kNT = kBlockN / 8;    // n-tiles of S per m-tile
     constexpr int kDT = kHeadDim / 8;   // n-tiles of O per m-tile
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -374,98 +331,12 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     st.init();
 
     if (n_block_min < n_block_max) {
-        auto load_k = [&](int n_block, int stage) {
-            const int kv = n_block * kBlockN;
-            load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
-                                             params.k_row_stride, seqlen_k - kv, tid);
-        };
-        auto load_v = [&](int n_block, int stage) {
-            const int kv = n_block * kBlockN;
-            load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
-                                             params.v_row_stride, seqlen_k - kv, tid);
-        };
-        // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
-        auto need_mask = [&](int n_block) {
-            const int key0 = n_block * kBlockN;
-            return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
-        };
-        // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
-        // the first warps of the block on its last key tile): the warp skips its softmax and P V.
-        auto warp_masked_out = [&](int n_block) {
-            return kCausal && n_block * kBlockN > warp_row0 + kWarpRows - 1 + causal_offset;
-        };
-        using Tile = WarpTile<T, Traits>;
-        Tile wt(sQ, warp, lane);
-        const float scale_log2 = params.scale_log2;
-
+        const FwdBlock<T, Traits, kCausal> blk{params, sQ, sK, sV, q_ptr, k_ptr, v_ptr, seqlen_q, seqlen_k,
+                                               causal_offset, row0, warp_row0, tid};
         if constexpr (Traits::kPipeline) {
-            // Software pipeline: S of the next tile (tensor cores) is issued in the same straight-line stretch as the
-            // softmax of the current one (FMA/MUFU/shuffles), so each warp always has independent work in flight
-            // instead of alternating an mma phase and a softmax phase. K runs one tile ahead of V: the group in
-            // flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile j - 1 counterpart freed.
-            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
-            load_k(n_block_min, 0);
-            cp_async_commit();
-            load_v(n_block_min, 0);
-            if (n_block_min + 1 < n_block_max) load_k(n_block_min + 1, 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();
-            wt.load_q();
-            typename Tile::Scores acc_s;
-            wt.qk(acc_s, sK);
-            for (int n_block = n_block_min;; ++n_block) {
-                const int stage = (n_block - n_block_min) & 1;
-                cp_async_wait<0>();
-                __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
-                const bool last = n_block + 1 == n_block_max;
-                if (n_block + 2 < n_block_max) load_k(n_block + 2, stage);
-                if (!last) load_v(n_block + 1, stage ^ 1);
-                cp_async_commit();
-                if (need_mask(n_block)) Tile::template mask<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
-                if (last) {
-                    if (!warp_masked_out(n_block)) {
-                        st.update(acc_s, scale_log2);
-                        wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
-                    }
-                    break;
-                }
-                typename Tile::Scores acc_next;
-                wt.qk(acc_next, sK + (stage ^ 1) * Traits::kSmemKV);
-                st.update(acc_s, scale_log2);
-                wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
-#pragma unroll
-                for (int m = 0; m < kMT; ++m)
-#pragma unroll
-                    for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
-            }
+            fwd_mainloop_pipelined(blk, st, n_block_min, n_block_max, warp, lane, params.scale_log2);
         } else {
-            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
-            load_k(n_block_min, 0);
-            load_v(n_block_min, 0);
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncthreads();
-            wt.load_q();
-            for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
-                const int stage = (n_block - n_block_min) & 1;
-                if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
-                    load_k(n_block + 1, stage ^ 1);
-                    load_v(n_block + 1, stage ^ 1);
-                }
-                cp_async_commit();
-                if (!warp_masked_out(n_block)) {
-                    typename Tile::Scores acc_s;
-                    wt.qk(acc_s, sK + stage * Traits::kSmemKV);
-                    if (need_mask(n_block)) Tile::template mask<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
-                    st.update(acc_s, scale_log2);
-                    wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
-                }
-                cp_async_wait<0>();
-                __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
-            }
+            fwd_mainloop_simple(blk, st, n_block_min, n_block_max, warp, lane, params.scale_log2);
         }
     }
 
@@ -546,53 +417,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
         flash_fwd_block<T, Traits, kCausal, kSplit>(params);
     }
 #endif
-}
-
-// Merges the KV-split partials of one output row (row_id over (batch, head, q_row)) with one warp:
-// lse = log(sum_s exp(lse_s)); o = sum_s exp(lse_s - lse) o_s. Partials are read with ld.global.cg (L2, not L1):
-// in the fused decode path they were written by other blocks of the same launch.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void combine_row(const FlashFwdParams& params, int64_t row_id, int lane) {
-    constexpr int kPerLane = kHeadDim / 32;
-    const int64_t split_stride = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
-    float max_lse = -INFINITY;
-    for (int s = lane; s < params.num_splits; s += 32) max_lse = fmaxf(max_lse, __ldcg(params.lse_accum + s * split_stride + row_id));
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, off));
-    float acc[kPerLane] = {};
-    float total = 0.f;
-    if (max_lse != -INFINITY) {
-        // Unrolled so several splits' loads are in flight at once: this loop is L2-latency bound.
-#pragma unroll 8
-        for (int s = 0; s < params.num_splits; ++s) {
-            const float w = __expf(__ldcg(params.lse_accum + s * split_stride + row_id) - max_lse);
-            total += w;
-            const float* o_s = params.o_accum + (s * split_stride + row_id) * kHeadDim + lane * kPerLane;
-#pragma unroll
-            for (int i = 0; i < kPerLane; i += 2) {
-                const float2 x = __ldcg(reinterpret_cast<const float2*>(o_s + i));
-                acc[i] += w * x.x;
-                acc[i + 1] += w * x.y;
-            }
-        }
-    }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const int row = row_id % params.seqlen_q;
-    const int head = (row_id / params.seqlen_q) % params.num_heads;
-    const int batch = row_id / (static_cast<int64_t>(params.seqlen_q) * params.num_heads);
-    T* o = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
-           static_cast<int64_t>(row) * params.o_row_stride + lane * kPerLane;
-#pragma unroll
-    for (int i = 0; i < kPerLane; i += 2) *reinterpret_cast<uint32_t*>(o + i) = pack2<T>(acc[i] * inv, acc[i + 1] * inv);
-    if (params.lse != nullptr && lane == 0) params.lse[row_id] = total > 0.f ? max_lse + __logf(total) : -INFINITY;
-}
-
-// Merges the KV-split partials of the prefill kernel: one warp per output row.
-template <typename T, int kHeadDim>
-__global__ void flash_combine_kernel(const FlashFwdParams params) {
-    const int64_t row_id = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row_id >= static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q) return;
-    combine_row<T, kHeadDim>(params, row_id, threadIdx.x % 32);
 }
 
 }  // namespace llm_attn
