@@ -2,8 +2,9 @@
 //
 // One thread block owns kBlockM query rows of one (batch, query head); each of its warps owns 16 or 32 of those
 // rows (kMTiles), so warps split query rows and never exchange softmax state. With 16 rows per warp the Q tile
-// is loaded once into registers (A fragments); with 32 it is re-read from shared memory. K/V tiles of kBlockN keys stream through double-buffered, XOR-swizzled shared memory with
-// cp.async: tile j+1 is in flight while tile j is multiplied. Per tile: S = Q K^T (mma), masking only on tiles
+// is loaded once into registers (A fragments); with 32 it is re-read from shared memory. K/V tiles of kBlockN keys
+// stream through double-buffered, XOR-swizzled shared memory with cp.async: tile j+1 is in flight while tile j is
+// multiplied. Per tile: S = Q K^T (mma), masking only on tiles
 // that cross the causal diagonal or the end of the keys, online softmax in base 2 with the scale folded into
 // one FMA, P (the S accumulators re-packed as A fragments, never written to memory) times V (ldmatrix.trans).
 // The N x N score matrix never leaves registers.
@@ -294,7 +295,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     const int g = lane / 4;
     const int t = lane % 4;
 
-        // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
+    // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
     // so blocks launch longest first across all heads and the short ones fill the tail of the last wave.
     constexpr bool kHeadsFirst = kCausal && !kSplit;
     const int m_block = kHeadsFirst ? gridDim.y - 1 - blockIdx.y : blockIdx.x;

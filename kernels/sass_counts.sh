@@ -69,18 +69,22 @@ for o in "$out"/*.o; do
     "$co" -sass -arch "sm_$a" "$o" | python3 -c '
 import hashlib, re, sys
 tu, arch = sys.argv[1], sys.argv[2]
-fn, lines = None, []
+fn, lines, want = None, [], True
 def flush():
     if fn is None:
         return
-    ins = [l for l in lines]
+    ins = lines
     text = "\n".join(ins).encode()
     nonop = sum(1 for l in ins if not l.startswith("NOP"))
     print(f"{tu}\t{arch}\t{len(ins)}\t{nonop}\t{hashlib.sha1(text).hexdigest()[:12]}\t{fn}")
 for line in sys.stdin:
+    m = re.match(r"\s*code for (sm_\w+)", line)
+    if m:  # -arch sm_90 also prints the sm_90a code: keep the requested one only
+        flush(); fn, want = None, m.group(1) == "sm_" + arch
+        continue
     m = re.match(r"\s*Function : (\S+)", line)
     if m:
-        flush(); fn, lines = m.group(1), []
+        flush(); fn, lines = (m.group(1) if want else None), []
         continue
     m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*(/\*.*\*/)?\s*$", line)
     if m and fn is not None and m.group(1):
