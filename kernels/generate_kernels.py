@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,24 +33,15 @@ HEAD_DIMS = (128, 64)
 DTYPES = (("fp16", "half"), ("bf16", "__nv_bfloat16"))  # (file tag, C++ element type)
 
 
-@dataclass(frozen=True)
-class Fwd:
-    """FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kMTiles, kPipeline, kMinArch> (flash_fwd_kernel.cuh)."""
+class Fwd(namedtuple("Fwd", "head_dim block_m block_n n_warps m_tiles pipeline min_arch")):
+    """FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kMTiles, kPipeline, kMinArch> (flash_fwd_kernel.cuh); the
+    same fields as llm_attn._plan.FwdTraits, which reads them back as plain tuples from _kernel_table.py."""
 
-    head_dim: int
-    block_m: int
-    block_n: int
-    n_warps: int
-    m_tiles: int
-    pipeline: bool
-    min_arch: int
+    __slots__ = ()
 
     def cpp(self) -> str:
         return (f"FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, {self.n_warps}, {self.m_tiles}, "
                 f"{str(self.pipeline).lower()}, {self.min_arch}>")
-
-    def tuple(self) -> tuple:
-        return (self.head_dim, self.block_m, self.block_n, self.n_warps, self.m_tiles, self.pipeline, self.min_arch)
 
 
 # The portable prefill's tiles per head_dim (why each is what it is: kernels/flash_fwd_config.h). wide64 None: no
@@ -151,7 +142,7 @@ def tiles_header() -> str:
 
 def python_table() -> str:
     def fwd(c):
-        return {k: (v.tuple() if isinstance(v, Fwd) else v) for k, v in c.items()}
+        return {k: (tuple(v) if isinstance(v, Fwd) else v) for k, v in c.items()}
     lines = [
         '"""The kernel tables of kernels/generate_kernels.py, for llm_attn/_plan.py. Generated: edit the spec in',
         'kernels/generate_kernels.py and run it, not this file. Plain data, importable without CUDA."""',
