@@ -51,17 +51,15 @@ export PATH="$(dirname "$co"):$PATH"  # cuobjdump -sass runs nvdisasm (pip's nvi
 if [ -n "${SASS_OBJ_DIR:-}" ]; then out=$SASS_OBJ_DIR; mkdir -p "$out"; else out=$(mktemp -d); trap 'rm -rf "$out"' EXIT; fi
 gencode=()
 for a in $archs; do gencode+=(-gencode "arch=compute_${a},code=sm_${a}"); done
-pids=()
 for src in "$kdir"/*.cu; do
   [ -n "${SASS_REUSE:-}" ] && [ -f "$out/$(basename "$src" .cu).o" ] && continue
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
   name=$(basename "$src" .cu)
   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr "${gencode[@]}" -c "$src" -o "$out/$name.o" \
-    >"$out/$name.log" 2>&1 & pids+=($!)
+    >"$out/$name.log" 2>&1 || touch "$out/failed" &
 done
-status=0
-for p in "${pids[@]}"; do wait "$p" || status=1; done
-[ $status -eq 0 ] || { cat "$out"/*.log >&2; exit 1; }
+wait  # one wait for all (see check_ptxas.sh: per-PID waits break when PIDs wrap)
+[ ! -e "$out/failed" ] || { rm -f "$out/failed"; cat "$out"/*.log >&2; exit 1; }
 echo -e "#tu\tarch\tinstructions\tnon_nop\tsass_hash\tsymbol"
 for o in "$out"/*.o; do
   tu=$(basename "$o" .o)
