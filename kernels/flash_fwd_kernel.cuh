@@ -14,8 +14,9 @@
 //
 // Built from the named parts beside it: smem_tile.cuh (swizzled tiles, cp.async copies), softmax.cuh (the online
 // softmax state), mask.cuh, mma_frag.cuh (C -> A fragments, acc += A B) and combine.cuh (the KV-split merge). This
-// file holds the kernel's own parts: FwdTraits, WarpTile (one warp's Q K^T and P V), the two main loops
-// (fwd_mainloop_pipelined, fwd_mainloop_simple) and the epilogue.
+// file holds the kernel's own parts: FwdTraits, WarpTile (one warp's Q K^T and P V), the two main loops (pipelined
+// and simple, inline in flash_fwd_block: as separate functions nvcc compiled them to different SASS, NOTES.md
+// "Named parts") and the epilogue.
 #pragma once
 
 #include "combine.cuh"
@@ -141,139 +142,6 @@ struct WarpTile {
 };
 
 
-// A block's view for the main loops: where its Q, K and V tiles come from, how they go to shared memory, and which
-// key tiles need masking or can be skipped by a warp.
-template <typename T, typename Traits, bool kCausal>
-struct FwdBlock {
-    static constexpr int kBlockM = Traits::kBlockM;
-    static constexpr int kBlockN = Traits::kBlockN;
-    const FlashFwdParams& params;
-    T* sQ;
-    T* sK;  // [2][kBlockN][kHeadDim]
-    T* sV;  // [2][kBlockN][kHeadDim]
-    const T* q_ptr;
-    const T* k_ptr;
-    const T* v_ptr;
-    int seqlen_q, seqlen_k, causal_offset;  // row i sees keys j <= i + causal_offset
-    int row0, warp_row0;                    // the block's and this warp's first query row
-    int tid;
-
-    __device__ __forceinline__ void load_q() const {
-        load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
-    }
-    __device__ __forceinline__ void load_k(int n_block, int stage) const {
-        const int kv = n_block * kBlockN;
-        load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
-                                         params.k_row_stride, seqlen_k - kv, tid);
-    }
-    __device__ __forceinline__ void load_v(int n_block, int stage) const {
-        const int kv = n_block * kBlockN;
-        load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
-                                         params.v_row_stride, seqlen_k - kv, tid);
-    }
-    // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
-    __device__ __forceinline__ bool need_mask(int n_block) const {
-        const int key0 = n_block * kBlockN;
-        return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
-    }
-    // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
-    // the first warps of the block on its last key tile): the warp skips its softmax and P V.
-    __device__ __forceinline__ bool warp_masked_out(int n_block) const {
-        return kCausal && n_block * kBlockN > warp_row0 + Traits::kWarpRows - 1 + causal_offset;
-    }
-    template <int kMT, int kNT>
-    __device__ __forceinline__ void mask(float (&acc_s)[kMT][kNT][4], int n_block, int lane) const {
-        if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
-    }
-};
-
-// Software-pipelined main loop over key tiles [n_block_min, n_block_max) (one m-tile per warp): S of the next tile
-// (tensor cores) is issued in the same straight-line stretch as the softmax of the current one (FMA/MUFU/shuffles),
-// so each warp always has independent work in flight instead of alternating an mma phase and a softmax phase. K runs
-// one tile ahead of V: the group in flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile
-// j - 1 counterpart freed.
-template <typename T, typename Traits, bool kCausal, typename State>
-__device__ __forceinline__ void fwd_mainloop_pipelined(const FwdBlock<T, Traits, kCausal>& blk, State& st,
-                                                       int n_block_min, int n_block_max, int warp, int lane,
-                                                       float scale_log2) {
-    constexpr int kMT = Traits::kMTiles;
-    constexpr int kNT = Traits::kBlockN / 8;
-    using Tile = WarpTile<T, Traits>;
-    Tile wt(blk.sQ, warp, lane);
-    blk.load_q();
-    blk.load_k(n_block_min, 0);
-    cp_async_commit();
-    blk.load_v(n_block_min, 0);
-    if (n_block_min + 1 < n_block_max) blk.load_k(n_block_min + 1, 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    wt.load_q();
-    typename Tile::Scores acc_s;
-    wt.qk(acc_s, blk.sK);
-    for (int n_block = n_block_min;; ++n_block) {
-        const int stage = (n_block - n_block_min) & 1;
-        cp_async_wait<0>();
-        __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
-        const bool last = n_block + 1 == n_block_max;
-        if (n_block + 2 < n_block_max) blk.load_k(n_block + 2, stage);
-        if (!last) blk.load_v(n_block + 1, stage ^ 1);
-        cp_async_commit();
-        blk.mask(acc_s, n_block, lane);
-        if (last) {
-            if (!blk.warp_masked_out(n_block)) {
-                st.update(acc_s, scale_log2);
-                wt.pv(st.acc_o, acc_s, blk.sV + stage * Traits::kSmemKV);
-            }
-            break;
-        }
-        typename Tile::Scores acc_next;
-        wt.qk(acc_next, blk.sK + (stage ^ 1) * Traits::kSmemKV);
-        st.update(acc_s, scale_log2);
-        wt.pv(st.acc_o, acc_s, blk.sV + stage * Traits::kSmemKV);
-#pragma unroll
-        for (int m = 0; m < kMT; ++m)
-#pragma unroll
-            for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
-    }
-}
-
-// Simple main loop: K/V tile j + 1 loads (cp.async, into the other stage) while tile j goes through S = Q K^T, the
-// softmax and P V.
-template <typename T, typename Traits, bool kCausal, typename State>
-__device__ __forceinline__ void fwd_mainloop_simple(const FwdBlock<T, Traits, kCausal>& blk, State& st,
-                                                    int n_block_min, int n_block_max, int warp, int lane,
-                                                    float scale_log2) {
-    using Tile = WarpTile<T, Traits>;
-    Tile wt(blk.sQ, warp, lane);
-    blk.load_q();
-    blk.load_k(n_block_min, 0);
-    blk.load_v(n_block_min, 0);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    wt.load_q();
-    for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
-        const int stage = (n_block - n_block_min) & 1;
-        if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
-            blk.load_k(n_block + 1, stage ^ 1);
-            blk.load_v(n_block + 1, stage ^ 1);
-        }
-        cp_async_commit();
-        if (!blk.warp_masked_out(n_block)) {
-            typename Tile::Scores acc_s;
-            wt.qk(acc_s, blk.sK + stage * Traits::kSmemKV);
-            blk.mask(acc_s, n_block, lane);
-            st.update(acc_s, scale_log2);
-            wt.pv(st.acc_o, acc_s, blk.sV + stage * Traits::kSmemKV);
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
-    }
-}
-
 // The body of the forward kernel: one block of kBlockM query rows of one (batch, head[, split]).
 template <typename T, typename Traits, bool kCausal, bool kSplit>
 __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
@@ -282,6 +150,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kMT = Traits::kMTiles;
     constexpr int kWarpRows = Traits::kWarpRows;
+    constexpr int kNT = kBlockN / 8;    // n-tiles of S per m-tile
     constexpr int kDT = kHeadDim / 8;   // n-tiles of O per m-tile
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -332,12 +201,98 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     st.init();
 
     if (n_block_min < n_block_max) {
-        const FwdBlock<T, Traits, kCausal> blk{params, sQ, sK, sV, q_ptr, k_ptr, v_ptr, seqlen_q, seqlen_k,
-                                               causal_offset, row0, warp_row0, tid};
+        auto load_k = [&](int n_block, int stage) {
+            const int kv = n_block * kBlockN;
+            load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
+                                             params.k_row_stride, seqlen_k - kv, tid);
+        };
+        auto load_v = [&](int n_block, int stage) {
+            const int kv = n_block * kBlockN;
+            load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
+                                             params.v_row_stride, seqlen_k - kv, tid);
+        };
+        // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
+        auto need_mask = [&](int n_block) {
+            const int key0 = n_block * kBlockN;
+            return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
+        };
+        // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
+        // the first warps of the block on its last key tile): the warp skips its softmax and P V.
+        auto warp_masked_out = [&](int n_block) {
+            return kCausal && n_block * kBlockN > warp_row0 + kWarpRows - 1 + causal_offset;
+        };
+        using Tile = WarpTile<T, Traits>;
+        Tile wt(sQ, warp, lane);
+        const float scale_log2 = params.scale_log2;
+
         if constexpr (Traits::kPipeline) {
-            fwd_mainloop_pipelined(blk, st, n_block_min, n_block_max, warp, lane, params.scale_log2);
+            // Software pipeline: S of the next tile (tensor cores) is issued in the same straight-line stretch as the
+            // softmax of the current one (FMA/MUFU/shuffles), so each warp always has independent work in flight
+            // instead of alternating an mma phase and a softmax phase. K runs one tile ahead of V: the group in
+            // flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile j - 1 counterpart freed.
+            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
+            load_k(n_block_min, 0);
+            cp_async_commit();
+            load_v(n_block_min, 0);
+            if (n_block_min + 1 < n_block_max) load_k(n_block_min + 1, 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+            wt.load_q();
+            typename Tile::Scores acc_s;
+            wt.qk(acc_s, sK);
+            for (int n_block = n_block_min;; ++n_block) {
+                const int stage = (n_block - n_block_min) & 1;
+                cp_async_wait<0>();
+                __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
+                const bool last = n_block + 1 == n_block_max;
+                if (n_block + 2 < n_block_max) load_k(n_block + 2, stage);
+                if (!last) load_v(n_block + 1, stage ^ 1);
+                cp_async_commit();
+                if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+                if (last) {
+                    if (!warp_masked_out(n_block)) {
+                        st.update(acc_s, scale_log2);
+                        wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
+                    }
+                    break;
+                }
+                typename Tile::Scores acc_next;
+                wt.qk(acc_next, sK + (stage ^ 1) * Traits::kSmemKV);
+                st.update(acc_s, scale_log2);
+                wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
+#pragma unroll
+                for (int m = 0; m < kMT; ++m)
+#pragma unroll
+                    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
+            }
         } else {
-            fwd_mainloop_simple(blk, st, n_block_min, n_block_max, warp, lane, params.scale_log2);
+            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
+            load_k(n_block_min, 0);
+            load_v(n_block_min, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            wt.load_q();
+            for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+                const int stage = (n_block - n_block_min) & 1;
+                if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
+                    load_k(n_block + 1, stage ^ 1);
+                    load_v(n_block + 1, stage ^ 1);
+                }
+                cp_async_commit();
+                if (!warp_masked_out(n_block)) {
+                    typename Tile::Scores acc_s;
+                    wt.qk(acc_s, sK + stage * Traits::kSmemKV);
+                    if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+                    st.update(acc_s, scale_log2);
+                    wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
+                }
+                cp_async_wait<0>();
+                __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
+            }
         }
     }
 
