@@ -17,17 +17,18 @@ compile() {  # $1 = source; writes $out/<name>.log
   local src=$1 log="$out/$(basename "$1").log"
   if ! nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -Xptxas -v "${gencode[@]}" -c "$src" \
         -o "$out/$(basename "$src").o" >"$log" 2>&1; then
-    echo "FAILED to compile $src"; cat "$log"; return 1
+    echo "FAILED to compile $src"; cat "$log"; touch "$out/failed"; return 1
   fi
 }
 export -f compile; export out; export gencode_str="${gencode[*]}"
-pids=(); status=0
 for src in *.cu; do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
-  compile "$src" & pids+=($!)
+  compile "$src" &
 done
-for p in "${pids[@]}"; do wait "$p" || status=1; done
-[ $status -eq 0 ] || exit 1
+# One `wait` for all, failures marked by a file: `wait PID` per job fails ("not a child of this shell") once nvcc's
+# many short-lived processes wrap the PID counter and bash drops the saved status of an early, finished job.
+wait
+[ ! -e "$out/failed" ] || exit 1
 
 bad=0
 for log in "$out"/*.log; do

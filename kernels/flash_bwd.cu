@@ -1,5 +1,6 @@
 // Runtime -> compile-time dispatch for the backward kernels.
 #include "flash.h"
+#include "kernel_tiles.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -8,9 +9,10 @@
 
 namespace llm_attn {
 
-// Must match BwdConfig (flash_bwd_launch.cuh): query rows per step, keys per block.
-static int bwd_block_m(int head_dim) { return head_dim == 128 ? 32 : 64; }
-constexpr int kBwdBlockN = 64;
+// BwdConfig's (flash_bwd_launch.cuh) query rows per step and keys per block, from the generated table.
+static int bwd_block_m(int head_dim) { return head_dim == 128 ? BwdTile<128>::kBlockM : BwdTile<64>::kBlockM; }
+static_assert(BwdTile<128>::kBlockN == BwdTile<64>::kBlockN, "one key-block size for both head dims");
+constexpr int kBwdBlockN = BwdTile<64>::kBlockN;
 
 void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits) {
     const int block_m = bwd_block_m(p.head_dim);

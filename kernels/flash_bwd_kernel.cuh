@@ -22,8 +22,11 @@
 #pragma once
 
 #include "flash.h"
-#include "flash_fwd_kernel.cuh"  // swz, SwzCols, load_tile_async, kLog2e
+#include "mask.cuh"
+#include "mma_frag.cuh"
 #include "ptx.cuh"
+#include "smem_tile.cuh"  // swz, swz_ds, SwzCols, LdsmAddr, load_tile_async
+#include "softmax.cuh"    // kLog2e
 
 namespace llm_attn {
 
@@ -122,49 +125,6 @@ __global__ void flash_bwd_convert_dq_kernel(const FlashBwdParams params) {
             static_cast<int64_t>(row) * params.dq_row_stride + chunk * 8;
     *reinterpret_cast<uint4*>(dq) = out;
 }
-
-// Element offset of (key row, 16-byte query chunk) in the dS^T tile, rows of kW = 32 or 64 queries. As swz: the 8
-// rows an ldmatrix phase reads (or a C-fragment store writes) land in 8 different 16-byte bank groups.
-template <int kW>
-__device__ __forceinline__ int swz_ds(int row, int chunk) {
-    return row * kW + ((chunk ^ (kW == 64 ? (row & 7) : ((row >> 1) & 3))) << 3);
-}
-
-// 4-byte global->shared copy (through L1); when !valid nothing is read and the 4 bytes are zero-filled.
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(valid ? 4 : 0));
-}
-
-// ldmatrix from a 32-bit shared-memory byte address.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// This lane's ldmatrix byte addresses for one fragment pattern over [rows][kRowLen] swizzled tiles: one register per
-// (k-step & 3), the only lane-dependent part of the swizzled column (SwzCols). Everything else (which buffer, the
-// k-step's multiple of 4, 16-row steps) is a compile-time immediate in unrolled loops that ptxas folds into the
-// ldmatrix address, so the four patterns of the backward cost 16 registers rather than one per (buffer, k-step,
-// row step): 64-bit generic pointers per site ran the kernel into 255 registers and spills.
-template <int kRowLen>
-struct LdsmAddr {
-    uint32_t base[4];
-    __device__ __forceinline__ LdsmAddr(uint32_t smem, int row, const SwzCols& cols, int cbit8) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) base[j] = smem + 2 * (row * kRowLen + cols(j, cbit8));
-    }
-    // Byte address of k-step kk (16 columns) at element offset `elem` (buffer offset + row offset).
-    __device__ __forceinline__ uint32_t operator()(int kk, int elem) const {
-        return base[kk & 3] + 2 * ((kk & ~3) * 16 + elem);
-    }
-};
 
 // dk, dv from the float32 accumulators of a split launch (dK already carries the softmax scale).
 template <typename T, int kHeadDim>
@@ -351,38 +311,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
             // Mask keys past the end and (causal) keys after the query's diagonal. Query rows past the end need no
             // mask: their dO and dsum are zero-filled (load_step), so they add nothing to dV, dK or dQ.
             const bool need_mask = n0 + kBlockN > seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
-            if (need_mask) {
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key_row0 + (e >= 2 ? 8 : 0);
-                        const int query = m0 + nt * 8 + 2 * t + (e & 1);
-                        if (key >= seqlen_k || (kCausal && key > query + causal_offset)) acc_s[nt][e] = -INFINITY;
-                    }
-            }
+            if (need_mask) mask_scores_t<kCausal>(acc_s, key_row0, m0, seqlen_k, causal_offset, t);
             // P^T = exp2(S^T scale log2e - lse log2e).
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_s[nt][e] = exp2f(fmaf(acc_s[nt][e], scale_log2, -cLse[nt * 8 + 2 * t + (e & 1)]));
 
-            // dV += P^T dO (dO as the B operand through ldmatrix.trans). n-tiles (2kk, 2kk + 1) of the C fragments
-            // are the A fragment of k-step kk (as p_fragment in the forward).
+            // dV += P^T dO (dO as the B operand through ldmatrix.trans), P^T from the S^T accumulators.
 #pragma unroll
             for (int kk = 0; kk < kKM; ++kk) {
-                uint32_t ap[4];
-                ap[0] = pack2<T>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-                ap[1] = pack2<T>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-                ap[2] = pack2<T>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-                ap[3] = pack2<T>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-#pragma unroll
-                for (int dp = 0; dp < kDT / 2; ++dp) {
-                    uint32_t b[4];
+                mma_c_as_a<T>(one_mtile(acc_dv), one_mtile(acc_s), kk, [&](uint32_t (&b)[4], int dp) {
                     ldsm_x4_t(b, addr_bt(dp, kOffdO + kk * 16 * kHeadDim) + so);
-                    mma_16816<T>(acc_dv[2 * dp], ap, b[0], b[1]);
-                    mma_16816<T>(acc_dv[2 * dp + 1], ap, b[2], b[3]);
-                }
+                });
             }
 
             // dP^T = V dO^T, dS^T = P^T (dP^T - dsum), dK += dS^T Q, in kSplitDp slices of the queries: only one
@@ -412,21 +353,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                         const int nt = sl * kSNT + i;
                         acc_dp[i][e] = acc_s[nt][e] * (acc_dp[i][e] - cDsum[nt * 8 + 2 * t + (e & 1)]);
                     }
+                // dK += dS^T Q, dS^T from this slice's accumulators (k-step j of the slice: kk over all queries).
 #pragma unroll
                 for (int j = 0; j < kSNT / 2; ++j) {
-                    const int kk = sl * kSNT / 2 + j;  // k-step over queries
-                    uint32_t ads[4];
-                    ads[0] = pack2<T>(acc_dp[2 * j][0], acc_dp[2 * j][1]);
-                    ads[1] = pack2<T>(acc_dp[2 * j][2], acc_dp[2 * j][3]);
-                    ads[2] = pack2<T>(acc_dp[2 * j + 1][0], acc_dp[2 * j + 1][1]);
-                    ads[3] = pack2<T>(acc_dp[2 * j + 1][2], acc_dp[2 * j + 1][3]);
-#pragma unroll
-                    for (int dp = 0; dp < kDT / 2; ++dp) {
-                        uint32_t b[4];
+                    const int kk = sl * kSNT / 2 + j;
+                    mma_c_as_a<T>(one_mtile(acc_dk), one_mtile(acc_dp), j, [&](uint32_t (&b)[4], int dp) {
                         ldsm_x4_t(b, addr_bt(dp, kOffQ + kk * 16 * kHeadDim) + so);
-                        mma_16816<T>(acc_dk[2 * dp], ads, b[0], b[1]);
-                        mma_16816<T>(acc_dk[2 * dp + 1], ads, b[2], b[3]);
-                    }
+                    });
                 }
                 // dS^T to shared memory for dQ (the previous step's dQ reads finished before this step's first
                 // barrier).

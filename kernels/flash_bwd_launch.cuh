@@ -3,6 +3,7 @@
 #pragma once
 
 #include "flash_bwd_kernel.cuh"
+#include "kernel_tiles.h"
 #include "launch_smem.h"
 
 namespace llm_attn {
@@ -14,7 +15,8 @@ namespace llm_attn {
 // (kBlockM rows each), dS^T, two stages of lse/dsum: 68.5 KB for head_dim 128 (fits the 99 KB per block of
 // sm_86/89; two blocks per H100 SM), 57 KB for head_dim 64.
 template <int kHeadDim>
-using BwdConfig = BwdTraits<kHeadDim, kHeadDim == 128 ? 32 : 64, 64, 4, 1>;
+using BwdConfig = BwdTraits<kHeadDim, BwdTile<kHeadDim>::kBlockM, BwdTile<kHeadDim>::kBlockN, BwdTile<kHeadDim>::kNWarps,
+                            BwdTile<kHeadDim>::kSplitDp>;  // BwdTile: kernel_tiles.h (generated)
 
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {

@@ -15,7 +15,12 @@
 // graph stays valid as the cache grows.
 #pragma once
 
-#include "flash_fwd_kernel.cuh"
+#include "combine.cuh"
+#include "flash.h"
+#include "mma_frag.cuh"
+#include "ptx.cuh"
+#include "smem_tile.cuh"
+#include "softmax.cuh"
 
 namespace llm_attn {
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "flash_decode_kernel.cuh"
+#include "kernel_tiles.h"
 #include "launch_smem.h"
 
 namespace llm_attn {
@@ -23,10 +24,11 @@ cudaError_t launch_decode(FlashFwdParams& params, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 cudaError_t run_flash_decode_(FlashFwdParams& params, cudaStream_t stream) {
     const int rows = params.num_heads / params.num_kv_heads * params.seqlen_q;
-    if (rows > 16) return launch_decode<T, DecodeTraits<kHeadDim, 2, 2>>(params, stream);
-    const bool deep = max_smem_per_block_current_device() >= DecodeTraits<kHeadDim, 1, 3>::kSmemBytes;
-    return deep ? launch_decode<T, DecodeTraits<kHeadDim, 1, 3>>(params, stream)
-                : launch_decode<T, DecodeTraits<kHeadDim, 1, 2>>(params, stream);
+    using Config = DecodeConfig<kHeadDim>;  // kernel_tiles.h (generated)
+    if (rows > 16) return launch_decode<T, typename Config::TwoTiles>(params, stream);
+    const bool deep = max_smem_per_block_current_device() >= Config::Deep::kSmemBytes;
+    return deep ? launch_decode<T, typename Config::Deep>(params, stream)
+                : launch_decode<T, typename Config::Shallow>(params, stream);
 }
 
 }  // namespace llm_attn

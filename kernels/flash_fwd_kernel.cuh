@@ -2,23 +2,32 @@
 //
 // One thread block owns kBlockM query rows of one (batch, query head); each of its warps owns 16 or 32 of those
 // rows (kMTiles), so warps split query rows and never exchange softmax state. With 16 rows per warp the Q tile
-// is loaded once into registers (A fragments); with 32 it is re-read from shared memory. K/V tiles of kBlockN keys stream through double-buffered, XOR-swizzled shared memory with
-// cp.async: tile j+1 is in flight while tile j is multiplied. Per tile: S = Q K^T (mma), masking only on tiles
+// is loaded once into registers (A fragments); with 32 it is re-read from shared memory. K/V tiles of kBlockN keys
+// stream through double-buffered, XOR-swizzled shared memory with cp.async: tile j+1 is in flight while tile j is
+// multiplied. Per tile: S = Q K^T (mma), masking only on tiles
 // that cross the causal diagonal or the end of the keys, online softmax in base 2 with the scale folded into
 // one FMA, P (the S accumulators re-packed as A fragments, never written to memory) times V (ldmatrix.trans).
 // The N x N score matrix never leaves registers.
 //
 // kSplit: flash-decoding. blockIdx.z also enumerates KV splits; each split covers a contiguous range of key
 // tiles and writes float32 partials (output normalised within the split, and its lse) that flash_combine_kernel merges.
+//
+// Built from the named parts beside it: smem_tile.cuh (swizzled tiles, cp.async copies), softmax.cuh (the online
+// softmax state), mask.cuh, mma_frag.cuh (C -> A fragments, acc += A B) and combine.cuh (the KV-split merge). This
+// file holds the kernel's own parts: FwdTraits, WarpTile (one warp's Q K^T and P V), the two main loops (pipelined
+// and simple, inline in flash_fwd_block: as separate functions nvcc compiled them to different SASS, NOTES.md
+// "Named parts") and the epilogue.
 #pragma once
 
+#include "combine.cuh"
 #include "flash.h"
+#include "mask.cuh"
+#include "mma_frag.cuh"
 #include "ptx.cuh"
+#include "smem_tile.cuh"
+#include "softmax.cuh"
 
 namespace llm_attn {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // kMTiles: m16 row tiles per warp. With 2, every K/V fragment read from shared memory feeds two mma (half the
 // shared-memory traffic per FLOP), at the price of 2x the accumulators; Q is then re-read from shared memory per
@@ -51,162 +60,6 @@ struct FwdTraits {
     static_assert((kBlockN * kChunks) % kThreads == 0, "K/V tile copy must divide evenly among threads");
     static_assert((kBlockM * kChunks) % kThreads == 0, "Q tile copy must divide evenly among threads");
 };
-
-// Element offset of (row, 16-byte chunk) in a swizzled [rows][kHeadDim] tile. XOR with row % 8 spreads the 8 rows
-// an ldmatrix phase reads (same logical chunk) over 8 different bank groups: conflict-free without padding.
-template <int kHeadDim>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
-}
-
-// Per-thread ldmatrix column offsets for a fragment loop over k-steps kk (two 16-byte chunks each), for rows whose
-// (row & 7) is this lane's (lane & 7) — every ldmatrix address pattern here. The swizzled chunk
-// (2 kk + cbit) ^ (lane & 7) equals 2 (kk & ~3) + [2 ((kk & 3) ^ ((lane & 7) >> 1)) + (cbit ^ (lane & 1))]: only 4
-// values depend on the lane (shared by every pattern: `off`), plus the pattern's (cbit ^ (lane & 1)) * 8; the rest
-// is a compile-time immediate. Precomputing them keeps ptxas from hoisting a separate address per unrolled
-// (kk, tile) into registers across the main loop (kernels/NOTES.md v4).
-struct SwzCols {
-    int off[4];
-    __device__ __forceinline__ explicit SwzCols(int lane) {
-        const int s = (lane & 7) >> 1;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) off[j] = (j ^ s) * 16;
-    }
-    // Element offset within a row of k-step kk (a compile-time constant in unrolled loops); `cbit8` is
-    // (cbit ^ (lane & 1)) * 8 for the caller's fragment pattern.
-    __device__ __forceinline__ int operator()(int kk, int cbit8) const { return (kk & ~3) * 16 + off[kk & 3] + cbit8; }
-};
-
-// Async copy of a [kRows][kHeadDim] tile; rows >= valid_rows are zero-filled (so masked keys multiply zeros).
-// Thread tid copies chunk (tid % kChunks) of rows tid / kChunks + i * kRowStep: the swizzle term is the same for
-// all of its rows and the source pointer advances by a constant, so no per-row 64-bit offsets stay live in
-// registers across the main loop.
-template <typename Traits, int kRows, typename T>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int valid_rows, int tid) {
-    constexpr int kChunks = Traits::kChunks;
-    constexpr int kRowStep = Traits::kThreads / kChunks;
-    constexpr int kIters = kRows / kRowStep;
-    static_assert(kRowStep % 8 == 0, "row step must keep row % 8 (the swizzle phase) fixed");
-    const int row = tid / kChunks;
-    const int chunk = tid % kChunks;
-    const T* src = gmem + row * row_stride + chunk * 8;
-    T* dst = smem + swz<Traits::kHeadDim>(row, chunk);
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const bool ok = row + it * kRowStep < valid_rows;
-        cp_async_16(dst + it * kRowStep * Traits::kHeadDim, ok ? src : gmem, ok);
-        src += kRowStep * row_stride;
-    }
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffff, x, 1);
-    return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// Online-softmax state of one thread: its two rows (g, g + 8) of each of kMT m16 tiles, the running max in the
-// base-2 scaled domain, the running (per-thread partial) sum, and the O accumulators of kDT n-tiles per tile.
-template <int kMT, int kDT>
-struct SoftmaxState {
-    float row_max[kMT][2];
-    float row_sum[kMT][2];
-    float acc_o[kMT][kDT][4];
-
-    __device__ __forceinline__ void init() {
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-            row_max[m][0] = row_max[m][1] = -INFINITY;
-            row_sum[m][0] = row_sum[m][1] = 0.f;
-#pragma unroll
-            for (int i = 0; i < kDT; ++i) acc_o[m][i][0] = acc_o[m][i][1] = acc_o[m][i][2] = acc_o[m][i][3] = 0.f;
-        }
-    }
-
-    // Folds a tile of scores S (kNT n-tiles of C fragments, masked entries -inf) into the state and replaces S in
-    // place by P = exp2(S * scale - max). Lazy rescaling: the running max of the warp's rows moves only when some
-    // row's tile max exceeds it by more than kRescaleLog2 (a warp-uniform vote). Otherwise the stale max stays,
-    // P stays below 2^kRescaleLog2 (exact in fp32 sums, no overflow in fp16/bf16) and the O accumulators skip the
-    // multiply by alpha — which otherwise sits on the critical path between S = QK^T and O += PV. The lse and the
-    // final 1/sum use the same max the P values were computed with, so the result is the same softmax.
-    static constexpr float kRescaleLog2 = 8.f;
-
-    template <int kNT>
-    __device__ __forceinline__ void update(float (&acc_s)[kMT][kNT][4], float scale_log2) {
-        float alpha[kMT][2];
-        if (update_scores(acc_s, scale_log2, alpha)) rescale_o(alpha);
-    }
-
-    // The first half of update(): the scores become P and the row statistics move; returns whether O must be
-    // multiplied by alpha (rescale_o). Split so that a caller can do it while O is still being accumulated by an
-    // asynchronous P V of the previous tile (the Hopper kernel), and rescale once that has finished.
-    template <int kNT>
-    __device__ __forceinline__ bool update_scores(float (&acc_s)[kMT][kNT][4], float scale_log2,
-                                                  float (&alpha)[kMT][2]) {
-        float tile_max[kMT][2];
-        bool grow = false;
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(acc_s[m][nt][2 * r], acc_s[m][nt][2 * r + 1]));
-                tile_max[m][r] = quad_max(mx) * scale_log2;
-                // -inf > -inf is false: rows that saw only masked keys never ask for a rescale.
-                grow |= tile_max[m][r] > row_max[m][r] + kRescaleLog2;
-            }
-        }
-        const bool rescale = __any_sync(0xffffffff, grow);
-#pragma unroll
-        for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float new_max = rescale ? fmaxf(row_max[m][r], tile_max[m][r]) : row_max[m][r];
-                // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-                const float mm = new_max == -INFINITY ? 0.f : new_max;
-                alpha[m][r] = exp2f(row_max[m][r] - mm);
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
-                    acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, -mm));
-                    acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
-                    sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
-                }
-                row_sum[m][r] = row_sum[m][r] * alpha[m][r] + sum;  // per-thread partial; quad-reduced at the end
-                row_max[m][r] = new_max;
-            }
-        }
-        return rescale;
-    }
-
-    __device__ __forceinline__ void rescale_o(const float (&alpha)[kMT][2]) {
-#pragma unroll
-        for (int m = 0; m < kMT; ++m)
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                acc_o[m][dt][0] *= alpha[m][0];
-                acc_o[m][dt][1] *= alpha[m][0];
-                acc_o[m][dt][2] *= alpha[m][1];
-                acc_o[m][dt][3] *= alpha[m][1];
-            }
-    }
-};
-
-// The P tile's n-tiles (2kk, 2kk + 1) of C fragments are exactly the A fragment of k-step kk of P V.
-template <typename T, int kMT, int kNT>
-__device__ __forceinline__ void p_fragment(uint32_t (&a)[kMT][4], const float (&acc_s)[kMT][kNT][4], int kk) {
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-        a[m][0] = pack2<T>(acc_s[m][2 * kk][0], acc_s[m][2 * kk][1]);
-        a[m][1] = pack2<T>(acc_s[m][2 * kk][2], acc_s[m][2 * kk][3]);
-        a[m][2] = pack2<T>(acc_s[m][2 * kk + 1][0], acc_s[m][2 * kk + 1][1]);
-        a[m][3] = pack2<T>(acc_s[m][2 * kk + 1][2], acc_s[m][2 * kk + 1][3]);
-    }
-}
 
 // One warp's share of the tile math: its rows x one K/V tile in shared memory. Holds this lane's fragment
 // addressing (rows and swizzled columns of the K, V and Q ldmatrix patterns) and, with one m-tile per warp, the Q
@@ -277,43 +130,17 @@ struct WarpTile {
             }
         }
     }
-
-    // -inf on keys past the end and (causal) above the diagonal; `row0`: the warp's first query row.
-    template <bool kCausal>
-    __device__ __forceinline__ static void mask(Scores& acc_s, int key0, int row0, int seqlen_k, int causal_offset,
-                                                int lane) {
-        const int g = lane / 4, t = lane % 4;
-#pragma unroll
-        for (int m = 0; m < kMT; ++m)
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + nt * 8 + 2 * t + (e & 1);
-                    const int row = row0 + m * 16 + g + (e >= 2 ? 8 : 0);
-                    if (key >= seqlen_k || (kCausal && key > row + causal_offset)) acc_s[m][nt][e] = -INFINITY;
-                }
-    }
-
     // O += P V, P the softmax-updated scores (as A fragments, never written to memory).
     __device__ __forceinline__ void pv(float (&acc_o)[kMT][kDT][4], const Scores& p, const T* cV) const {
 #pragma unroll
         for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-            uint32_t a[kMT][4];
-            p_fragment<T>(a, p, kk);
-#pragma unroll
-            for (int dp = 0; dp < kDT / 2; ++dp) {
-                uint32_t b[4];
+            mma_c_as_a<T>(acc_o, p, kk, [&](uint32_t (&b)[4], int dp) {
                 ldmatrix_x4_trans(b, cV + (v_row + kk * 16) * kHeadDim + cols(dp, cbit_qv));
-#pragma unroll
-                for (int m = 0; m < kMT; ++m) {
-                    mma_16816<T>(acc_o[m][2 * dp], a[m], b[0], b[1]);
-                    mma_16816<T>(acc_o[m][2 * dp + 1], a[m], b[2], b[3]);
-                }
-            }
+            });
         }
     }
 };
+
 
 // The body of the forward kernel: one block of kBlockM query rows of one (batch, head[, split]).
 template <typename T, typename Traits, bool kCausal, bool kSplit>
@@ -337,7 +164,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     const int g = lane / 4;
     const int t = lane % 4;
 
-        // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
+    // Causal (not split): the grid is (heads, m_blocks) and m_block counts down from the last (longest) row block,
     // so blocks launch longest first across all heads and the short ones fill the tail of the last wave.
     constexpr bool kHeadsFirst = kCausal && !kSplit;
     const int m_block = kHeadsFirst ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
@@ -422,7 +249,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
                 if (n_block + 2 < n_block_max) load_k(n_block + 2, stage);
                 if (!last) load_v(n_block + 1, stage ^ 1);
                 cp_async_commit();
-                if (need_mask(n_block)) Tile::template mask<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+                if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
                 if (last) {
                     if (!warp_masked_out(n_block)) {
                         st.update(acc_s, scale_log2);
@@ -459,7 +286,7 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
                 if (!warp_masked_out(n_block)) {
                     typename Tile::Scores acc_s;
                     wt.qk(acc_s, sK + stage * Traits::kSmemKV);
-                    if (need_mask(n_block)) Tile::template mask<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
+                    if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
                     st.update(acc_s, scale_log2);
                     wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
                 }
@@ -546,53 +373,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_fwd_kernel(const Fl
         flash_fwd_block<T, Traits, kCausal, kSplit>(params);
     }
 #endif
-}
-
-// Merges the KV-split partials of one output row (row_id over (batch, head, q_row)) with one warp:
-// lse = log(sum_s exp(lse_s)); o = sum_s exp(lse_s - lse) o_s. Partials are read with ld.global.cg (L2, not L1):
-// in the fused decode path they were written by other blocks of the same launch.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void combine_row(const FlashFwdParams& params, int64_t row_id, int lane) {
-    constexpr int kPerLane = kHeadDim / 32;
-    const int64_t split_stride = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
-    float max_lse = -INFINITY;
-    for (int s = lane; s < params.num_splits; s += 32) max_lse = fmaxf(max_lse, __ldcg(params.lse_accum + s * split_stride + row_id));
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, off));
-    float acc[kPerLane] = {};
-    float total = 0.f;
-    if (max_lse != -INFINITY) {
-        // Unrolled so several splits' loads are in flight at once: this loop is L2-latency bound.
-#pragma unroll 8
-        for (int s = 0; s < params.num_splits; ++s) {
-            const float w = __expf(__ldcg(params.lse_accum + s * split_stride + row_id) - max_lse);
-            total += w;
-            const float* o_s = params.o_accum + (s * split_stride + row_id) * kHeadDim + lane * kPerLane;
-#pragma unroll
-            for (int i = 0; i < kPerLane; i += 2) {
-                const float2 x = __ldcg(reinterpret_cast<const float2*>(o_s + i));
-                acc[i] += w * x.x;
-                acc[i + 1] += w * x.y;
-            }
-        }
-    }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const int row = row_id % params.seqlen_q;
-    const int head = (row_id / params.seqlen_q) % params.num_heads;
-    const int batch = row_id / (static_cast<int64_t>(params.seqlen_q) * params.num_heads);
-    T* o = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
-           static_cast<int64_t>(row) * params.o_row_stride + lane * kPerLane;
-#pragma unroll
-    for (int i = 0; i < kPerLane; i += 2) *reinterpret_cast<uint32_t*>(o + i) = pack2<T>(acc[i] * inv, acc[i + 1] * inv);
-    if (params.lse != nullptr && lane == 0) params.lse[row_id] = total > 0.f ? max_lse + __logf(total) : -INFINITY;
-}
-
-// Merges the KV-split partials of the prefill kernel: one warp per output row.
-template <typename T, int kHeadDim>
-__global__ void flash_combine_kernel(const FlashFwdParams params) {
-    const int64_t row_id = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row_id >= static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q) return;
-    combine_row<T, kHeadDim>(params, row_id, threadIdx.x % 32);
 }
 
 }  // namespace llm_attn

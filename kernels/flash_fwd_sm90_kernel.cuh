@@ -21,7 +21,9 @@
 #pragma once
 
 #include "flash.h"
-#include "flash_fwd_kernel.cuh"
+#include "mask.cuh"
+#include "mma_frag.cuh"
+#include "softmax.cuh"
 #include "hopper.cuh"
 
 namespace llm_attn {
@@ -35,7 +37,7 @@ struct Sm90Traits {
     static constexpr int kStages = kStages_;
     static constexpr int kThreads = 384;
     static constexpr int kConsumerWarps = 8;
-    static constexpr int kMTiles = 1, kWarpRows = 16;  // per warp: one m16 row tile (WarpTile::mask's view)
+    static constexpr int kMTiles = 1, kWarpRows = 16;  // per warp: one m16 row tile (mask_scores' view)
     static constexpr int kSlabs = kHeadDim / 64;        // 64-column, 128-byte-swizzled slabs per row
     static constexpr int kSlabBytesQ = kBlockM * 128;
     static constexpr int kSlabBytesKV = kBlockN * 128;
@@ -206,7 +208,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
     // Softmax of the tile at key0, masking only where it reaches past the keys or crosses this warp's diagonal.
     auto softmax = [&](int key0, float (&alpha)[1][2]) {
         if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
-            WarpTile<T, Traits>::template mask<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
+            mask_scores<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
         }
         return st.update_scores(acc_s, p.scale_log2, alpha);
     };

@@ -128,8 +128,10 @@ def params_struct_asserts(offsets: bool = False) -> str:
 
 
 def program_source(kernels: list[str]) -> str:
-    # Both the decode and the backward header include the prefill one.
-    by_name = (("flash_decode_kernel<", "flash_decode_kernel.cuh"), ("flash_bwd_", "flash_bwd_kernel.cuh"))
+    # Each kernel's own header (they share the parts smem_tile.cuh, softmax.cuh, mask.cuh, mma_frag.cuh and
+    # combine.cuh, which _headers_digest hashes with every other kernels/*.h and *.cuh).
+    by_name = (("flash_fwd_kernel<", "flash_fwd_kernel.cuh"), ("flash_combine_kernel<", "combine.cuh"),
+               ("flash_decode_kernel<", "flash_decode_kernel.cuh"), ("flash_bwd_", "flash_bwd_kernel.cuh"))
     headers = [h for key, h in by_name if any(key in k for k in kernels)] or ["flash_fwd_kernel.cuh"]
     return "".join(f'#include "{h}"\n' for h in headers) + params_struct_asserts()
 

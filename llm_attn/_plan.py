@@ -1,11 +1,13 @@
 """The host-side choices of the CUDA kernels, in Python, for the NVRTC backend: which instantiation runs, with how
 many KV splits, on what grid and with how much shared memory.
 
-This is a mirror of C++ code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits``
-(kernels/flash_fwd.cu), ``use_small_tiles`` / ``use_decode_kernel`` and the tile tables ``FwdConfig``
-(kernels/flash_fwd_config.h), ``run_flash_fwd_`` / ``launch_fwd`` (kernels/flash_fwd_launch.cuh),
-``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), and the smem formulas of
-``FwdTraits`` / ``DecodeTraits``. tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+The tile tables (``FwdConfig``, ``DecodeConfig``, ``kDecodeMaxRows``) are not kept here: they come from
+llm_attn/_kernel_table.py, which kernels/generate_kernels.py writes from the same spec as kernels/kernel_tiles.h and
+the instantiation files (tests/test_generated_kernels.py checks that they are current). The logic is a mirror of C++
+code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits`` (kernels/flash_fwd.cu),
+``use_small_tiles`` / ``use_decode_kernel`` (kernels/flash_fwd_config.h), ``run_flash_fwd_`` / ``launch_fwd``
+(kernels/flash_fwd_launch.cuh), ``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), and
+the smem formulas of ``FwdTraits`` / ``DecodeTraits``. tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
 tests/test_nvrtc.py compiles every instantiation listed here. Pure Python: importable without CUDA.
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_attn import _kernel_table as _table
+
 TILE_AUTO, TILE_LARGE, TILE_WIDE, TILE_SMALL = 0, 1, 2, 3
-DECODE_MAX_ROWS = 32  # kDecodeMaxRows
-DTYPE_NAMES = {False: "half", True: "__nv_bfloat16"}  # is_bf16 -> the C++ element type
+DECODE_MAX_ROWS = _table.DECODE_MAX_ROWS  # kDecodeMaxRows
+DTYPE_NAMES = {False: _table.DTYPES["fp16"], True: _table.DTYPES["bf16"]}  # is_bf16 -> the C++ element type
 
 
 @dataclass(frozen=True)
@@ -68,17 +72,19 @@ class FwdConfig:
     wide: FwdTraits
     wide64: FwdTraits | None  # None where kHasWide64 is false
     wide_causal_min_blocks_per_sm: int
-    block_n: int  # FwdConfig<D>::kBlockN, what flash_fwd_num_splits counts key tiles with
+    block_n: int  # FwdConfig<D>::kBlockN (Large's key tile), what flash_fwd_num_splits counts key tiles with
 
 
-CONFIGS = {
-    128: FwdConfig(large=FwdTraits(128, 128, 64, 8, 1, True, 0), small=FwdTraits(128, 64, 64, 4, 1, True, 0),
-                   wide=FwdTraits(128, 128, 32, 4, 2, False, 0), wide64=FwdTraits(128, 128, 64, 4, 2, False, 900),
-                   wide_causal_min_blocks_per_sm=3, block_n=64),
-    64: FwdConfig(large=FwdTraits(64, 128, 128, 8, 1, False, 0), small=FwdTraits(64, 64, 64, 4, 1, True, 0),
-                  wide=FwdTraits(64, 128, 64, 4, 2, False, 0), wide64=None,
-                  wide_causal_min_blocks_per_sm=0, block_n=128),
-}
+def _fwd_config(c: dict) -> FwdConfig:
+    large = FwdTraits(*c["large"])
+    return FwdConfig(large=large, small=FwdTraits(*c["small"]), wide=FwdTraits(*c["wide"]),
+                     wide64=FwdTraits(*c["wide64"]) if c["wide64"] is not None else None,
+                     wide_causal_min_blocks_per_sm=c["wide_causal_min_blocks_per_sm"], block_n=large.block_n)
+
+
+CONFIGS = {d: _fwd_config(c) for d, c in _table.FWD_CONFIGS.items()}
+# DecodeConfig<D>: name -> (m_tiles, stages), in the order the launch tries them.
+DECODE_CONFIGS = {name: (mt, st) for name, mt, st in _table.DECODE_TRAITS}
 
 
 @dataclass(frozen=True)
@@ -182,9 +188,9 @@ def _fwd_launches(s: Shape, traits: FwdTraits, split: bool, splits: int) -> tupl
 def decode_traits(s: Shape, smem_per_block_optin: int) -> DecodeTraits:
     """run_flash_decode_."""
     if s.num_heads // s.num_kv_heads * s.seqlen_q > 16:
-        return DecodeTraits(s.head_dim, 2, 2)
-    deep = DecodeTraits(s.head_dim, 1, 3)
-    return deep if smem_per_block_optin >= deep.smem_bytes else DecodeTraits(s.head_dim, 1, 2)
+        return DecodeTraits(s.head_dim, *DECODE_CONFIGS["TwoTiles"])
+    deep = DecodeTraits(s.head_dim, *DECODE_CONFIGS["Deep"])
+    return deep if smem_per_block_optin >= deep.smem_bytes else DecodeTraits(s.head_dim, *DECODE_CONFIGS["Shallow"])
 
 
 def plan(s: Shape, dev: Device) -> Plan:
@@ -227,6 +233,6 @@ def all_kernels() -> list[str]:
                 if cfg.wide64 is not None and not causal:  # run_flash_fwd_: `if constexpr (!kCausal && ...)`
                     names.append(fwd_kernel_name(bf16, cfg.wide64, causal, False))
             names.append(combine_kernel_name(bf16, d))
-            for mt, st in ((2, 2), (1, 3), (1, 2)):
+            for mt, st in DECODE_CONFIGS.values():
                 names.append(decode_kernel_name(bf16, DecodeTraits(d, mt, st)))
     return names

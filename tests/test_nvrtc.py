@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -203,7 +204,12 @@ def test_wheel_ships_the_kernel_headers(tmp_path):
                        capture_output=True, text=True, env={**os.environ, "LLM_ATTN_NO_CUDA": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     shipped = {p.name for p in (tmp_path / "llm_attn" / "_kernels").iterdir()}
-    assert {"flash.h", "flash_fwd_kernel.cuh", "flash_decode_kernel.cuh", "ptx.cuh", "flash_fwd_config.h"} <= shipped
+    headers = {p.name for pat in ("*.h", "*.cuh") for p in Path(repo, "kernels").glob(pat)}
+    # every header the kernels include: the named parts (smem_tile.cuh, softmax.cuh, mask.cuh, mma_frag.cuh,
+    # combine.cuh) and the generated kernel_tiles.h as well as the kernels' own
+    assert {"flash.h", "flash_fwd_kernel.cuh", "flash_decode_kernel.cuh", "ptx.cuh", "flash_fwd_config.h",
+            "softmax.cuh", "kernel_tiles.h"} <= headers
+    assert headers <= shipped, sorted(headers - shipped)
     assert (tmp_path / "llm_attn" / "patches" / "__init__.py").is_file() and not (tmp_path / "patches").exists()
 
 

@@ -1,0 +1,61 @@
+"""The kernel tables of kernels/generate_kernels.py, for llm_attn/_plan.py. Generated: edit the spec in
+kernels/generate_kernels.py and run it, not this file. Plain data, importable without CUDA."""
+
+HEAD_DIMS = (128, 64)
+DTYPES = {'fp16': 'half', 'bf16': '__nv_bfloat16'}  # file tag -> C++ element type
+# per head_dim: FwdTraits tuples (head_dim, block_m, block_n, n_warps, m_tiles, pipeline, min_arch), or None
+FWD_CONFIGS = {
+    128: {
+        'large': (128, 128, 64, 8, 1, True, 0),
+        'small': (128, 64, 64, 4, 1, True, 0),
+        'wide': (128, 128, 32, 4, 2, False, 0),
+        'wide64': (128, 128, 64, 4, 2, False, 900),
+        'wide_causal_min_blocks_per_sm': 3,
+    },
+    64: {
+        'large': (64, 128, 128, 8, 1, False, 0),
+        'small': (64, 64, 64, 4, 1, True, 0),
+        'wide': (64, 128, 64, 4, 2, False, 0),
+        'wide64': None,
+        'wide_causal_min_blocks_per_sm': 0,
+    },
+}
+DECODE_MAX_ROWS = 32
+# (name, m_tiles, stages) of DecodeConfig<D>, in the launch's order
+DECODE_TRAITS = (('TwoTiles', 2, 2), ('Deep', 1, 3), ('Shallow', 1, 2))
+# per head_dim: BwdTile<D> (query rows per step, keys per block, warps, dP slices)
+BWD_TILES = {
+    128: {'block_m': 32, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
+    64: {'block_m': 64, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
+}
+# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
+INSTANTIATIONS = (
+    ('fwd', 128, 'fp16', False, 'flash_fwd_hdim128_fp16_noncausal.cu'),
+    ('fwd', 128, 'fp16', True, 'flash_fwd_hdim128_fp16_causal.cu'),
+    ('fwd', 128, 'bf16', False, 'flash_fwd_hdim128_bf16_noncausal.cu'),
+    ('fwd', 128, 'bf16', True, 'flash_fwd_hdim128_bf16_causal.cu'),
+    ('fwd', 64, 'fp16', False, 'flash_fwd_hdim64_fp16_noncausal.cu'),
+    ('fwd', 64, 'fp16', True, 'flash_fwd_hdim64_fp16_causal.cu'),
+    ('fwd', 64, 'bf16', False, 'flash_fwd_hdim64_bf16_noncausal.cu'),
+    ('fwd', 64, 'bf16', True, 'flash_fwd_hdim64_bf16_causal.cu'),
+    ('fwd_sm90', 128, 'fp16', False, 'flash_fwd_sm90_hdim128_fp16_noncausal.cu'),
+    ('fwd_sm90', 128, 'fp16', True, 'flash_fwd_sm90_hdim128_fp16_causal.cu'),
+    ('fwd_sm90', 128, 'bf16', False, 'flash_fwd_sm90_hdim128_bf16_noncausal.cu'),
+    ('fwd_sm90', 128, 'bf16', True, 'flash_fwd_sm90_hdim128_bf16_causal.cu'),
+    ('fwd_sm90', 64, 'fp16', False, 'flash_fwd_sm90_hdim64_fp16_noncausal.cu'),
+    ('fwd_sm90', 64, 'fp16', True, 'flash_fwd_sm90_hdim64_fp16_causal.cu'),
+    ('fwd_sm90', 64, 'bf16', False, 'flash_fwd_sm90_hdim64_bf16_noncausal.cu'),
+    ('fwd_sm90', 64, 'bf16', True, 'flash_fwd_sm90_hdim64_bf16_causal.cu'),
+    ('decode', 128, 'fp16', None, 'flash_decode_hdim128_fp16.cu'),
+    ('decode', 128, 'bf16', None, 'flash_decode_hdim128_bf16.cu'),
+    ('decode', 64, 'fp16', None, 'flash_decode_hdim64_fp16.cu'),
+    ('decode', 64, 'bf16', None, 'flash_decode_hdim64_bf16.cu'),
+    ('bwd', 128, 'fp16', False, 'flash_bwd_hdim128_fp16_noncausal.cu'),
+    ('bwd', 128, 'fp16', True, 'flash_bwd_hdim128_fp16_causal.cu'),
+    ('bwd', 128, 'bf16', False, 'flash_bwd_hdim128_bf16_noncausal.cu'),
+    ('bwd', 128, 'bf16', True, 'flash_bwd_hdim128_bf16_causal.cu'),
+    ('bwd', 64, 'fp16', False, 'flash_bwd_hdim64_fp16_noncausal.cu'),
+    ('bwd', 64, 'fp16', True, 'flash_bwd_hdim64_fp16_causal.cu'),
+    ('bwd', 64, 'bf16', False, 'flash_bwd_hdim64_bf16_noncausal.cu'),
+    ('bwd', 64, 'bf16', True, 'flash_bwd_hdim64_bf16_causal.cu'),
+)
