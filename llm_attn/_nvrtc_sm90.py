@@ -94,8 +94,10 @@ def tensor_map(ptr: int, is_bf16: bool, head_dim: int, seqlen: int, heads: int, 
     strides = [nbytes(row_stride, seqlen), nbytes(head_stride, heads), nbytes(batch_stride, batch)]
     dtype = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if is_bf16
              else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     tmap = _drv_check(driver.cuTensorMapEncodeTiled(
-        dtype, 4, ptr, dims, strides, [64, box_rows, 1, 1], [1, 1, 1, 1],
+        dtype, 4, ptr, [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in (64, box_rows, 1, 1)],
+        [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
