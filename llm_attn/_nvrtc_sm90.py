@@ -78,6 +78,33 @@ def layout_probe(ptx: str) -> dict[str, int]:
     return out
 
 
+def probe_offsets() -> dict[str, int]:
+    """{field: offset} of the C++ Sm90Params, as NVRTC lays it out: layout_probe_source() (with struct_asserts())
+    compiled to PTX for sm_90a. Needs NVRTC only (no GPU, no driver)."""
+    from llm_attn import _nvrtc  # noqa: PLC0415
+
+    nvrtc = _nvrtc._nvrtc()
+    src = layout_probe_source() + struct_asserts()
+    names = [n.encode() for n in _nvrtc._SHIM_HEADERS]
+    bodies = [t.encode() for t in _nvrtc._SHIM_HEADERS.values()]
+    prog = _nvrtc._check(nvrtc.nvrtcCreateProgram(src.encode(), b"llm_attn_sm90_probe.cu", len(names), bodies, names),
+                         "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in _nvrtc._options(ARCH) if not o.startswith("--ptxas")]
+        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        if int(err) != 0:
+            size = _nvrtc._check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            _nvrtc._check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            raise RuntimeError(f"the Sm90Params layout probe did not compile:\n{log.decode(errors='replace')}")
+        size = _nvrtc._check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        ptx = b" " * size
+        _nvrtc._check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return layout_probe(ptx.rstrip(b"\0").decode())
+
+
 # -- tensor maps ---------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
 def tensor_map(ptr: int, is_bf16: bool, head_dim: int, seqlen: int, heads: int, batch: int, batch_stride: int,
