@@ -6,8 +6,10 @@ This is a mirror of C++ code and must stay one: ``flash_fwd_num_splits`` / ``dec
 (kernels/flash_fwd_config.h), ``run_flash_fwd_`` / ``launch_fwd`` (kernels/flash_fwd_launch.cuh),
 ``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), the smem formulas of
 ``FwdTraits`` / ``DecodeTraits``, and the Hopper kernel's choice and launch: ``use_sm90`` (kernels/flash_fwd.cu),
-``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh, flash_fwd_sm90_kernel.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
-tests/test_nvrtc.py compiles every instantiation listed here. Pure Python: importable without CUDA.
+``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh, flash_fwd_sm90_kernel.cuh).
+tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU; tests/test_nvrtc.py compiles
+every instantiation listed here and checks the Hopper choice against the C++ lines it mirrors. Pure Python:
+importable without CUDA.
 """
 
 from __future__ import annotations

@@ -201,8 +201,8 @@ def test_every_planned_kernel_is_in_the_compiled_set():
     known = set(_plan.all_kernels()) | set(_plan.sm90_kernels())
     seen = set()
     for dev, (b, hq, hkv), sq, sk, d, causal, bf16, tile in itertools.product(
-            (H100, H100_SM90, RTX4060TI, ORIN), ((1, 32, 8), (2, 8, 8), (4, 32, 32), (1, 8, 1)), (1, 3, 17, 64, 129, 2049),
-            (1, 100, 4097, 32768), (64, 128), (False, True), (False, True), range(5)):
+            (H100, H100_SM90, RTX4060TI, ORIN), ((1, 32, 8), (2, 8, 8), (4, 32, 32), (1, 8, 1)),
+            (1, 3, 17, 64, 129, 2049), (1, 100, 4097, 32768), (64, 128), (False, True), (False, True), range(5)):
         if tile == _plan.TILE_HOPPER and not dev.sm90:
             continue
         p = _plan.plan(_plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16, tile), dev)
