@@ -14,7 +14,7 @@ Five tables:
  3. CPU time per call: host time of N back-to-back calls without synchronisation (flash_attn_func, the public op,
     and the raw mha_fwd), AOT vs NVRTC;
  4. kernel time: the same shapes, CUDA-graph timed (a graph of 20 calls replayed, median over repeats), the prefill
-    tile forced to "large" on both sides so the same source runs (the decode kernel has no tile choice). NVRTC's
+    tile forced to "large" (--tile: another, e.g. hopper) on both sides so the same source runs (the decode kernel has no tile choice). NVRTC's
     cubin is not nvcc's (NVRTC computes shared-memory addresses in 64 bits: a few more registers), so this is
     where a difference would show.
 Cold compiles go to a temporary cache (the user's cache is neither read nor changed).
@@ -59,7 +59,7 @@ def cold_compile(arch: str, kernels: list[str]) -> list[dict]:
     rows = []
     for k in kernels:
         t0 = time.perf_counter()
-        cubin, lowered, log = _nvrtc.compile_cubin(arch, [k])
+        cubin, lowered, log = _nvrtc.compile_cubin(_nvrtc.kernel_arch(arch, k), [k])  # Hopper kernel: sm_90a
         dt = time.perf_counter() - t0
         lm = _nvrtc.local_memory_report(log).get(lowered[k], (0, 0, 0))
         regs = [int(line.split("Used ")[1].split()[0]) for line in log.splitlines() if "Used " in line and " registers" in line]
@@ -76,7 +76,7 @@ def warm_load(index: int, kernels: dict[str, int]) -> list[dict]:
         t0 = time.perf_counter()
         _nvrtc._function(index, k, smem)
         rows.append({"kernel": k, "seconds": time.perf_counter() - t0,
-                     "source": _nvrtc.compile_stats.get((device_arch(index), k), {}).get("source")})
+                     "source": _nvrtc.compile_stats.get((_nvrtc.kernel_arch(device_arch(index), k), k), {}).get("source")})
     return rows
 
 
@@ -186,6 +186,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--compile", choices=["needed", "all"], default="needed",
                    help="cold-compile the instantiations the default run needs, or all of them")
+    p.add_argument("--tile", choices=["large", "wide", "small", "hopper"], default="large",
+                   help="prefill tile of the kernel-time table on both backends (default large; hopper: the sm_90a "
+                        "kernel on a compute capability 9.0 GPU)")
     p.add_argument("--calls", type=int, default=200, help="calls per CPU-time sample (default 200)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args()
@@ -224,7 +227,7 @@ def main() -> int:
 
         # 2. warm cache: fill the disk cache for the needed set, then load from it
         for k in needed:
-            _nvrtc.get_cubin(arch, k)
+            _nvrtc.get_cubin(_nvrtc.kernel_arch(arch, k), k)
         warm = warm_load(index, needed)
         results["warm"] = warm
         print("\n2. warm cache, in this process (disk cubin -> module -> function; the first load in a process also "
@@ -257,13 +260,13 @@ def main() -> int:
                 ms = {}
                 for b in backends:
                     _ext.set_backend(b)
-                    with force_tile("large"):
+                    with force_tile(args.tile):
                         ms[b] = graph_time_ms(q, k, v)
                 if have_aot:  # the same source on both sides: the outputs should agree to the bit or nearly
                     outs = {}
                     for b in backends:
                         _ext.set_backend(b)
-                        with force_tile("large"):
+                        with force_tile(args.tile):
                             outs[b] = flash_attn_func(q, k, v, causal=True)
                     diff = (outs["aot"].float() - outs["nvrtc"].float()).abs().max().item()
                 else:
@@ -281,7 +284,8 @@ def main() -> int:
         print(f"\n3. CPU time per call, microseconds (min over 5 runs of N calls without sync; fp16, {HQ}/{HKV} heads, "
               f"head_dim {D}, causal):")
         print(tabulate(cpu_rows, headers=["shape", "op: aot", "op: nvrtc", "raw: aot", "raw: nvrtc"]))
-        print("\n4. kernel time, ms per call (CUDA graph of 20 calls, median of 15; prefill tile forced 'large'):")
+        print("\n4. kernel time, ms per call (CUDA graph of 20 calls, median of 15; prefill tile forced "
+              f"'{args.tile}'):")
         print(tabulate(gpu_rows, headers=["shape", "aot", "nvrtc", "nvrtc/aot", "max |aot - nvrtc|"]))
         if not have_aot:
             print("\n(AOT columns absent: build the extension, `python -m pip install --no-build-isolation -e .`, to compare)")

@@ -13,8 +13,9 @@ The cache (``$LLM_ATTN_CACHE/nvrtc`` or ``~/.cache/llm_attn/nvrtc``) holds one c
 keyed by a hash of the kernel headers, the generated source, the NVRTC version, the arch and the options. Cubin
 (SASS) rather than PTX: PTX from a newer NVRTC cannot be loaded by an older driver.
 
-On sm_90 this backend compiles for plain sm_90 and runs the portable mma.sync kernel (the AOT build's Hopper-only
-code needs sm_90a and host-built TMA descriptors).
+On a compute capability 9.0 GPU it also runs the Hopper kernel where the extension does (``llm_attn._plan``):
+compiled for sm_90a, with its four TMA descriptors built on the host through the driver API and passed inside the
+by-value Sm90Params (``llm_attn._nvrtc_sm90``). The portable kernels compile for the device's own arch (sm_90).
 """
 
 from __future__ import annotations
@@ -131,9 +132,29 @@ def program_source(kernels: list[str]) -> str:
     # Each kernel's own header (they share the parts smem_tile.cuh, softmax.cuh, mask.cuh, mma_frag.cuh and
     # combine.cuh, which _headers_digest hashes with every other kernels/*.h and *.cuh).
     by_name = (("flash_fwd_kernel<", "flash_fwd_kernel.cuh"), ("flash_combine_kernel<", "combine.cuh"),
-               ("flash_decode_kernel<", "flash_decode_kernel.cuh"), ("flash_bwd_", "flash_bwd_kernel.cuh"))
+               ("flash_decode_kernel<", "flash_decode_kernel.cuh"), ("flash_bwd_", "flash_bwd_kernel.cuh"),
+               ("flash_fwd_sm90_kernel<", "flash_fwd_sm90_kernel.cuh"))
     headers = [h for key, h in by_name if any(key in k for k in kernels)] or ["flash_fwd_kernel.cuh"]
-    return "".join(f'#include "{h}"\n' for h in headers) + params_struct_asserts()
+    src = "".join(f'#include "{h}"\n' for h in headers) + params_struct_asserts()
+    if "flash_fwd_sm90_kernel.cuh" in headers:
+        from llm_attn import _nvrtc_sm90  # noqa: PLC0415
+
+        src += _nvrtc_sm90.struct_asserts()
+    return src
+
+
+def kernel_arch(device_arch: str, kernel: str) -> str:
+    """The arch a kernel is compiled for on a device of `device_arch`: the Hopper kernel needs sm_90a (wgmma,
+    setmaxnreg), as in the AOT build; every other kernel the device's own."""
+    return "sm_90a" if "flash_fwd_sm90_kernel<" in kernel else device_arch
+
+
+def sm90_compilable() -> bool:
+    """Whether this NVRTC can compile for sm_90a (arch-specific targets came with CUDA 12.0)."""
+    try:
+        return nvrtc_version() >= (12, 0)
+    except NvrtcUnavailableError:
+        return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -325,7 +346,7 @@ def device_info(index: int) -> tuple[str, _plan.Device]:
     facts = _plan.Device(num_sms=attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
                          smem_per_sm=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
                          smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
-                         cc_major=major)
+                         cc_major=major, sm90=(major, minor) == (9, 0) and sm90_compilable())
     return f"sm_{major}{minor}", facts
 
 
@@ -343,7 +364,7 @@ def _function(index: int, kernel: str, smem: int):
         if fn is not None:
             return fn
         driver = _driver()
-        arch, _ = device_info(index)
+        arch = kernel_arch(device_info(index)[0], kernel)
         cubin, lowered = get_cubin(arch, kernel)
         t0 = time.perf_counter()
         ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
@@ -377,6 +398,10 @@ def _plan_for(index: int, *shape) -> _plan.Plan:
 def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
     driver = _driver()
     fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
+    if launch.sm90 is not None:  # the Hopper kernel takes Sm90Params: FlashFwdParams + its four tensor maps
+        from llm_attn import _nvrtc_sm90  # noqa: PLC0415
+
+        params = _nvrtc_sm90.params(params, launch)
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     _drv_check(driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, driver.CUstream(stream),
                                      ctypes.addressof(args), 0), f"launching {launch.kernel}")
@@ -387,18 +412,21 @@ _tile = _plan.TILE_AUTO
 
 
 def set_tile(tile: int) -> int:
-    """Force the prefill tile (0 auto, 1 large, 2 wide, 3 small); returns the previous one, -1 for an unknown id."""
+    """Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous one, -1 for an
+    unknown id."""
     global _tile
-    if not _plan.TILE_AUTO <= int(tile) <= _plan.TILE_SMALL:
+    if not _plan.TILE_AUTO <= int(tile) <= _plan.TILE_HOPPER:
         return -1
     prev, _tile = _tile, int(tile)
     return prev
 
 
 def sm90_available() -> bool:
-    """Always False here: the Hopper prefill kernel needs the sm_90a build and TMA descriptors made on the host,
-    which only the compiled extension does; this backend runs the portable kernels on every GPU."""
-    return False
+    """Whether the current device runs the Hopper prefill kernel here: compute capability 9.0 and an NVRTC that
+    compiles sm_90a (the extension's flash_fwd_sm90_available, with NVRTC in place of the built-in code)."""
+    if unavailable_reason() is not None:
+        return False
+    return device_info(torch.cuda.current_device())[1].sm90
 
 
 def num_splits(batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
@@ -422,7 +450,11 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     is_bf16 = q.dtype == torch.bfloat16
-    plan = _plan_for(index, batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, bool(causal), is_bf16, _tile)
+    try:
+        plan = _plan_for(index, batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, bool(causal), is_bf16,
+                         _tile)
+    except ValueError as e:  # tile 'hopper' forced off a device that runs it: run_flash_fwd's error, as a RuntimeError
+        _fail("kernel launch failed: ", e)
 
     p = FlashFwdParams()
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()

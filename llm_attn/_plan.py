@@ -6,18 +6,23 @@ llm_attn/_kernel_table.py, which kernels/generate_kernels.py writes from the sam
 the instantiation files (tests/test_generated_kernels.py checks that they are current). The logic is a mirror of C++
 code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits`` (kernels/flash_fwd.cu),
 ``use_small_tiles`` / ``use_decode_kernel`` (kernels/flash_fwd_config.h), ``run_flash_fwd_`` / ``launch_fwd``
-(kernels/flash_fwd_launch.cuh), ``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), and
-the smem formulas of ``FwdTraits`` / ``DecodeTraits``. tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
-tests/test_nvrtc.py compiles every instantiation listed here. Pure Python: importable without CUDA.
+(kernels/flash_fwd_launch.cuh), ``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), the
+smem formulas of ``FwdTraits`` / ``DecodeTraits``, and the Hopper kernel's choice and launch: ``use_sm90``
+(kernels/flash_fwd.cu), ``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh,
+flash_fwd_sm90_kernel.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+tests/test_nvrtc.py compiles every instantiation listed here and checks the Hopper choice against the C++ lines it
+mirrors. Pure Python: importable without CUDA.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 from llm_attn import _kernel_table as _table
 
-TILE_AUTO, TILE_LARGE, TILE_WIDE, TILE_SMALL = 0, 1, 2, 3
+TILE_AUTO, TILE_LARGE, TILE_WIDE, TILE_SMALL, TILE_HOPPER = 0, 1, 2, 3, 4  # FwdTile (kernels/flash.h)
 DECODE_MAX_ROWS = _table.DECODE_MAX_ROWS  # kDecodeMaxRows
 DTYPE_NAMES = {False: _table.DTYPES["fp16"], True: _table.DTYPES["bf16"]}  # is_bf16 -> the C++ element type
 
@@ -66,6 +71,27 @@ class DecodeTraits:
 
 
 @dataclass(frozen=True)
+class Sm90Traits:
+    """sm90::Sm90Traits<kHeadDim, kBlockN, kStages> (kernels/flash_fwd_sm90_kernel.cuh): the Hopper kernel's tile,
+    128 query rows (two consumer warpgroups) x block_n keys, 384 threads (producer + two consumer warpgroups)."""
+
+    head_dim: int
+    block_n: int = 128
+    stages: int = 2
+    block_m: int = 128
+    threads: int = 384
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: Q + stages x (K + V) + mbarriers + 1 KB for the 1024-byte alignment
+        slabs = self.head_dim // 64
+        return slabs * self.block_m * 128 + 2 * self.stages * slabs * self.block_n * 128 + (1 + 4 * self.stages) * 8 \
+            + 1024
+
+    def cpp(self) -> str:
+        return f"llm_attn::sm90::Sm90Traits<{self.head_dim}, {self.block_n}, {self.stages}>"
+
+
+@dataclass(frozen=True)
 class FwdConfig:
     large: FwdTraits
     small: FwdTraits
@@ -95,6 +121,9 @@ class Device:
     smem_per_sm: int         # cudaDevAttrMaxSharedMemoryPerMultiprocessor
     smem_per_block_optin: int  # cudaDevAttrMaxSharedMemoryPerBlockOptin
     cc_major: int
+    # flash_fwd_sm90_available(): compute capability 9.0 exactly and sm_90a code for the Hopper kernel at hand (the
+    # extension: built in; NVRTC: can compile for sm_90a).
+    sm90: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +145,7 @@ class Launch:
     grid: tuple[int, int, int]
     threads: int
     smem: int
+    sm90: Sm90Traits | None = None  # the Hopper kernel: takes Sm90Params (FlashFwdParams + 4 TMA descriptors)
 
 
 @dataclass(frozen=True)
@@ -149,7 +179,7 @@ def num_splits(s: Shape, num_sms: int) -> int:
     """flash_fwd_num_splits."""
     if use_decode_kernel(s):
         return decode_num_splits(s, num_sms)
-    if s.tile == TILE_WIDE:
+    if s.tile in (TILE_WIDE, TILE_HOPPER):
         return 1
     block_m = 64 if use_small_tiles(s, num_sms) else 128
     blocks = _cdiv(s.seqlen_q, block_m) * s.num_heads * s.batch
@@ -171,6 +201,42 @@ def combine_kernel_name(is_bf16: bool, head_dim: int) -> str:
 
 def decode_kernel_name(is_bf16: bool, traits: DecodeTraits) -> str:
     return f"llm_attn::flash_decode_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}>"
+
+
+def sm90_kernel_name(is_bf16: bool, traits: Sm90Traits, causal: bool) -> str:
+    return f"llm_attn::sm90::flash_fwd_sm90_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
+
+
+@functools.lru_cache(maxsize=1)
+def sm90_tuning() -> tuple[int, int]:
+    """(LLM_ATTN_SM90_BLOCKN, LLM_ATTN_SM90_PINGPONG), read once as sm90::tuning_env does (empty = unset)."""
+    def env(name: str, fallback: int) -> int:
+        v = os.environ.get(name, "")
+        try:
+            return int(v) if v else fallback
+        except ValueError:  # std::atoi reads a non-number as 0
+            return 0
+    return env("LLM_ATTN_SM90_BLOCKN", 128), env("LLM_ATTN_SM90_PINGPONG", 1)
+
+
+def sm90_traits(head_dim: int, causal: bool) -> Sm90Traits:
+    """sm90::launch: Config<kHeadDim>, or Config<128, 176> for head_dim 128 non-causal with LLM_ATTN_SM90_BLOCKN=176."""
+    if head_dim == 128 and not causal and sm90_tuning()[0] == 176:
+        return Sm90Traits(128, 176)
+    return Sm90Traits(head_dim)
+
+
+def use_sm90(s: Shape, splits: int, dev: Device) -> bool:
+    """flash_fwd.cu's use_sm90: forced, or automatic where the portable kernel would not split."""
+    return s.tile == TILE_HOPPER or (s.tile == TILE_AUTO and splits == 1 and dev.sm90)
+
+
+def _sm90_launch(s: Shape) -> Launch:
+    """sm90::launch_tile: causal (heads, m_blocks, batch), else (m_blocks, heads, batch)."""
+    t = sm90_traits(s.head_dim, s.causal)
+    m_blocks = _cdiv(s.seqlen_q, t.block_m)
+    grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
+    return Launch(sm90_kernel_name(s.is_bf16, t, s.causal), grid, t.threads, t.smem_bytes, t)
 
 
 def _fwd_launches(s: Shape, traits: FwdTraits, split: bool, splits: int) -> tuple[Launch, ...]:
@@ -202,6 +268,10 @@ def plan(s: Shape, dev: Device) -> Plan:
         t = decode_traits(s, dev.smem_per_block_optin)
         return Plan(splits, True, (Launch(decode_kernel_name(s.is_bf16, t), (splits, s.num_kv_heads, s.batch),
                                           t.threads, t.smem_bytes),))
+    if use_sm90(s, splits, dev):
+        if not dev.sm90:  # run_flash_fwd: cudaErrorInvalidDeviceFunction (llm_attn.ops.force_tile checks it first)
+            raise ValueError("the Hopper kernel (tile 'hopper') needs a compute capability 9.0 GPU and sm_90a code")
+        return Plan(splits, False, (_sm90_launch(s),))
     cfg = CONFIGS[s.head_dim]
     if use_small_tiles(s, dev.num_sms):
         return Plan(splits, False, _fwd_launches(s, cfg.small, splits > 1, splits))
@@ -235,4 +305,18 @@ def all_kernels() -> list[str]:
             names.append(combine_kernel_name(bf16, d))
             for mt, st in DECODE_CONFIGS.values():
                 names.append(decode_kernel_name(bf16, DecodeTraits(d, mt, st)))
+    return names
+
+
+def sm90_kernels() -> list[str]:
+    """Every Hopper kernel instantiation the AOT build compiles for sm_90a (the flash_fwd_sm90_*.cu files reach
+    exactly these through sm90::launch): Config<D> per (head_dim, dtype, causal), and Config<128, 176> for head_dim
+    128 non-causal (LLM_ATTN_SM90_BLOCKN=176)."""
+    names = []
+    for d in CONFIGS:
+        for bf16 in (False, True):
+            for causal in (False, True):
+                names.append(sm90_kernel_name(bf16, Sm90Traits(d), causal))
+                if d == 128 and not causal:
+                    names.append(sm90_kernel_name(bf16, Sm90Traits(128, 176), causal))
     return names

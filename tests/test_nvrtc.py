@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,50 @@ def test_backward_kernels_compile_without_local_memory(arch):
     assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
 
 
+def test_hopper_instantiations_compile_for_sm90a_without_local_memory():
+    """Every Hopper kernel instantiation the AOT build has (flash_fwd_sm90_*.cu through sm90::launch), compiled by
+    NVRTC for sm_90a in one program that also static_asserts the Sm90Params mirror: no stack, no spills, and the
+    real body (the non-sm_90a one is a trap: a handful of registers, no named barriers)."""
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.sm90_kernels()
+    assert len(kernels) == 10
+    src = nvrtc.program_source(kernels)
+    assert '#include "flash_fwd_sm90_kernel.cuh"' in src and "Sm90Params" in src
+    cubin, lowered, log = nvrtc.compile_cubin("sm_90a", kernels)
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(kernels)
+    report = nvrtc.local_memory_report(log)
+    assert set(report) == set(lowered.values()), "ptxas -v reported on every kernel"
+    by_mangled = {v: k for k, v in lowered.items()}
+    spilled = {by_mangled[m]: r for m, r in report.items() if any(r)}
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on sm_90a: {spilled}"
+    used = re.findall(r"Used (\d+) registers, used (\d+) barriers", log)
+    assert len(used) == len(kernels) and all(int(r) > 100 and int(b) > 1 for r, b in used), used
+
+
+def test_hopper_kernel_compiles_for_sm90a_only():
+    """The Hopper kernel runs only from an sm_90a cubin: kernel_arch picks it on an sm_90 device, and the plain
+    sm_90 compile (what the portable kernels use) gets the trap body."""
+    nvrtc = _nvrtc_or_skip()
+    k = _plan.sm90_kernels()[0]
+    assert nvrtc.kernel_arch("sm_90", k) == "sm_90a"
+    assert nvrtc.kernel_arch("sm_90", _plan.combine_kernel_name(False, 64)) == "sm_90"
+    _, _, log = nvrtc.compile_cubin("sm_90", [k])
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    assert regs and regs[0] < 32, log[-1000:]
+
+
+def test_sm90_params_layout_matches_cpp():
+    """Every Sm90Params field's offset as NVRTC lays out the C++ struct (a probe kernel's PTX: NVRTC has no
+    offsetof), against the ctypes mirror; size and alignment are static_asserted in the same program."""
+    _nvrtc_or_skip()
+    from llm_attn import _nvrtc_sm90
+
+    cpp = _nvrtc_sm90.probe_offsets()
+    assert set(cpp) == set(_nvrtc_sm90.FIELDS), cpp
+    assert cpp == {f: getattr(_nvrtc_sm90.Sm90Params, f).offset for f in _nvrtc_sm90.FIELDS}
+    assert ctypes.sizeof(_nvrtc_sm90.Sm90Params) == 768 and cpp["tma_q"] % 128 == 0
+
+
 def test_params_struct_layout_matches_cpp(tmp_path):
     """Offsets of every FlashFwdParams field, checked by the host C++ compiler on kernels/flash.h (NVRTC has no
     offsetof; every NVRTC program checks the size). The struct holds no CUDA type, so a two-line cuda_runtime.h
@@ -124,6 +169,19 @@ def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     assert fresh[:4] == b"\x7fELF" and low3 == low and damaged.read_bytes() == fresh
 
 
+def test_disk_cache_keys_the_hopper_kernel_by_arch(tmp_path, monkeypatch):
+    """The sm_90a cubin is cached like every other kernel: its own key (arch in it), compiled once, then read."""
+    nvrtc = _nvrtc_or_skip()
+    monkeypatch.setenv("LLM_ATTN_CACHE", str(tmp_path))
+    kernel = _plan.sm90_kernel_name(True, _plan.Sm90Traits(64), True)
+    assert nvrtc.cache_key("sm_90a", [kernel]) != nvrtc.cache_key("sm_90", [kernel])
+    cubin, low = nvrtc.get_cubin("sm_90a", kernel)
+    assert nvrtc.compile_stats[("sm_90a", kernel)]["source"] == "nvrtc" and cubin[:4] == b"\x7fELF"
+    again, low2 = nvrtc.get_cubin("sm_90a", kernel)
+    assert nvrtc.compile_stats[("sm_90a", kernel)]["source"] == "cache" and (again, low2) == (cubin, low)
+    assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == 1
+
+
 def test_compile_error_is_reported_with_the_log():
     nvrtc = _nvrtc_or_skip()
     with pytest.raises(RuntimeError, match="no_such_kernel"):
@@ -134,15 +192,20 @@ def test_compile_error_is_reported_with_the_log():
 H100 = _plan.Device(num_sms=132, smem_per_sm=228 * 1024, smem_per_block_optin=227 * 1024, cc_major=9)
 RTX4060TI = _plan.Device(num_sms=34, smem_per_sm=100 * 1024, smem_per_block_optin=99 * 1024, cc_major=8)
 ORIN = _plan.Device(num_sms=16, smem_per_sm=164 * 1024, smem_per_block_optin=163 * 1024, cc_major=8)
+# An H100 whose backend runs the Hopper kernel (extension with sm_90a code, or NVRTC >= 12.0): H100 above is one
+# without (an AOT build without sm_90a), where the portable tiles run.
+H100_SM90 = _plan.Device(num_sms=132, smem_per_sm=228 * 1024, smem_per_block_optin=227 * 1024, cc_major=9, sm90=True)
 
 
 def test_every_planned_kernel_is_in_the_compiled_set():
     """Whatever the plan launches, on any device and shape, is one of the instantiations CI compiles above."""
-    known = set(_plan.all_kernels())
+    known = set(_plan.all_kernels()) | set(_plan.sm90_kernels())
     seen = set()
     for dev, (b, hq, hkv), sq, sk, d, causal, bf16, tile in itertools.product(
-            (H100, RTX4060TI, ORIN), ((1, 32, 8), (2, 8, 8), (4, 32, 32), (1, 8, 1)), (1, 3, 17, 64, 129, 2049),
-            (1, 100, 4097, 32768), (64, 128), (False, True), (False, True), range(4)):
+            (H100, H100_SM90, RTX4060TI, ORIN), ((1, 32, 8), (2, 8, 8), (4, 32, 32), (1, 8, 1)),
+            (1, 3, 17, 64, 129, 2049), (1, 100, 4097, 32768), (64, 128), (False, True), (False, True), range(5)):
+        if tile == _plan.TILE_HOPPER and not dev.sm90:
+            continue
         p = _plan.plan(_plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16, tile), dev)
         for launch in p.launches:
             assert launch.kernel in known, launch.kernel
@@ -151,7 +214,9 @@ def test_every_planned_kernel_is_in_the_compiled_set():
             seen.add(launch.kernel)
         assert (len(p.launches) == 2) == (p.num_splits > 1 and not p.decode)
     # Only the 2-stage head_dim-64 decode tile is never chosen here: 3 stages (50 KB) fit every GPU listed.
+    # The 176-key Hopper tile runs only with LLM_ATTN_SM90_BLOCKN=176 (test_plan_selects_the_hopper_kernel_...).
     never = {_plan.decode_kernel_name(bf16, _plan.DecodeTraits(64, 1, 2)) for bf16 in (False, True)}
+    never |= {_plan.sm90_kernel_name(bf16, _plan.Sm90Traits(128, 176), False) for bf16 in (False, True)}
     assert known - seen == never, known - seen
 
 
@@ -176,6 +241,104 @@ def test_plan_known_cases():
     p = _plan.plan(_plan.Shape(1, 8, 8, 64, 8192, 128, False, False), H100)
     assert p.num_splits > 1 and p.launches[1].kernel == _plan.combine_kernel_name(False, 128)
     assert p.launches[1].grid == (_plan._cdiv(8 * 64, 4), 1, 1)
+
+
+def _kernels_text(name: str) -> str:
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", name)
+    with open(path) as f:
+        return " ".join(f.read().split())
+
+
+def test_hopper_choice_mirrors_the_extension():
+    """_plan takes the Hopper kernel exactly where kernels/flash_fwd.cu does: use_sm90 (forced, or automatic when
+    the portable kernel would not split and the device runs sm_90a code) after the decode check, no split when
+    forced; sm90::launch_tile's grid and tile. The C++ lines this mirrors are checked to be the ones in kernels/,
+    so a change there fails here until _plan follows."""
+    for name, line in (
+            ("flash_fwd.cu", "return p.tile == kTileHopper || (p.tile == kTileAuto && p.num_splits == 1 && "
+                             "flash_fwd_sm90_available());"),
+            ("flash_fwd.cu", "if (p.tile == kTileWide || p.tile == kTileHopper) return 1;"),
+            ("flash_fwd.cu", "cc90 = device_attribute(cudaDevAttrComputeCapabilityMajor, 0) == 9 && "
+                             "device_attribute(cudaDevAttrComputeCapabilityMinor, -1) == 0;"),
+            ("flash_fwd_sm90_launch.cuh", "const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : "
+                                          "dim3(m_blocks, p.num_heads, p.batch);"),
+            ("flash_fwd_sm90_launch.cuh", "if (block_n == 176) return launch_tile<T, Config<128, 176>, kCausal>(p, "
+                                          "stream);"),
+            ("flash_fwd_sm90_launch.cuh", "const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};"),
+            ("flash_fwd_sm90_launch.cuh", "CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, "
+                                          "CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);"),
+            ("flash_fwd_sm90_kernel.cuh", "kSmemBytes = kTileBytesQ + 2 * kStages * kTileBytesKV + kNumBarriers * 8 "
+                                          "+ 1024;")):
+        assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py / _nvrtc_sm90.py"
+
+    shapes = [_plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16, tile)
+              for (b, hq, hkv), sq, sk, d, causal, bf16, tile in itertools.product(
+                  ((1, 32, 8), (1, 8, 8), (4, 32, 32), (1, 8, 1)), (1, 4, 64, 129, 2048), (1, 300, 8192), (64, 128),
+                  (False, True), (False, True), range(5))]
+    hopper = {False: 0, True: 0}
+    for dev in (H100, H100_SM90, RTX4060TI):
+        for s in shapes:
+            decode = _plan.use_decode_kernel(s)  # run_flash_fwd takes the decode kernel first, whatever the tile
+            if s.tile == _plan.TILE_HOPPER and not dev.sm90 and not decode:  # cudaErrorInvalidDeviceFunction
+                with pytest.raises(ValueError, match="Hopper kernel"):
+                    _plan.plan(s, dev)
+                continue
+            p = _plan.plan(s, dev)
+            splits = _plan.num_splits(s, dev.num_sms)
+            want = not decode and (s.tile == _plan.TILE_HOPPER or (s.tile == _plan.TILE_AUTO and splits == 1
+                                                                   and dev.sm90))
+            got = p.launches[0].sm90 is not None
+            assert got == want, (dev, s, splits)
+            hopper[got] += 1
+            if got:
+                t = p.launches[0].sm90
+                m = _plan._cdiv(s.seqlen_q, 128)
+                assert p.num_splits == 1 and len(p.launches) == 1 and p.launches[0].threads == 384
+                assert p.launches[0].grid == ((s.num_heads, m, s.batch) if s.causal else (m, s.num_heads, s.batch))
+                assert p.launches[0].kernel == _plan.sm90_kernel_name(s.is_bf16, t, s.causal)
+                assert p.launches[0].smem == {64: 83016, 128: 164936}[s.head_dim]  # 80 / 160 KB + barriers + 1 KB
+    assert hopper[True] > 500 and hopper[False] > 500, hopper
+
+    # Known cases on an H100 that runs it: Llama 3 8B prefill 2048 causal; a short prompt splits (portable kernel);
+    # forcing 'hopper' there runs it unsplit; decode ignores the tile.
+    p = _plan.plan(_plan.Shape(1, 32, 8, 2048, 2048, 128, True, True), H100_SM90)
+    assert p.launches[0].kernel.startswith("llm_attn::sm90::flash_fwd_sm90_kernel<__nv_bfloat16, "
+                                           "llm_attn::sm90::Sm90Traits<128, 128, 2>, true>")
+    assert p.launches[0].grid == (32, 16, 1)
+    short = _plan.Shape(1, 8, 8, 64, 8192, 128, False, False)
+    assert _plan.plan(short, H100_SM90).num_splits > 1 and _plan.plan(short, H100_SM90).launches[0].sm90 is None
+    forced = _plan.plan(_plan.Shape(1, 8, 8, 64, 8192, 128, False, False, _plan.TILE_HOPPER), H100_SM90)
+    assert forced.num_splits == 1 and forced.launches[0].grid == (1, 8, 1) and forced.launches[0].sm90 is not None
+    dec = _plan.plan(_plan.Shape(1, 32, 8, 1, 8192, 128, True, True, _plan.TILE_HOPPER), H100_SM90)
+    assert dec.decode and dec.launches[0].sm90 is None
+
+
+def test_hopper_block_n_tuning_env(monkeypatch):
+    """LLM_ATTN_SM90_BLOCKN=176 (read once, as sm90::tuning_env) picks Config<128, 176> for head_dim 128
+    non-causal only; LLM_ATTN_SM90_PINGPONG defaults to 1."""
+    monkeypatch.setenv("LLM_ATTN_SM90_BLOCKN", "176")
+    monkeypatch.delenv("LLM_ATTN_SM90_PINGPONG", raising=False)
+    _plan.sm90_tuning.cache_clear()
+    try:
+        assert _plan.sm90_tuning() == (176, 1)
+        launch = _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 128, False, True), H100_SM90).launches[0]
+        assert launch.sm90 == _plan.Sm90Traits(128, 176) and launch.smem == 214088 <= H100.smem_per_block_optin
+        assert _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 128, True, True), H100_SM90).launches[0].sm90.block_n == 128
+        assert _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 64, False, True), H100_SM90).launches[0].sm90.block_n == 128
+    finally:
+        _plan.sm90_tuning.cache_clear()
+
+
+def test_sm90_available_needs_a_cc90_device():
+    """Without a GPU the backend never claims the Hopper kernel; an NVRTC >= 12.0 can compile it."""
+    nvrtc = _nvrtc_or_skip()
+    import torch
+
+    assert nvrtc.sm90_compilable() == (nvrtc.nvrtc_version() >= (12, 0))
+    if not torch.cuda.is_available():
+        assert nvrtc.sm90_available() is False
+    assert nvrtc.set_tile(_plan.TILE_HOPPER) == _plan.TILE_AUTO and nvrtc.set_tile(5) == -1
+    assert nvrtc.set_tile(_plan.TILE_AUTO) == _plan.TILE_HOPPER
 
 
 def test_backend_selection_errors(monkeypatch):
