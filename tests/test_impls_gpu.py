@@ -73,13 +73,18 @@ def test_entry_against_float64(name, dtype):
         ref, _ = attention_naive(q, k, v, causal=causal, seqused_k=seq)
         assert not out.isnan().any(), (name, b, hq, hkv, sq, sk, d, causal, used)
         err = (out.double() - ref).abs().max().item()
-        # PyTorch's own error at this precision: the same maths in the input dtype via the math SDPA path.
-        low, _ = attention_naive(q, k, v, causal=causal, seqused_k=seq, compute_dtype=torch.float32)
-        base = (low.to(dtype).double() - ref).abs().max().item()
+        # PyTorch's own error at this precision: the same maths in the input dtype (matmuls, softmax and P in
+        # fp16/bf16, as flash-style kernels round P before P V), as tests/test_kernel_gpu.py bounds our kernel.
+        # (It was the float32 maths rounded to the dtype, i.e. the output's rounding alone: a bound that flex's
+        # compiled kernels, with P in the input dtype, can exceed on torch 2.11 without any bug.)
+        low, _ = attention_naive(q, k, v, causal=causal, seqused_k=seq, compute_dtype=dtype)
+        base = (low.double() - ref).abs().max().item()
         floor = 4e-3 if dtype == torch.float16 else 3e-2
-        factor = 16 if name == "naive" else 4  # naive keeps scores and probabilities in fp16/bf16
+        factor = 8 if name == "naive" else 2  # naive keeps scores and probabilities in fp16/bf16 throughout
         worst.append((err, base, (sq, sk, d, causal, used)))
-        assert err <= max(factor * base, floor * (4 if name == "naive" else 1)), (name, err, base, sq, sk, d)
+        assert err <= max(factor * base, floor * (4 if name == "naive" else 1)), \
+            f"{name} {dtype}: max err {err:.3e} > {factor} x PyTorch's {base:.3e} at (b, hq, hkv, sq, sk, d, causal, " \
+            f"seqused) = {(b, hq, hkv, sq, sk, d, causal, used)}"
     print(name, dtype, "max err", max(worst)[:2])
 
 
