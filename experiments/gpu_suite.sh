@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session in one command: build the extension (only when kernels/ changed), run the GPU tests, a
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
-#   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [sanitize] [racecheck] [bench]
+#   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [full] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
+# test runs the whole kernel grid (pytest -m full) of ${PYTEST_ARGS:-tests/test_kernel_gpu.py}; full runs the whole
+# suite with the whole grid (python -m pytest -q -m full tests), timed; readme runs the README's default (a subset).
 # readme runs the README's two commands, read from README.md, in a clean copy of the tree, as a new user would
 # (after awq when both are given, so that the default ttft model can load). awq installs gptqmodel and its
 # source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
@@ -61,10 +63,17 @@ if has readme; then
    echo "README command 1: exit code $rc, kernel backend $(cd /tmp && python -c 'import llm_attn; print(llm_attn.kernel_backend())' 2>&1 | tail -1)"
    tail -$(( rc ? 30 : 8 )) "$OUT/readme_cmd1.log"
    echo "README command 2: $cmd2"
-   LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | tail -3)
+   start=$(date +%s)
+   PYTEST_ADDOPTS=--durations=15 LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | tail -20
+   echo "README command 2: $(( $(date +%s) - start )) s (must stay under 600)")
 fi
 if has test; then
-  python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 -m pytest -q -p no:cacheprovider -m full ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if has full; then
+  start=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider -m full --durations=15 tests 2>&1 | tee "$OUT/pytest_full.log" | tail -40
+  echo "full suite with the whole kernel grid: $(( $(date +%s) - start )) s"
 fi
 if has sanitize; then
   timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/sanitize_shapes.py >"$OUT/sanitize.log" 2>&1

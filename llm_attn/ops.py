@@ -91,7 +91,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         return_lse: also return the natural-log log-sum-exp of each row, float32 (batch, num_heads, q_len);
            ``-inf`` for a row that sees no key (its output is 0).
         seqused_k: optional int32 (batch,) tensor: batch ``b`` uses only its first ``seqused_k[b]`` keys (a static
-           KV cache with unused slots). Read on the device: no host synchronisation.
+           KV cache with unused slots). Read on the device: no host synchronisation, so it is not validated;
+           values above ``kv_len`` are clamped to ``kv_len`` and values below 0 to 0 (a row then sees no key:
+           output 0, lse ``-inf``), on every path (kernel, reference, backward), never read out of bounds.
         path: what runs: 'auto' (the CUDA kernel for CUDA tensors, the PyTorch reference otherwise), 'kernel'
            (the CUDA kernel, or an error that says why not) or 'reference'. How the kernel was built (aot or nvrtc)
            is ``llm_attn.kernel_build()``'s business, not this argument's.

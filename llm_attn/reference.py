@@ -15,7 +15,7 @@ Conventions shared with the kernel (see ``llm_attn.ops.flash_attn_func``):
   ``q_len < kv_len`` chunk appended to a cache sees the whole prefix. Rows that see no key (only possible when
   ``Sq > Sk``) produce zeros and ``lse = -inf``.
 - ``seqused_k`` (int32, shape (B,)) limits batch ``b`` to its first ``seqused_k[b]`` keys, as in a static KV cache;
-  causal alignment is then relative to that length.
+  causal alignment is then relative to that length. Values are clamped to ``[0, Sk]``.
 - The log-sum-exp is natural-log, float32, shape (B, Hq, Sq).
 """
 
@@ -36,7 +36,8 @@ def _valid_key_mask(q_len: int, kv_len: int, causal: bool, seqused_k: torch.Tens
     if seqused_k is None:
         used = torch.full((1,), kv_len, device=device, dtype=torch.long)
     else:
-        used = seqused_k.to(device=device, dtype=torch.long).reshape(batch)
+        # Values past kv_len mean kv_len and values below 0 mean 0 (the kernels clamp the same way, on the device).
+        used = seqused_k.to(device=device, dtype=torch.long).reshape(batch).clamp(0, kv_len)
     used = used.view(-1, 1, 1)  # (B', 1, 1)
     mask = kpos.view(1, 1, -1) < used  # (B', 1, Sk)
     if causal:

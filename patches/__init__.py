@@ -47,9 +47,34 @@ __all__ = [
 ]
 
 
+def _target_by_name(name: str | None):
+    for target in TARGETS:
+        if target.__name__.rpartition(".")[2] == name:
+            return target
+    if name is None:
+        return None
+    raise ValueError(f"unknown llm_attn patch target {name!r}")  # pragma: no cover - a state from another version
+
+
 class _PatchState:
+    """What ``model.__dict__[STATE_ATTR]`` holds. Only names and plain data (and parts of the model itself, in
+    ``undo``), never a module object: a patched model deep-copies, pickles and ``torch.save``s with its patch, and
+    the copy is patched, counts its own calls in its own report, and unpatches on its own."""
+
     def __init__(self, target, options: PatchOptions, report: PatchReport, undo):
-        self.target, self.options, self.report, self.undo = target, options, report, undo
+        self.target_name = None if target is None else target.__name__.rpartition(".")[2]
+        self.options, self.report, self.undo = options, report, undo
+
+    @property
+    def target(self):
+        return _target_by_name(self.target_name)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        # A target may need process-wide set-up that a pickle does not carry (transformers' registry entry).
+        loaded = getattr(self.target, "on_load", None)
+        if loaded is not None:
+            loaded(self.undo)
 
 
 def _state(model):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -150,6 +149,19 @@ class AttentionRuntime:
         # (e.g. whether the CUDA extension loads) runs inside a torch.compile trace.
         self._choices: dict = {}
 
+    # A patched model is copied (copy.deepcopy), pickled and torch.saved with its patch: the runtime keeps the
+    # implementation's name, not its entry (a plugin's function may not pickle), and looks the entry up again when
+    # loaded; the cached choices are asked again (the loading process may have other backends).
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["impl"]
+        state["_choices"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.impl = registry.get(self.options.impl)
+
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def count_native(self, variant: str) -> None:
         if _is_compiling():
@@ -287,15 +299,32 @@ def start_patch(model, options: PatchOptions, target: str, modules: list) -> tup
 
 # -- per-instance forward swaps (transformers 4.4x modules, AutoAWQ fused modules) ------------------------------------
 
-def swap_forward(module: torch.nn.Module, make: Callable[[Callable], Callable]) -> tuple:
-    """Replace what runs as ``module.forward`` by ``make(original)`` on this instance only (the class is untouched).
-    accelerate's hooks replace ``forward`` and call ``_old_forward``: patch what actually runs. Returns the record
-    ``restore_forwards`` needs to put back exactly what was there."""
+class SwappedForward:
+    """What a target puts in place of one module's ``forward`` (on that instance only). A subclass implements
+    ``__call__`` with the module's forward signature and calls ``self.original(...)`` for the stock path.
+
+    It is an object holding the module and plain state, never a closure or a bound method: a patched model then
+    deep-copies, pickles and ``torch.save``s, and the copy's forward serves the copy's module (a closure would be
+    shared by ``copy.deepcopy`` and keep running the original module)."""
+
+    def __init__(self, module: torch.nn.Module, attr: str, previous: Callable | None):
+        self.module, self.attr, self.previous = module, attr, previous
+
+    def original(self, *args, **kwargs):
+        """The forward that was there before the patch (the class's, unless the instance had its own)."""
+        if self.previous is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.previous(*args, **kwargs)
+
+
+def swap_forward(module: torch.nn.Module, make: Callable[..., SwappedForward]) -> tuple:
+    """Replace what runs as ``module.forward`` by ``make(module, attr, previous)`` (a ``SwappedForward``) on this
+    instance only (the class is untouched). accelerate's hooks replace ``forward`` and call ``_old_forward``: patch
+    what actually runs. Returns the record ``restore_forwards`` needs to put back exactly what was there."""
     attr = "_old_forward" if (hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__) else "forward"
     had = attr in module.__dict__
     previous = module.__dict__.get(attr)
-    original = previous if had else types.MethodType(type(module).forward, module)
-    module.__dict__[attr] = make(original)
+    module.__dict__[attr] = make(module, attr, previous if had else None)
     return module, attr, had, previous
 
 

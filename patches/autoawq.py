@@ -32,6 +32,7 @@ from ._common import (
     AttentionRuntime,
     PatchOptions,
     PatchReport,
+    SwappedForward,
     UnsupportedModelError,
     check_settings,
     module_device_dtype,
@@ -67,6 +68,10 @@ def _hf_targets():
     from . import hf_attention_interface, hf_legacy
 
     return (hf_attention_interface, hf_legacy)
+
+
+def _hf_target(name: str):
+    return next(t for t in _hf_targets() if t.__name__.rpartition(".")[2] == name)
 
 
 def _config(model):
@@ -106,6 +111,9 @@ class _CausalMaskCheck:
         self._ref = None
         self._result = False
 
+    def __getstate__(self) -> dict:  # a weak reference does not pickle; a copy checks its next mask afresh
+        return {"_ref": None, "_result": False}
+
     def __call__(self, mask: torch.Tensor, seqlen: int) -> bool:
         if self._ref is not None and self._ref() is mask:
             return self._result
@@ -119,9 +127,15 @@ class _CausalMaskCheck:
         return ok
 
 
-def _make_fused_forward(module, original, runtime: AttentionRuntime, mask_check: _CausalMaskCheck):
-    def plan(hidden_states, attention_mask):
-        m = module
+class _FusedForward(SwappedForward):
+    """The forward put on one ``QuantAttentionFused`` module (a picklable object: see ``SwappedForward``)."""
+
+    def __init__(self, module, attr, previous, runtime: AttentionRuntime, mask_check: _CausalMaskCheck):
+        super().__init__(module, attr, previous)
+        self.runtime, self.mask_check = runtime, mask_check
+
+    def plan(self, hidden_states, attention_mask):
+        m, runtime = self.module, self.runtime
         if runtime.forced:
             return None, runtime.forced[0], True
         if m.use_alibi:
@@ -136,20 +150,21 @@ def _make_fused_forward(module, original, runtime: AttentionRuntime, mask_check:
             return variant, False, None  # stock ignores the mask for a single query: all cached keys
         if attention_mask is None:
             return variant, False, None  # stock adds no mask: every key of the chunk
-        if mask_check(attention_mask, seqlen):
+        if self.mask_check(attention_mask, seqlen):
             return variant, True, None
         return None, "fused prefill mask is not the plain causal mask: stock attention", False
 
-    def forward(hidden_states, attention_mask=None, *args, **kwargs):
-        variant, causal, flag = plan(hidden_states, attention_mask)
+    def __call__(self, hidden_states, attention_mask=None, *args, **kwargs):
+        runtime = self.runtime
+        variant, causal, flag = self.plan(hidden_states, attention_mask)
         if variant is None:
             if flag:
                 runtime.setting_unsupported(causal)
             else:
                 runtime.count_fallback(causal)
-            return original(hidden_states, attention_mask, *args, **kwargs)
+            return self.original(hidden_states, attention_mask, *args, **kwargs)
 
-        m = module
+        m = self.module
         shapes = m.attention_shapes
         bsz, seqlen, _ = hidden_states.shape
         # Same bookkeeping as the stock forward: the cache follows the batch size, and a new size restarts at 0.
@@ -195,8 +210,6 @@ def _make_fused_forward(module, original, runtime: AttentionRuntime, mask_check:
         past_key_value = [torch.zeros(1, 1, m.start_pos, 1)]
         return attn_output, attention_weight, past_key_value
 
-    return forward
-
 
 def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
     _, fused_cls = _awq()
@@ -208,7 +221,8 @@ def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
                 report, undo = t.patch(inner, options)
                 report.target = f"{TARGET_NAME} (unfused) -> {report.target}"
                 report.patched_modules[:] = [f"model.{n}" for n in report.patched_modules]
-                return report, {"delegate": (t, inner, undo)}
+                # The target's name, not the module: the model's patch state must pickle (patches/__init__.py).
+                return report, {"delegate": (t.__name__.rpartition(".")[2], inner, undo)}
         raise AssertionError("can_patch said yes but no transformers target applies")  # pragma: no cover
 
     cfg = _config(model)
@@ -228,14 +242,24 @@ def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
     mask_check = _CausalMaskCheck()
     undo = []
     for name, m in fused:
-        undo.append(swap_forward(m, lambda original, m=m: _make_fused_forward(m, original, runtime, mask_check)))
+        undo.append(swap_forward(m, lambda module, attr, previous: _FusedForward(module, attr, previous, runtime,
+                                                                                 mask_check)))
         report.patched_modules.append(name)
     return report, {"modules": undo}
 
 
 def unpatch(model, undo: dict) -> None:
     if "delegate" in undo:
-        target, inner, inner_undo = undo["delegate"]
-        target.unpatch(inner, inner_undo)
+        name, inner, inner_undo = undo["delegate"]
+        _hf_target(name).unpatch(inner, inner_undo)
         return
     restore_forwards(undo["modules"])
+
+
+def on_load(undo: dict) -> None:
+    """A patched model was unpickled or deep-copied: give the delegate target its process-wide set-up."""
+    if "delegate" in undo:
+        name, _, inner_undo = undo["delegate"]
+        loaded = getattr(_hf_target(name), "on_load", None)
+        if loaded is not None:
+            loaded(inner_undo)

@@ -280,3 +280,9 @@ def unpatch(model, undo: dict) -> None:
     _restore_configs(configs)
     for m in undo["modules"]:
         m.__dict__.pop(RUNTIME_ATTR, None)
+
+
+def on_load(undo: dict) -> None:
+    """A patched model was unpickled (or deep-copied): its configs name "llm_attn", which this process may not have
+    registered yet (torch.load in a new process)."""
+    register()

@@ -32,6 +32,7 @@ from ._common import (
     AttentionRuntime,
     PatchOptions,
     PatchReport,
+    SwappedForward,
     restore_forwards,
     start_patch,
     swap_forward,
@@ -79,6 +80,9 @@ class _MaskAnalysis:
         self._key = None
         self._result = None
 
+    def __getstate__(self) -> dict:  # weak references do not pickle; a copy analyses its next mask afresh
+        return {"_key": None, "_result": None}
+
     def seqused(self, mask: torch.Tensor, cache_position: torch.Tensor, kv_len: int, batch: int):
         key = (id(mask), id(cache_position), kv_len)
         # ids can be reused once an object dies: the weak references tell whether it is still the same object.
@@ -112,16 +116,19 @@ class _MaskAnalysis:
         return (pos[-1:] + 1).to(torch.int32).expand(batch).contiguous()
 
 
-def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAnalysis):
-    modeling = sys.modules[type(module).__module__]
-    apply_rotary_pos_emb = modeling.apply_rotary_pos_emb
-    try:
-        from transformers.cache_utils import DynamicCache, StaticCache
-    except ImportError:  # pragma: no cover - every 4.4x has both
-        DynamicCache = StaticCache = ()
+class _LegacyForward(SwappedForward):
+    """The forward put on one 4.4x attention module (a picklable object: see ``SwappedForward``)."""
 
-    def plan(hidden_states, attention_mask, past_key_value, cache_position, output_attentions):
+    def __init__(self, module, attr, previous, runtime: AttentionRuntime, analysis: _MaskAnalysis):
+        super().__init__(module, attr, previous)
+        self.runtime, self.analysis = runtime, analysis
+
+    def plan(self, hidden_states, attention_mask, past_key_value, cache_position, output_attentions):
         """(variant, causal, seqused_k) for the kernel, or (None, reason, is_setting) for the original forward."""
+        # Every 4.4x has both.
+        from transformers.cache_utils import DynamicCache, StaticCache
+
+        module, runtime = self.module, self.runtime
         if runtime.forced:
             return None, runtime.forced[0], True
         if output_attentions:
@@ -155,7 +162,7 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
             kv_len = past_key_value.get_seq_length(module.layer_idx) + q_len
         else:
             return None, f"cache type {type(past_key_value).__name__} is not verified", False
-        seqused = analysis.seqused(attention_mask, cache_position, kv_len, bsz)
+        seqused = self.analysis.seqused(attention_mask, cache_position, kv_len, bsz)
         if seqused is None:
             return None, "attention mask is not a causal prefix (padding or custom mask): stock attention", False
         why = runtime.seqused_problem(variant)
@@ -163,23 +170,26 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
             return None, why, False
         return variant, True, seqused
 
-    def forward(hidden_states, attention_mask=None, position_ids=None, past_key_value=None, output_attentions=False,
-                use_cache=False, cache_position=None, position_embeddings=None, **kwargs):
-        variant, causal, seqused = plan(hidden_states, attention_mask, past_key_value, cache_position,
-                                        output_attentions)
+    def __call__(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+                 output_attentions=False, use_cache=False, cache_position=None, position_embeddings=None, **kwargs):
+        runtime = self.runtime
+        variant, causal, seqused = self.plan(hidden_states, attention_mask, past_key_value, cache_position,
+                                             output_attentions)
         if variant is None:
             reason, is_setting = causal, seqused
             if is_setting:
                 runtime.setting_unsupported(reason)
             else:
                 runtime.count_fallback(reason)
-            return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_value=past_key_value, output_attentions=output_attentions, use_cache=use_cache,
-                            cache_position=cache_position, position_embeddings=position_embeddings, **kwargs)
+            return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_value=past_key_value, output_attentions=output_attentions,
+                                 use_cache=use_cache, cache_position=cache_position,
+                                 position_embeddings=position_embeddings, **kwargs)
 
         # The stock forward up to the attention maths (same projections, RoPE and cache update).
         bsz, q_len, _ = hidden_states.size()
-        m = module
+        m = self.module
+        apply_rotary_pos_emb = sys.modules[type(m).__module__].apply_rotary_pos_emb
         query = m.q_proj(hidden_states).view(bsz, q_len, m.num_heads, m.head_dim).transpose(1, 2)
         key = m.k_proj(hidden_states).view(bsz, q_len, m.num_key_value_heads, m.head_dim).transpose(1, 2)
         value = m.v_proj(hidden_states).view(bsz, q_len, m.num_key_value_heads, m.head_dim).transpose(1, 2)
@@ -197,8 +207,6 @@ def _make_forward(module, original, runtime: AttentionRuntime, analysis: _MaskAn
         out = m.o_proj(out.reshape(bsz, q_len, -1))
         return out, None, past_key_value
 
-    return forward
-
 
 def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
     modules = _attention_modules(model)
@@ -207,7 +215,8 @@ def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
     analysis = _MaskAnalysis()
     undo = []
     for name, m in modules:
-        undo.append(swap_forward(m, lambda original, m=m: _make_forward(m, original, runtime, analysis)))
+        undo.append(swap_forward(m, lambda module, attr, previous: _LegacyForward(module, attr, previous, runtime,
+                                                                                  analysis)))
         report.patched_modules.append(name)
     return report, {"modules": undo}
 

@@ -1,4 +1,16 @@
+"""Shared fixtures and the test grids.
+
+The GPU kernel grids (tests/test_kernel_gpu.py, tests/test_backward_gpu.py) are built with ``grid``: by default a
+representative subset runs (every combination of tile, dtype, mask, head_dim and MHA/GQA/MQA at least once, with
+rotating awkward lengths, every length at least once), so that ``python -m pytest -q tests`` stays under 10 minutes
+on a GPU; the other cases carry the ``full`` marker and ``python -m pytest -q -m full tests`` runs them too (the
+whole suite, every case: ``-m full`` is read as "include the full grid", not "only those"). ``LLM_ATTN_FULL=1`` does
+the same. Only GPU tests may be marked ``full``: on a CPU machine the default runs every test that can run there.
+"""
+
+import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -11,8 +23,67 @@ UNEQUAL = [(1, 1000), (1, 2049), (17, 1000), (63, 127), (128, 129), (129, 2049),
 HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
 
 
+FULL = "full"
+_FULL_WORD = re.compile(r"\bfull\b")
+_NOT_FULL = re.compile(r"\bnot\s+full\b")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return str(value)
+
+
+def grid(axes: list[list], lengths: list, per_combo: int = 1) -> list:
+    """``pytest.param``s for every combination of ``axes`` (categorical: tile, dtype, mask, head_dim, heads, ...)
+    followed by every entry of ``lengths`` (a value or a tuple of values, e.g. (q_len, kv_len)). All but a spread
+    subset carry the ``full`` marker: each combination of the axes keeps ``per_combo`` of the lengths, rotating from
+    one combination to the next so that every length is kept by some combination too."""
+    stride = max(1, len(lengths) // per_combo)
+    params = []
+    for c, combo in enumerate(itertools.product(*axes)):
+        for j, length in enumerate(lengths):
+            values = combo + (length if isinstance(length, tuple) else (length,))
+            marks = () if (c + j) % stride == 0 else (pytest.mark.full,)
+            params.append(pytest.param(*values, marks=marks, id="-".join(_fmt(v) for v in values)))
+    return params
+
+
+def full_grid_requested(config) -> bool:
+    return bool(getattr(config, "_llm_attn_full", False))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and a kernel backend (compiled or NVRTC)")
+    config.addinivalue_line("markers", f"{FULL}: a case of the full GPU kernel grid beyond the default subset; "
+                                       f"`python -m pytest -m {FULL} tests` runs every test and every case")
+    markexpr = config.option.markexpr or ""
+    asked = _FULL_WORD.search(markexpr) is not None and _NOT_FULL.search(markexpr) is None
+    config._llm_attn_full = asked or os.environ.get("LLM_ATTN_FULL", "").strip() not in ("", "0")
+    if _FULL_WORD.search(markexpr):
+        # "-m full" means: the whole suite including the full grid ("-m 'not full'": the default subset). The word
+        # then selects every test, so that "-m 'gpu and full'" is every GPU test with its full grid.
+        markexpr = _NOT_FULL.sub(FULL, markexpr)
+        config.option.markexpr = _FULL_WORD.sub(f"({FULL} or not {FULL})", markexpr)
+
+
+def pytest_report_header(config):
+    if full_grid_requested(config):
+        return "llm_attn: the full GPU kernel grid"
+    return "llm_attn: the default subset of the GPU kernel grid (`-m full` runs every case)"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker(FULL) and item.get_closest_marker("gpu") is None:
+            raise pytest.UsageError(f"{item.nodeid} is marked {FULL!r} but is not a GPU test: the default run on a "
+                                    f"CPU machine must keep every test that can run there")
+    if full_grid_requested(config):
+        return
+    kept = [item for item in items if item.get_closest_marker(FULL) is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker(FULL) is not None])
+        items[:] = kept
 
 
 KERNEL_BACKENDS = ("aot", "nvrtc")

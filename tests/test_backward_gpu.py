@@ -3,7 +3,12 @@ gradient buffers poisoned with NaN before ``mha_bwd``, dq/dk/dv compared with fl
 reference. The bound is relative to PyTorch's own low-precision error (the same attention computed and
 differentiated in fp16/bf16 against float64): ours must be within 2x of it (plus a tiny floor).
 
-    pytest tests/test_backward_gpu.py -q
+    pytest tests/test_backward_gpu.py -q            # the default subset of the grids
+    pytest tests/test_backward_gpu.py -q -m full    # every case
+
+The grids (``test_backward_grid``, ``test_backward_forced_splits``) run every dtype x mask x head_dim x heads (x
+split count) combination by default, each with rotating awkward lengths; ``-m full`` runs the whole cross product
+(conftest.py ``grid``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import zlib
 import pytest
 import torch
 
-from conftest import HEADS, UNEQUAL
+from conftest import HEADS, UNEQUAL, grid
 from llm_attn import attention_naive, flash_attn_func
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -78,11 +83,8 @@ def _qkv(b, hq, hkv, sq, sk, d, dt, seed):
     return q, k, v, dout
 
 
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("sq,sk", PAIRS)
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype,causal,d,heads,sq,sk",
+                         grid([list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2))
 def test_backward_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
     hq, hkv = HEADS[heads]
     q, k, v, dout = _qkv(2, hq, hkv, sq, sk, d, DTYPES[dtype], zlib.crc32(repr((dtype, causal, d, sq, sk, heads)).encode()))
@@ -90,11 +92,9 @@ def test_backward_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
     check_grads(got, q, k, v, dout, causal)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("sq,sk", [(63, 63), (129, 1000), (1000, 129), (300, 300)])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,d,heads,splits,sq,sk",
+                         grid([[False, True], [64, 128], ["mha", "gqa"], [1, 2, 5]],
+                              [(63, 63), (129, 1000), (1000, 129), (300, 300)], per_combo=1))
 def test_backward_forced_splits(cuda_ext, causal, d, sq, sk, heads, splits):
     """Each key block's steps shared by 1 (direct dK/dV stores), 2 or 5 thread blocks (float32 atomics), whatever
     the automatic choice for the shape would be."""
@@ -136,6 +136,23 @@ def test_backward_seqused_k(cuda_ext, causal, sq):
     _, dk, dv = got
     for i, n in enumerate(used.tolist()):
         assert torch.all(dk[i, :, n:] == 0) and torch.all(dv[i, :, n:] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [1, 300])
+def test_backward_seqused_k_out_of_range_is_clamped(cuda_ext, causal, sq):
+    """seqused_k above kv_len counts as kv_len, below 0 as 0 (flash_attn_func's docstring): the gradients of
+    out-of-range values are exactly those of the clamped values (zero dk/dv for a batch that uses no key)."""
+    q, k, v, dout = _qkv(4, 8, 2, sq, 500, 64, torch.float16, seed=sq + causal)
+    wild = torch.tensor([501, 2**31 - 1, -1, -2**31], dtype=torch.int32, device="cuda")
+    clamped = torch.tensor([500, 500, 0, 0], dtype=torch.int32, device="cuda")
+    got = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=wild)
+    ref = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=clamped)
+    torch.cuda.synchronize()
+    for a, r in zip(got, ref, strict=True):
+        assert not r.isnan().any() and torch.equal(a, r)
+    assert all(torch.all(g[2:] == 0) for g in got)
+    check_grads(got, q, k, v, dout, causal, seqused_k=wild)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

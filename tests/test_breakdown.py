@@ -8,7 +8,6 @@ CUDA machine (skipped here).
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
@@ -67,10 +66,9 @@ def test_breakdown_through_the_cli_and_the_report(tmp_path, capsys):
     from llm_attn.report import write_report
 
     out = tmp_path / "rows.jsonl"
-    # --device cpu: on a GPU machine 'auto' would be the 8B AWQ model; this test is about the CPU split.
-    assert ttft.main(["--device", "cpu", "--impl", "sdpa", "llm_attn", "--seq", "16", "32",
-                      "--measure", "ttft", "breakdown", "--repeats", "1", "--warmup", "1", "--no-progress",
-                      "--out", str(out)]) == 0
+    # --device cpu: on a GPU machine the default would be the 8B AWQ model on the GPU (this checks the CPU path).
+    assert ttft.main(["--impl", "sdpa", "llm_attn", "--seq", "16", "32", "--measure", "ttft", "breakdown",
+                      "--repeats", "1", "--warmup", "1", "--no-progress", "--device", "cpu", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "TTFT if attention took 0 ms" in text and "idle (host, no op)" in text
     rows = [json.loads(x) for x in out.read_text().splitlines()]
@@ -98,21 +96,38 @@ def test_gpu_breakdown_counts_kernels(impl):
     assert r["span_ms"] >= r["busy_ms"] and ms["idle"] >= 0
 
 
-def test_gpu_event_layout_is_classified_by_the_attention_windows():
+def _event_factory(layout: str):
+    """FunctionEvents as this torch's profiler makes them. 'activity_type': torch 2.13's events name their kineto
+    activity; 'annotation_flag': older ones (torch 2.11, the H100's) have no ``activity_type`` (the constructor
+    takes no such argument) and mark record_function ranges with ``is_user_annotation`` only."""
+    import inspect
+
+    from torch.autograd.profiler_util import FunctionEvent
+
+    takes_activity = "activity_type" in inspect.signature(FunctionEvent.__init__).parameters
+    if layout == "activity_type" and not takes_activity:
+        pytest.skip("this torch's FunctionEvent has no activity_type")
+
+    def ev(i, name, start, end, device=torch.autograd.DeviceType.CUDA, activity="kernel"):
+        kwargs = {"is_user_annotation": "annotation" in activity}
+        if layout == "activity_type":
+            kwargs["activity_type"] = activity
+        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, device_type=device, **kwargs)
+
+    return ev
+
+
+@pytest.mark.parametrize("layout", ["activity_type", "annotation_flag"])
+def test_gpu_event_layout_is_classified_by_the_attention_windows(layout):
     """The CUDA branch of ``classify`` on events laid out as torch 2.11's profiler reports them on an H100 (seen in
     a run there): record_function ranges appear on the GPU timeline as annotations around the kernels launched
     inside them; kernels carry no usable link to their CPU op. The annotations are not kernels; a cuDNN attention
     kernel (a GEMM by name) inside an attention window is attention; idle is the uncovered part of the span."""
     from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
 
     from llm_attn.harness.breakdown import PREFILL_RANGE, classify
 
-    has_activity = "activity_type" in inspect.signature(FunctionEvent).parameters  # torch >= 2.12; 2.11 lacks it
-
-    def ev(i, name, start, end, device=DeviceType.CUDA, activity="kernel"):
-        extra = {"activity_type": activity} if has_activity else {}
-        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, device_type=device, **extra)
+    ev = _event_factory(layout)
 
     events = [
         ev(1, PREFILL_RANGE, 0, 1000, DeviceType.CPU, "user_annotation"),
@@ -133,3 +148,30 @@ def test_gpu_event_layout_is_classified_by_the_attention_windows():
     assert ms["idle"] == pytest.approx(0.55)
     assert r["ttft_if_attention_zero_ms"] == pytest.approx(0.85)
     assert not any(t["name"].startswith("llm_attn.") for t in r["top"])
+
+
+@pytest.mark.parametrize("layout", ["activity_type", "annotation_flag"])
+def test_cpu_event_layout_is_split_over_op_self_time(layout):
+    """The CPU branch of ``classify`` on both event layouts: ATen ops' self time by category (the attention range's
+    ops are attention, a matmul outside it is GEMM), ranges themselves are not ops, idle is the rest of the span."""
+    from torch.autograd import DeviceType
+
+    from llm_attn.harness.breakdown import PREFILL_RANGE, classify
+
+    ev = _event_factory(layout)
+    cpu = DeviceType.CPU
+    prefill = ev(1, PREFILL_RANGE, 0, 1000, cpu, "user_annotation")
+    mm = ev(2, "aten::mm", 100, 300, cpu, "cpu_op")
+    attn = ev(3, "llm_attn.attention:sdpa", 400, 700, cpu, "user_annotation")
+    sdpa = ev(4, "aten::scaled_dot_product_attention", 420, 680, cpu, "cpu_op")
+    inner = ev(5, "aten::bmm", 450, 550, cpu, "cpu_op")
+    add = ev(6, "aten::add", 800, 850, cpu, "cpu_op")
+    for child, parent in ((mm, prefill), (attn, prefill), (sdpa, attn), (inner, sdpa), (add, prefill)):
+        child.set_cpu_parent(parent)
+        parent.append_cpu_child(child)
+    r = classify([prefill, mm, attn, sdpa, inner, add], "cpu")
+    ms = r["category_ms"]
+    assert r["attention_attribution"] == "ranges" and r["attention_ranges"] == 1
+    assert ms["attention"] == pytest.approx(0.26) and ms["gemm"] == pytest.approx(0.2)
+    assert ms["other"] == pytest.approx(0.05) and ms["quant"] == 0
+    assert r["busy_ms"] == pytest.approx(0.51) and ms["idle"] == pytest.approx(0.49)

@@ -9,6 +9,9 @@ the kernel benchmark. Skips without CUDA (and ``numba`` without numba-cuda).
 
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
 import torch
 
@@ -35,9 +38,32 @@ SHAPES = [
 DTYPES = [torch.float16, torch.bfloat16]
 
 
+# numba-cuda compiles through libNVVM and its bf16 intrinsics through libNVRTC: CUDA libraries that the numba extra
+# alone does not install (the nvrtc extra or a CUDA toolkit does). Without them the entry is importable but cannot
+# compile: such a machine skips it, with the reason.
+_WHY = r"not found|cannot|could not|no such file|unable to load|failure finding|DynamicLibNotFound"
+MISSING_LIBRARY = re.compile(rf"(?i)(nvvm|nvrtc)[^\n]*({_WHY})|({_WHY})[^\n]*(nvvm|nvrtc)")
+
+
+@functools.cache
+def _compile_problem(name: str) -> str | None:
+    """Why the entry cannot compile its kernels here (a missing CUDA library), from one tiny call per dtype."""
+    entry = registry.get(name)
+    for dtype in DTYPES:
+        q = torch.randn(1, 2, 3, 64, device="cuda", dtype=dtype)
+        variant, _ = entry.choose(q.device, dtype, 64)
+        try:
+            entry.run(variant, q, q, q, causal=True, scale=0.125)
+        except Exception as e:  # noqa: BLE001 - only a missing library skips; anything else fails the test
+            if MISSING_LIBRARY.search(f"{type(e).__name__}: {e}"):
+                return f"{name} cannot compile its kernels here, a CUDA library is missing: {e}"
+            raise
+    return None
+
+
 def _entry(name):
     entry = registry.get(name)
-    why = entry.unavailable_reason("cuda")
+    why = entry.unavailable_reason("cuda") or (_compile_problem(name) if name == "numba" else None)
     if why:
         pytest.skip(why)
     return entry
@@ -73,13 +99,18 @@ def test_entry_against_float64(name, dtype):
         ref, _ = attention_naive(q, k, v, causal=causal, seqused_k=seq)
         assert not out.isnan().any(), (name, b, hq, hkv, sq, sk, d, causal, used)
         err = (out.double() - ref).abs().max().item()
-        # PyTorch's own error at this precision: the same maths in the input dtype via the math SDPA path.
-        low, _ = attention_naive(q, k, v, causal=causal, seqused_k=seq, compute_dtype=torch.float32)
-        base = (low.to(dtype).double() - ref).abs().max().item()
+        # PyTorch's own error at this precision: the same maths in the input dtype (matmuls, softmax and P in
+        # fp16/bf16, as flash-style kernels round P before P V), as tests/test_kernel_gpu.py bounds our kernel.
+        # (It was the float32 maths rounded to the dtype, i.e. the output's rounding alone: a bound that flex's
+        # compiled kernels, with P in the input dtype, can exceed on torch 2.11 without any bug.)
+        low, _ = attention_naive(q, k, v, causal=causal, seqused_k=seq, compute_dtype=dtype)
+        base = (low.double() - ref).abs().max().item()
         floor = 4e-3 if dtype == torch.float16 else 3e-2
-        factor = 16 if name == "naive" else 4  # naive keeps scores and probabilities in fp16/bf16
+        factor = 8 if name == "naive" else 2  # naive keeps scores and probabilities in fp16/bf16 throughout
         worst.append((err, base, (sq, sk, d, causal, used)))
-        assert err <= max(factor * base, floor * (4 if name == "naive" else 1)), (name, err, base, sq, sk, d)
+        assert err <= max(factor * base, floor * (4 if name == "naive" else 1)), \
+            f"{name} {dtype}: max err {err:.3e} > {factor} x PyTorch's {base:.3e} at (b, hq, hkv, sq, sk, d, causal, " \
+            f"seqused) = {(b, hq, hkv, sq, sk, d, causal, used)}"
     print(name, dtype, "max err", max(worst)[:2])
 
 
@@ -103,7 +134,8 @@ def test_patch_model_on_the_gpu(name):
 def test_entries_in_the_kernel_benchmark():
     from llm_attn.harness.kernel_bench import bench_point
 
-    names = [n for n in ("naive", "numba", "flex") if registry.get(n).unavailable_reason("cuda") is None]
+    names = [n for n in ("naive", "numba", "flex")
+             if registry.get(n).unavailable_reason("cuda") is None and (n != "numba" or _compile_problem(n) is None)]
     rows = bench_point("prefill", ["flash", *names], 1, 8, 2, 512, 512, 128, torch.bfloat16, True, 2, 3,
                        graph=False)
     for n in names:

@@ -4,7 +4,12 @@ own low-precision error on the same inputs (the same attention computed with fp1
 flash-attention's tests: our error must be within 2x of it (plus a tiny floor).
 
 Every test that takes ``cuda_ext`` runs once per kernel backend (the compiled extension, NVRTC; conftest.py):
-``LLM_ATTN_BACKEND=nvrtc python -m pytest tests/test_kernel_gpu.py`` runs the NVRTC one only."""
+``LLM_ATTN_BACKEND=nvrtc python -m pytest tests/test_kernel_gpu.py`` runs the NVRTC one only.
+
+The grids (``test_kernel_grid``, ``test_forced_tiles``, ``test_decode_kernel_grid``) run a representative subset by
+default: every tile x dtype x mask x head_dim x MHA/GQA/MQA combination, each with rotating awkward lengths (every
+length pair at least once). ``python -m pytest -m full tests/test_kernel_gpu.py`` runs the whole cross product
+(conftest.py ``grid``)."""
 
 import itertools
 import math
@@ -14,7 +19,7 @@ import zlib
 import pytest
 import torch
 
-from conftest import HEADS, LENGTHS, UNEQUAL
+from conftest import HEADS, LENGTHS, UNEQUAL, grid
 from llm_attn import attention_naive, flash_attn_func
 
 pytestmark = pytest.mark.gpu
@@ -50,11 +55,8 @@ def check(ext, q, k, v, causal, scale=None, seqused_k=None):
     return err, pt_err
 
 
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("sq,sk", PAIRS)
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype,causal,d,heads,sq,sk",
+                         grid([list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2))
 def test_kernel_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
     torch.manual_seed(zlib.crc32(repr((dtype, causal, d, sq, sk, heads)).encode()))
     hq, hkv = HEADS[heads]
@@ -73,12 +75,9 @@ def skip_unless_tile_runs(ext, tile):
         pytest.skip("the Hopper kernel needs a compute capability 9.0 GPU and an sm_90a build")
 
 
-@pytest.mark.parametrize("tile", ["large", "wide", "small", "hopper"])
-@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("sq,sk", TILE_PAIRS)
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("tile,dtype,causal,d,heads,sq,sk",
+                         grid([["large", "wide", "small", "hopper"], list(DTYPES), [False, True], [64, 128],
+                               list(HEADS)], TILE_PAIRS, per_combo=1))
 def test_forced_tiles(cuda_ext, dtype, causal, d, sq, sk, heads, tile):
     """Every prefill kernel and tile configuration on every head_dim/mask, whichever the automatic choice would be
     on this GPU (the H100 picks the Hopper kernel: Large non-causal is what an RTX 4060 Ti runs). Small grids also
@@ -239,6 +238,32 @@ def test_seqused_k_static_cache(cuda_ext, causal, sq):
     check(cuda_ext, q, k, v, causal, seqused_k=used)
 
 
+@pytest.mark.parametrize("tile", ["auto", "large", "small", "hopper"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [1, 4, 300])
+def test_seqused_k_out_of_range_is_clamped(cuda_ext, sq, causal, tile):
+    """The seqused_k contract (flash_attn_func's docstring): read on the device and not validated, values above
+    kv_len count as kv_len and values below 0 as 0. Out-of-range values give exactly the clamped values' result
+    (decode kernel for sq 1/4, prefill kernels and their split-KV variants for sq 300)."""
+    from llm_attn.ops import force_tile
+
+    skip_unless_tile_runs(cuda_ext, tile)
+    torch.manual_seed(sq + 10 * causal)
+    b, hq, hkv, d, cap = 5, 8, 2, 128, 700
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+    wild = torch.tensor([cap + 1, 2**31 - 1, -1, -70000, -2**31], dtype=torch.int32, device="cuda")
+    clamped = torch.tensor([cap, cap, 0, 0, 0], dtype=torch.int32, device="cuda")
+    with force_tile(tile):
+        out, lse = run_raw(cuda_ext, q, k, v, causal, seqused_k=wild)
+        ref, ref_lse = run_raw(cuda_ext, q, k, v, causal, seqused_k=clamped)
+    torch.cuda.synchronize()
+    assert not ref.isnan().any() and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert torch.all(out[2:] == 0) and torch.all(lse[2:] == -math.inf)  # no key: output 0, lse -inf
+    check(cuda_ext, q, k, v, causal, seqused_k=wild)  # and against the float64 reference given the same values
+
+
 @pytest.mark.parametrize("sk", [4097, 32768])
 def test_decode_split_kv(cuda_ext, sk):
     """Llama-3-8B decode shape: one query row, 32 query heads over 8 KV heads, a long cache (KV splits)."""
@@ -318,10 +343,9 @@ def test_mixed_devices_rejected(cuda_ext):
         flash_attn_func(q, q.cpu(), q)
 
 
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("sk", [1, 7, 128, 1000, 4097, 32768])
-@pytest.mark.parametrize("sq", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype,sq,heads,sk",
+                         grid([list(DTYPES), [1, 2, 3, 5, 8], list(HEADS)], [1, 7, 128, 1000, 4097, 32768],
+                              per_combo=2))
 def test_decode_kernel_grid(cuda_ext, dtype, sq, sk, heads):
     """Small q_len against a KV cache: the split-KV decode kernel (GQA packed) whenever heads/kv_heads * q_len <= 32.
     Causal (bottom-right) matters for q_len > 1: speculative/chunked decoding."""

@@ -3,8 +3,8 @@ loading through the real loaders (transformers + gptqmodel for AWQ).
 
     cd /work/main && python -m pytest tests/test_models.py -q
 
-The AWQ tests need gptqmodel installed (see the README section "Models"); they fail, not skip, without it,
-because the AWQ path is part of what CI must prove works.
+The AWQ tests that load int4 checkpoints need gptqmodel (see the README section "Models"); they skip, with the
+reason, without it (the README's install has none). CI installs it, so there the AWQ path is always proved.
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ whole fused model is compared only where ``awq_ext`` imports (a GPU with AutoAWQ
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import pickle
 
 import pytest
 import torch
@@ -40,7 +43,14 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
 )
 
-from llm_attn.patches import UnsupportedModelError, is_patched, patch_model, patched, unpatch_model  # noqa: E402
+from llm_attn.patches import (  # noqa: E402
+    STATE_ATTR,
+    UnsupportedModelError,
+    is_patched,
+    patch_model,
+    patched,
+    unpatch_model,
+)
 
 LAYERS = 2
 VOCAB = 512
@@ -201,6 +211,49 @@ def test_legacy_unpatch_bit_identical_and_patch_twice():
         assert torch.equal(model(ids).logits, ref)
 
 
+def _torch_roundtrip(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+COPIES = {"deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m)), "torch.save": _torch_roundtrip}
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+def test_legacy_copy_of_a_patched_model_is_patched_on_its_own(how):
+    """deepcopy / pickle / torch.save of a patched 4.4x model: the copy's swapped forwards serve the copy's modules
+    and count into the copy's report; unpatching the copy restores its stock forwards and leaves the original
+    patched."""
+    model = make_model(seed=6)
+    ids = prompt(length=21)
+    before = {n: set(vars(m)) for n, m in model.named_modules()}
+    with torch.no_grad():
+        stock = model(ids).logits
+    report = patch_model(model)
+    with torch.no_grad():
+        ours = model(ids).logits
+    assert report.native_calls == {"reference": LAYERS}
+    clone = COPIES[how](model)
+    clone_report = clone.__dict__[STATE_ATTR].report
+    assert is_patched(clone) and clone_report is not report
+    for layer in clone.model.layers:
+        swapped = layer.self_attn.__dict__["forward"]
+        assert swapped.module is layer.self_attn and swapped.runtime.report is clone_report
+    report.reset_counters()
+    clone_report.reset_counters()
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, ours)
+    assert clone_report.native_calls == {"reference": LAYERS} and report.num_native_calls == 0
+    unpatch_model(clone)
+    assert {n: set(vars(m)) for n, m in clone.named_modules()} == before
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, stock)
+        assert torch.equal(model(ids).logits, ours)
+    assert is_patched(model) and report.native_calls == {"reference": LAYERS}
+
+
 def test_legacy_unsupported_settings():
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         patch_model(make_model("mistral", sliding_window=8))
@@ -302,6 +355,27 @@ def test_autoawq_unfused_patched_matches_stock(awq_checkpoint, monkeypatch):
         assert torch.equal(model.model(ids).logits, ref)
 
 
+def test_autoawq_unfused_copies_are_patched_on_their_own(awq_checkpoint, monkeypatch):
+    model, device = load_awq(awq_checkpoint, False, monkeypatch)
+    ids = prompt(length=30, vocab=model.config.vocab_size).to(device)
+    report = patch_model(model)
+    with torch.no_grad():
+        ours = model.model(ids).logits
+    for how in ("deepcopy", "pickle"):
+        clone = COPIES[how](model)
+        clone_report = clone.__dict__[STATE_ATTR].report
+        assert clone_report is not report and clone_report.target.startswith("AutoAWQ (unfused)")
+        report.reset_counters()
+        clone_report.reset_counters()
+        with torch.no_grad():
+            assert torch.equal(clone.model(ids).logits, ours)
+        assert clone_report.num_native_calls == LAYERS and report.num_native_calls == 0, str(clone_report)
+        unpatch_model(clone)
+        assert not is_patched(clone) and is_patched(model)
+        assert all("forward" not in m.__dict__ for m in clone.modules() if type(m).__name__.endswith("Attention"))
+    unpatch_model(model)
+
+
 def _run_fused_attention(attn, inputs):
     """Drive one QuantAttentionFused module as LlamaLikeModel does: a prefill chunk, then single-token steps."""
     from awq.utils.fused_utils import prepare_attention_mask
@@ -340,6 +414,35 @@ def test_autoawq_fused_attention_modules_match_stock(awq_checkpoint, monkeypatch
     again = [_run_fused_attention(m, inputs) for m in fused]  # unpatched: the stock forward, bit for bit
     for (s_out, *_), (a_out, *_) in zip(stock, again, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(s_out, a_out, strict=True))
+
+
+def test_autoawq_fused_deepcopy_is_patched_on_its_own(awq_checkpoint, monkeypatch):
+    """copy.deepcopy of a patched fused AutoAWQ model (pickle is out of reach: AutoAWQ's fused modules hold lambdas
+    in ``attention_shapes``, stock or patched): each copied fused module runs its own swapped forward."""
+    model, device = load_awq(awq_checkpoint, True, monkeypatch)
+    from awq.modules.fused.attn import QuantAttentionFused
+
+    g = torch.Generator().manual_seed(5)
+    hidden = model.config.hidden_size
+    inputs = [torch.randn(1, 17, hidden, generator=g)] + [torch.randn(1, 1, hidden, generator=g) for _ in range(3)]
+    inputs = [x.half().to(device) for x in inputs]
+    report = patch_model(model)
+    fused = [m for m in model.modules() if isinstance(m, QuantAttentionFused)]
+    ours = [_run_fused_attention(m, inputs) for m in fused]
+    clone = copy.deepcopy(model)
+    clone_report = clone.__dict__[STATE_ATTR].report
+    clone_fused = [m for m in clone.modules() if isinstance(m, QuantAttentionFused)]
+    assert all(m.__dict__["forward"].module is m for m in clone_fused)
+    report.reset_counters()
+    clone_report.reset_counters()
+    got = [_run_fused_attention(m, inputs) for m in clone_fused]
+    assert clone_report.num_native_calls == LAYERS * len(inputs) and report.num_native_calls == 0
+    for (a_out, a_k, a_v, _), (b_out, b_k, b_v, _) in zip(ours, got, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(a_out, b_out, strict=True))
+        assert torch.equal(a_k, b_k) and torch.equal(a_v, b_v)
+    unpatch_model(clone)
+    assert all("forward" not in m.__dict__ for m in clone_fused) and is_patched(model)
+    unpatch_model(model)
 
 
 def test_autoawq_fused_attention_with_another_entry(awq_checkpoint, monkeypatch):

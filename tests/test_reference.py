@@ -78,6 +78,33 @@ def test_seqused_k(causal):
     torch.testing.assert_close(flash_attn_func(q, k2, v2, causal=causal, seqused_k=used), out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_out_of_range_is_clamped(causal):
+    """flash_attn_func's contract: seqused_k is read on the device and not validated; values above kv_len count as
+    kv_len, values below 0 as 0 (the kernels clamp the same way: tests/test_kernel_gpu.py, test_backward_gpu.py)."""
+    torch.manual_seed(2)
+    q = torch.randn(5, 4, 6, 64, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(5, 2, 40, 64, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(5, 2, 40, 64, dtype=torch.float64, requires_grad=True)
+    wild = torch.tensor([41, 2**31 - 1, -1, -2**31, 17], dtype=torch.int32)
+    clamped = torch.tensor([40, 40, 0, 0, 17], dtype=torch.int32)
+    dout = torch.randn(5, 4, 6, 64, dtype=torch.float64)
+    results = {}
+    for name, used in (("wild", wild), ("clamped", clamped)):
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, seqused_k=used)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        results[name] = (out, lse, *grads)
+    for a, b in zip(results["wild"], results["clamped"], strict=True):
+        assert torch.equal(a, b)
+    out, lse = results["wild"][:2]
+    assert torch.all(out[2:4] == 0) and torch.all(lse[2:4] == -math.inf)  # no key: output 0, lse -inf
+    torch.testing.assert_close(out, sdpa_f64(q.detach(), k.detach(), v.detach(), causal, seqused_k=clamped),
+                               rtol=1e-10, atol=1e-10)
+    for fn in (attention_naive, attention_tiled):
+        assert torch.equal(fn(q, k, v, causal=causal, seqused_k=wild)[0], fn(q, k, v, causal=causal,
+                                                                             seqused_k=clamped)[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_public_api_low_precision_cpu(dtype):
     torch.manual_seed(2)

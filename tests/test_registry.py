@@ -270,7 +270,7 @@ def test_example_plugin_through_the_ttft_cli(tmp_path):
     cmd = [sys.executable, "-m", "llm_attn.ttft", "--plugin", str(EXAMPLE.relative_to(REPO)), "--impl", "mine",
            "sdpa", "llm_attn", "--seq", "16", "--repeats", "2", "--warmup", "1", "--new-tokens", "3",
            "--decode-repeats", "1", "--measure", "ttft", "decode_graph", "correctness", "--no-progress", "--out",
-           str(out)]
+           str(out), "--device", "cpu"]  # the CPU path on any machine (a GPU's default model is the 8B AWQ one)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -302,7 +302,9 @@ def test_example_plugin_in_an_experiment_file(tmp_path):
     toml = tmp_path / "plug.toml"
     toml.write_text('name = "plug"\nseqs = [16]\nimpls = ["sdpa", "mine_exp"]\nplugins = ["k/plug.py"]\n'
                     'measurements = ["ttft", "correctness"]\nrepeats = 1\nwarmup = 0\nnew_tokens = 2\n')
-    assert experiment.main([str(toml), "--results-dir", str(tmp_path / "res"), "--no-progress"]) == 0
+    # --device cpu: the rows land under res/cpu on any machine (a GPU's would be its slug, with the 8B AWQ model).
+    assert experiment.main([str(toml), "--results-dir", str(tmp_path / "res"), "--no-progress", "--device",
+                            "cpu"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "res" / "cpu" / "plug.jsonl").read_text().splitlines()]
     assert {(r["measurement"], r["impl"]) for r in rows} == {("ttft", "sdpa"), ("ttft", "mine_exp"),
                                                              ("correctness", "mine_exp")}

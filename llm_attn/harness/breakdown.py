@@ -77,6 +77,25 @@ def attention_ranges(model, impl_name: str, hf_name: str | None):
             mapping.pop(hf_name, None)
 
 
+_RUNTIME_CALL = re.compile(r"^(cuda|cu)[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
+
+
+def _activity(e) -> str:
+    """The kineto activity of a profiler event: 'cpu_op', 'user_annotation', 'gpu_user_annotation', 'kernel',
+    'gpu_memcpy', 'gpu_memset', 'cuda_runtime', ... ``FunctionEvent.activity_type`` says it on recent torch (2.13);
+    older ones (the H100's torch 2.11) have no such attribute: derive it from what their events carry."""
+    activity = getattr(e, "activity_type", None)
+    if activity:
+        return str(activity)
+    on_cpu = e.device_type == torch.autograd.DeviceType.CPU
+    if getattr(e, "is_user_annotation", False):
+        return "user_annotation" if on_cpu else "gpu_user_annotation"
+    if not on_cpu:
+        name = e.name.lower()
+        return "gpu_memcpy" if name.startswith("memcpy") else "gpu_memset" if name.startswith("memset") else "kernel"
+    return "cuda_runtime" if _RUNTIME_CALL.match(e.name) else "cpu_op"
+
+
 def _ancestors(evt):
     while evt is not None:
         yield evt
@@ -119,11 +138,10 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
         # kernels launched inside them: the most direct attribution, and never counted as kernels themselves.
         notes = [e for e in device if _is_annotation(e)]
         windows = sorted((e.time_range.start, e.time_range.end) for e in notes if e.name.startswith(RANGE_PREFIX))
-        kernels = [e for e in device if not _is_annotation(e)
-                   and (getattr(e, "activity_type", None) or "kernel") in DEVICE_ACTIVITIES]
+        kernels = [e for e in device if not _is_annotation(e) and _activity(e) in DEVICE_ACTIVITIES]
         # The launch chain: a kernel shares its CUPTI correlation id with the runtime call that launched it, which
         # nests (by time, on the launching thread) inside the ATen op and the ranges around it.
-        launches = {e.id: e for e in cpu if getattr(e, "activity_type", None) in ("cuda_runtime", "cuda_driver")}
+        launches = {e.id: e for e in cpu if _activity(e) in ("cuda_runtime", "cuda_driver")}
         ops = {e.id: e for e in cpu if getattr(e, "linked_correlation_id", 0) == 0}
         if windows and attribution == "ranges":
             attribution = "ranges (GPU timeline)"
@@ -147,7 +165,7 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
     else:
         busy = 0.0
         for e in cpu:
-            if not _is_cpu_op(e) or not (start_us <= e.time_range.start <= end_us):
+            if _activity(e) != "cpu_op" or not (start_us <= e.time_range.start <= end_us):
                 continue
             chain = list(_ancestors(e))
             dur = e.self_cpu_time_total / 1e3
@@ -170,19 +188,8 @@ def classify(events, device_type: str, attribution: str = "ranges") -> dict:
     }
 
 
-def _is_cpu_op(e) -> bool:
-    """An ATen op (or other CPU activity that does work), not a record_function range. torch >= 2.12 says so in
-    ``activity_type``; torch 2.11 (the H100 machine's) has no such field, so the ranges are told apart by their
-    ``is_user_annotation`` flag and by name."""
-    kind = getattr(e, "activity_type", None)
-    if kind is not None:
-        return kind == "cpu_op"
-    return not getattr(e, "is_user_annotation", False) and not _is_annotation(e)
-
-
 def _is_annotation(e) -> bool:
-    return (e.name == PREFILL_RANGE or e.name.startswith(RANGE_PREFIX)
-            or "annotation" in str(getattr(e, "activity_type", "") or ""))
+    return e.name == PREFILL_RANGE or e.name.startswith(RANGE_PREFIX) or "annotation" in _activity(e)
 
 
 def _inside(windows, start: float, end: float) -> bool:
