@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 
 from llm_attn import _plan, kernel_contract
+from llm_attn._cuda_abi import FlashFwdParams
+from llm_attn._cuda_abi import driver as _driver
+from llm_attn._cuda_abi import drv_check as _drv_check
 
 CACHE_FORMAT = 1
 # NVRTC has no C++ standard library: flash.h and ptx.cuh include <cstdint>, which this in-memory header provides
@@ -272,27 +275,6 @@ def get_cubin(arch: str, kernel: str) -> tuple[bytes, str]:
     return cubin, lowered[kernel]
 
 
-# -- FlashFwdParams, passed by value ------------------------------------------------------------------------------
-class FlashFwdParams(ctypes.Structure):
-    """Mirror of llm_attn::FlashFwdParams (kernels/flash.h); every compiled program static_asserts this layout."""
-
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
-        ("q_batch_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
-        ("k_batch_stride", ctypes.c_int64), ("k_head_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
-        ("v_batch_stride", ctypes.c_int64), ("v_head_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
-        ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
-        ("batch", ctypes.c_int), ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
-        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("head_dim", ctypes.c_int),
-        ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
-        ("causal", ctypes.c_bool), ("is_bf16", ctypes.c_bool),
-        ("tile", ctypes.c_int),
-        ("num_splits", ctypes.c_int),
-        ("o_accum", ctypes.c_void_p), ("lse_accum", ctypes.c_void_p), ("split_counters", ctypes.c_void_p),
-    ]
-
-
 # -- availability ------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
@@ -312,24 +294,6 @@ def unavailable_reason() -> str | None:
 
 
 # -- driver API: load and launch ----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _driver():
-    from cuda.bindings import driver  # noqa: PLC0415
-
-    return driver
-
-
-def _drv_check(result, what: str):
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        driver = _driver()
-        name = driver.cuGetErrorName(err)[1]
-        raise RuntimeError(f"llm_attn (NVRTC backend): {what} failed: {name.decode() if name else err!r}")
-    if isinstance(result, tuple):
-        return result[1] if len(result) == 2 else result[1:]
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def device_info(index: int) -> tuple[str, _plan.Device]:
     """("sm_XY", the device facts the dispatch reads) of CUDA device `index`."""
@@ -489,3 +453,31 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         with torch.cuda.device(index):
             for launch in plan.launches:
                 _launch(index, launch, p, stream)
+
+
+def sm90_probe_offsets() -> dict[str, int]:
+    """{field: offset} of the C++ Sm90Params as NVRTC lays it out: ``_nvrtc_sm90.layout_probe_source()`` (with its
+    struct_asserts) compiled to PTX for sm_90a. Needs NVRTC only (no GPU, no driver); tests/test_nvrtc.py compares
+    it with the ctypes mirror."""
+    from llm_attn import _nvrtc_sm90  # noqa: PLC0415
+
+    nvrtc = _nvrtc()
+    src = _nvrtc_sm90.layout_probe_source() + _nvrtc_sm90.struct_asserts()
+    names = [n.encode() for n in _SHIM_HEADERS]
+    bodies = [t.encode() for t in _SHIM_HEADERS.values()]
+    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"llm_attn_sm90_probe.cu", len(names), bodies, names),
+                  "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in _options(_nvrtc_sm90.ARCH) if not o.startswith("--ptxas")]
+        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        if int(err) != 0:
+            size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            raise RuntimeError(f"the Sm90Params layout probe did not compile:\n{log.decode(errors='replace')}")
+        size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        ptx = b" " * size
+        _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return _nvrtc_sm90.layout_probe(ptx.rstrip(b"\0").decode())

@@ -5,7 +5,7 @@ for the compiled extension, in Python.
   portable ``FlashFwdParams``, the ping-pong switch and four 128-byte, 128-byte-aligned tensor maps, passed by value
   as the kernel's ``__grid_constant__`` parameter. Every program NVRTC compiles with the Hopper kernel
   static_asserts its size and alignment (``struct_asserts``); tests/test_nvrtc.py checks every offset
-  (``layout_probe``: NVRTC has no ``offsetof``, so a probe kernel's PTX gives them).
+  (``layout_probe`` of ``_nvrtc.sm90_probe_offsets``: NVRTC has no ``offsetof``, so a probe kernel's PTX gives them).
 - ``tensor_map``: ``make_tensor_map`` through cuda-python's ``cuTensorMapEncodeTiled``, with the same parameters
   (4-D (head_dim, seq, heads, batch), byte strides, boxes of 64 columns x box rows, 128-byte swizzle, L2 256-byte
   promotion, no OOB fill).
@@ -19,7 +19,9 @@ import functools
 import re
 
 from llm_attn import _plan
-from llm_attn._nvrtc import FlashFwdParams, _driver, _drv_check
+from llm_attn._cuda_abi import FlashFwdParams
+from llm_attn._cuda_abi import driver as _driver
+from llm_attn._cuda_abi import drv_check as _drv_check
 
 ARCH = "sm_90a"  # wgmma and setmaxnreg need the arch-specific target; the kernel's body is a trap elsewhere
 KERNEL_HEADER = "flash_fwd_sm90_kernel.cuh"
@@ -76,33 +78,6 @@ def layout_probe(ptx: str) -> dict[str, int]:
         val = m.group(2)
         out[FIELDS[slot]] = int(val) if val.isdigit() else regs[val]
     return out
-
-
-def probe_offsets() -> dict[str, int]:
-    """{field: offset} of the C++ Sm90Params, as NVRTC lays it out: layout_probe_source() (with struct_asserts())
-    compiled to PTX for sm_90a. Needs NVRTC only (no GPU, no driver)."""
-    from llm_attn import _nvrtc  # noqa: PLC0415
-
-    nvrtc = _nvrtc._nvrtc()
-    src = layout_probe_source() + struct_asserts()
-    names = [n.encode() for n in _nvrtc._SHIM_HEADERS]
-    bodies = [t.encode() for t in _nvrtc._SHIM_HEADERS.values()]
-    prog = _nvrtc._check(nvrtc.nvrtcCreateProgram(src.encode(), b"llm_attn_sm90_probe.cu", len(names), bodies, names),
-                         "nvrtcCreateProgram")
-    try:
-        opts = [o.encode() for o in _nvrtc._options(ARCH) if not o.startswith("--ptxas")]
-        err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        if int(err) != 0:
-            size = _nvrtc._check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-            log = b" " * size
-            _nvrtc._check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-            raise RuntimeError(f"the Sm90Params layout probe did not compile:\n{log.decode(errors='replace')}")
-        size = _nvrtc._check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-        ptx = b" " * size
-        _nvrtc._check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return layout_probe(ptx.rstrip(b"\0").decode())
 
 
 # -- tensor maps ---------------------------------------------------------------------------------------------------

@@ -123,9 +123,9 @@ def test_sm90_params_layout_matches_cpp():
     """Every Sm90Params field's offset as NVRTC lays out the C++ struct (a probe kernel's PTX: NVRTC has no
     offsetof), against the ctypes mirror; size and alignment are static_asserted in the same program."""
     _nvrtc_or_skip()
-    from llm_attn import _nvrtc_sm90
+    from llm_attn import _nvrtc, _nvrtc_sm90
 
-    cpp = _nvrtc_sm90.probe_offsets()
+    cpp = _nvrtc.sm90_probe_offsets()
     assert set(cpp) == set(_nvrtc_sm90.FIELDS), cpp
     assert cpp == {f: getattr(_nvrtc_sm90.Sm90Params, f).offset for f in _nvrtc_sm90.FIELDS}
     assert ctypes.sizeof(_nvrtc_sm90.Sm90Params) == 768 and cpp["tma_q"] % 128 == 0
