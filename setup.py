@@ -150,6 +150,10 @@ setup(
         # The `numba` attention entry (llm_attn/impls/numba_fa2.py) and the Thunder executor (llm_attn/thunder.py).
         "numba": ["numba-cuda>=0.30.4"],
         "thunder": ["lightning-thunder==0.2.6"],
+        # --prompts (llm_attn/harness/prompts.py): prompts from a local json/jsonl/parquet/csv file or a cached
+        # dataset; GPU clocks in every row (llm_attn/harness/hostenv.py) read through NVML when it is installed.
+        "prompts": ["datasets>=2.14"],
+        "nvml": ["nvidia-ml-py"],
     },
     # Installed packages register attention implementations here (llm_attn.registry reads the group), e.g.
     #   [project.entry-points."llm_attn.attention"] mine = "my_pkg.attention:register"

@@ -152,7 +152,8 @@ class Sweep:
 
     def __init__(self, cfg: SweepConfig, model, info, env: dict, writer: ResultWriter, device_entry: Device | None,
                  done: set[tuple] | None = None, progress: bool = True, argv: list[str] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None,
+                 prompts: Callable[[int, int], torch.Tensor] | None = None):
         self.cfg, self.model, self.env, self.writer = cfg, model, env, writer
         self.device = torch.device(cfg.device)
         self.device_entry = device_entry
@@ -162,6 +163,9 @@ class Sweep:
         self.log = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
         self.run_id = uuid.uuid4().hex[:12]
         self.rows: list[dict] = []
+        # (batch, seq) -> token ids on the CPU: e.g. harness.prompts.prompt_batch over a --prompts dataset. Default:
+        # seeded random ids (make_prompt).
+        self.prompts = prompts
         self.skipped = 0
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab = text_config.vocab_size
@@ -169,6 +173,14 @@ class Sweep:
         self.geometry = flops.geometry(info_json.get("config") or text_config.to_dict())
         self.weight_bytes = flops.weight_bytes_read_per_step(model)
         self.info = {**info_json, "model_bytes": flops.model_bytes(model)}
+
+    def _prompt(self, batch: int, seq: int) -> torch.Tensor:
+        if self.prompts is None:
+            return make_prompt(self.vocab, batch, seq, self.cfg.seed, self.device)
+        ids = self.prompts(batch, seq)
+        if tuple(ids.shape) != (batch, seq):
+            raise ValueError(f"the prompt source gave shape {tuple(ids.shape)}, expected {(batch, seq)}")
+        return ids.to(self.device)
 
     # -- rows -----------------------------------------------------------------------------------------------------
     def _base(self, measurement: str, impl: str, batch: int, seq: int, command_impls: list[str]) -> dict:
@@ -299,7 +311,7 @@ class Sweep:
                     self._run_impl(impl, points, bar, inner)
             for impl, b, s in todo_corr:
                 bar.set_postfix_str(f"correctness {impl} vs {CORRECTNESS_REFERENCE} b={b} s={s}")
-                prompt = make_prompt(self.vocab, b, s, cfg.seed, self.device)
+                prompt = self._prompt(b, s)
                 base = self._base("correctness", impl, b, s, [CORRECTNESS_REFERENCE, impl])
                 self._guarded(base, lambda p=prompt, i=impl: measure_correctness(
                     self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, i, use_impl))
@@ -335,7 +347,7 @@ class Sweep:
         if not ok:
             return
         bar.set_postfix_str(f"paired {measurement} {'/'.join(ok)} b={batch} s={seq}")
-        prompt = make_prompt(self.vocab, batch, seq, cfg.seed, self.device)
+        prompt = self._prompt(batch, seq)
         bases = {i: self._base(measurement, i, batch, seq, ok) for i in ok}
         inner.reset(total=cfg.repeats)
         failure = None
@@ -377,7 +389,7 @@ class Sweep:
                 return
             for b, s, m in points:
                 bar.set_postfix_str(f"{impl} b={b} s={s} {m}")
-                prompt = make_prompt(self.vocab, b, s, self.cfg.seed, self.device)
+                prompt = self._prompt(b, s)
 
                 def run_one(m=m, prompt=prompt):
                     if report is not None:
