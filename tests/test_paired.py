@@ -203,3 +203,16 @@ def test_measure_decode_static_loop_runs_natively():
 
     assert native == layers * (1 + GRAPH_WARMUP_STEPS + runs * (new - 1))
     assert fields["mode"] == "static_cache_loop_no_graph"
+
+
+# -- host cost ----------------------------------------------------------------------------------------------------------
+def test_host_cost_runs_every_path_and_the_patch_path_is_native():
+    from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost
+
+    shapes = (HostShape("prefill 32", 1, 4, 2, 32, 32, 64), HostShape("decode kv 64", 1, 4, 2, 1, 64, 64))
+    rows = measure_host_cost("cpu", torch.float32, shapes=shapes, calls=5, warmup=1)
+    assert len(rows) == 8 and all(r["us_per_call"] and r["us_per_call"] > 0 for r in rows), rows
+    patch = [r for r in rows if r["path"] == "llm_attn via the patch"]
+    assert all(r["attention_calls"] == {"impl": 6, "stock_fallback": 0} for r in patch)
+    table = host_cost_table(rows)
+    assert "prefill 32: host µs/call" in table and "x SDPA" in table

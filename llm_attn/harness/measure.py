@@ -10,6 +10,9 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 - Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
   the kernels need without Python and launch overhead. On CPU the same static-cache loop runs without a graph and
   says so in ``mode``.
+- TTFT, "graph" (``measure_ttft_graph``): the whole prefill and the first-token argmax captured in one CUDA graph
+  and replayed (a fresh DynamicCache created inside the capture, or a StaticCache reset before each replay); the
+  attention kernels of one profiled replay are named in the row. Off CUDA, or where capture fails: 'unsupported'.
 - Correctness: max |logit difference| at the prompt's last position and greedy-token agreement, a patched
   implementation vs stock.
 """
@@ -413,17 +416,18 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
             static.reset()
 
     with torch.inference_mode():
+        # Warm-up on a side stream, as capture requires (a failure here is the model's, not the capture's: raised).
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmup)):
+                reset()
+                prefill()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        reset()
+        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(side):
-                for _ in range(max(1, warmup)):
-                    reset()
-                    prefill()
-            torch.cuda.current_stream(device).wait_stream(side)
-            torch.cuda.synchronize(device)
-            reset()
-            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 token = prefill()
         except _OOM_ERRORS:
