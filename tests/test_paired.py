@@ -132,7 +132,11 @@ def test_jsonl_rows_keep_the_raw_pairs(paired_rows):
     assert iv == paired_verdicts(ours, ["sdpa"])["sdpa"]  # recomputable from the row alone
     assert iv["ratio"] == pytest.approx(np.median(by["sdpa"]["samples_ms"]) / np.median(ours["samples_ms"]))
     # Ours really ran: every attention call of warm-up and repeats (2 layers x 5 prefills) natively.
-    assert ours["attention_calls"] == {"impl": 10, "stock_fallback": 0, "fallback_reasons": {}}
+    assert ours["attention_calls"] == {"impl": 10, "stock_fallback": 0, "fallback_reasons": {},
+                                       "counted_over": "warm-up and repeats"}
+    # Stock rows say what ran too: transformers' sdpa function, counted over the warm-up (1 prefill x 2 layers).
+    assert by["sdpa"]["attention_calls"] == {"impl": 2, "stock_fallback": 0, "fallback_reasons": {},
+                                             "counted_over": "warm-up"}
     table = summary_table(rows)
     assert format_ratio_interval(iv) in table and "paired-bootstrap interval" in table
 

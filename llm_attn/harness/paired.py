@@ -15,9 +15,11 @@ the forward until the forward (and the argmax) returns, before anything waits fo
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -27,6 +29,45 @@ from llm_attn.harness.results import jsonable
 from llm_attn.harness.stats import paired_ratio_interval, summarize
 
 HOST_BOUND_SHARE = 0.9
+
+
+@contextmanager
+def stock_call_counter(impl: str) -> Iterator[Counter | None]:
+    """For a stock implementation (``eager``, ``sdpa``, ``flash_attention_2``): count the calls of transformers'
+    attention function while the block runs (wrapping its ``AttentionInterface`` entry, as the breakdown's ranges
+    do). Yields None for patched implementations (their PatchReport counts) or where transformers has no
+    registry. Used during warm-up only: the timed repeats run the unwrapped function."""
+    from llm_attn import registry  # noqa: PLC0415
+
+    entry = registry.get(impl)
+    if not entry.stock:
+        yield None
+        return
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+        mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    except (ImportError, AttributeError):
+        yield None
+        return
+    name = entry.hf_name
+    had, original = name in mapping, mapping.get(name)
+    counter = Counter()
+
+    def counted(module, *args, **kwargs):
+        fn = original
+        if fn is None:  # eager: transformers falls back to the modeling module's own function
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        counter["impl"] += 1
+        return fn(module, *args, **kwargs)
+
+    mapping[name] = counted
+    try:
+        yield counter
+    finally:
+        if had:
+            mapping[name] = original
+        else:
+            mapping.pop(name, None)
 
 
 def pairing_order(impls: Sequence[str], repeats: int, seed: int) -> list[list[str]]:
@@ -119,12 +160,15 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         reasons[impl].update(rep.fallback_calls)
         patch_report[impl] = rep
 
+    stock_calls = dict.fromkeys(impls)
     with torch.inference_mode():
         for _ in range(warmup):
             for impl in impls:
-                with switch(model, impl) as rep:
+                with switch(model, impl) as rep, stock_call_counter(impl) as counter:
                     prefill_first_token(model, input_ids)
                     tally(impl, rep)
+                if counter is not None:
+                    stock_calls[impl] = (stock_calls[impl] or 0) + counter["impl"]
         _sync(device)
         for r in range(repeats):
             for p, impl in enumerate(order[r]):
@@ -162,8 +206,13 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         if patch_report[impl] is not None:
             # Summed over every patch of this implementation (warm-up included): proof of what really ran.
             fields["attention_calls"] = {"impl": calls[impl]["impl"], "stock_fallback": calls[impl]["stock_fallback"],
-                                         "fallback_reasons": dict(reasons[impl])}
+                                         "fallback_reasons": dict(reasons[impl]),
+                                         "counted_over": "warm-up and repeats"}
             fields["patch"] = jsonable(patch_report[impl])
+        elif stock_calls[impl] is not None:
+            # A stock implementation: all of its calls are stock by definition; counted over the warm-up.
+            fields["attention_calls"] = {"impl": stock_calls[impl], "stock_fallback": 0, "fallback_reasons": {},
+                                         "counted_over": "warm-up"}
         out[impl] = fields
     return out
 
