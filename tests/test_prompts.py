@@ -99,3 +99,18 @@ def test_bad_prompts_source_is_one_line(tmp_path, make, message):
 def test_checkpoint_without_tokenizer(tmp_path):
     with pytest.raises(P.PromptsError, match="has none that loads"):
         P.load_tokenizer(tmp_path)
+
+
+def test_ttft_over_the_datasets_own_lengths(tiny_tokenizer, jsonl):
+    from llm_attn.harness.paired import measure_ttft_over_prompts, paired_verdicts
+
+    tok, _ = tiny_tokenizer
+    prompts = P.dataset_prompts(tok, P.load_texts(str(jsonl)), max_seq=64)
+    model, _ = models.load_model("tiny:fp16", "cpu", torch.float32)
+    got = measure_ttft_over_prompts(model, prompts, ["sdpa", "llm_attn"], warmup=1, repeats=1, switch=use_impl)
+    ours = got["llm_attn"]
+    assert ours["lengths"] == [p.shape[1] for p in prompts] and len(ours["samples_ms"]) == 3
+    assert ours["stats"]["p90"] >= ours["stats"]["p50"] > 0
+    assert ours["attention_calls"]["stock_fallback"] == 0 and ours["attention_calls"]["impl"] == 3 * 2 * 2
+    iv = paired_verdicts({"impl": "llm_attn", **ours}, ["sdpa"])["sdpa"]
+    assert iv["n"] == 3 and iv["low"] <= iv["ratio"] <= iv["high"]

@@ -245,3 +245,58 @@ def switch_cost_ms(model, impls: Sequence[str], switch: Callable, rounds: int = 
             times.append((time.perf_counter() - t0) * 1e3)
         out[impl] = float(np.median(times))
     return out
+
+
+def measure_ttft_over_prompts(model, prompts: Sequence[torch.Tensor], impls: Sequence[str], warmup: int,
+                              repeats: int, *, switch: Callable, seed: int = 0,
+                              on_prompt: Callable[[], None] | None = None) -> dict[str, dict]:
+    """``--seq dataset``: TTFT over a dataset's own length distribution (``prompts.dataset_prompts``). Every prompt
+    is measured paired at its own length (``measure_ttft_paired``, warm-up included: each length is a new shape);
+    its TTFT is the median of its repeats. Per implementation: ``samples_ms`` = the per-prompt TTFTs in prompt order
+    (``stats`` gives p50/p90 over the dataset), ``lengths``, and a ``paired`` record whose repeat index is the
+    prompt index, so ``paired_verdicts`` pairs implementations prompt by prompt."""
+    if not prompts:
+        raise ValueError("no prompts to measure")
+    impls = list(impls)
+    per = {i: [] for i in impls}
+    enq = {i: [] for i in impls}
+    wall = {i: [] for i in impls}
+    calls = {i: Counter() for i in impls}
+    has_calls = dict.fromkeys(impls, False)
+    lengths = []
+    device = prompts[0].device
+    for n, p in enumerate(prompts):
+        got = measure_ttft_paired(model, p, impls, warmup, repeats, switch=switch, seed=seed + n)
+        lengths.append(int(p.shape[1]))
+        for i in impls:
+            f = got[i]
+            per[i].append(float(np.median(f["samples_ms"])))
+            enq[i].append(float(np.median(f["enqueue_samples_ms"])))
+            wall[i].append(float(np.median(f["wall_samples_ms"])))
+            ac = f.get("attention_calls")
+            if ac:
+                has_calls[i] = True
+                calls[i]["impl"] += ac["impl"]
+                calls[i]["stock_fallback"] += ac["stock_fallback"]
+        if on_prompt:
+            on_prompt()
+    record = {"impls": impls, "seed": seed, "order": None, "samples_ms": per, "enqueue_ms": enq, "wall_ms": wall,
+              "unit": "prompt (each sample: the median of that prompt's paired repeats)"}
+    out = {}
+    for i in impls:
+        out[i] = {
+            "timer": "cuda_event" if device.type == "cuda" else "perf_counter",
+            "samples_ms": per[i],
+            "wall_samples_ms": wall[i],
+            "enqueue_samples_ms": enq[i],
+            "stats": summarize(per[i]),
+            "lengths": lengths,
+            "warmup": warmup,
+            "repeats": repeats,
+            "peak_mem_bytes": None,
+            "host_bound": host_bound_summary(per[i], enq[i], wall[i], device_timed=device.type == "cuda"),
+            "paired": {**record, "positions": None, "switch_ms": None},
+        }
+        if has_calls[i]:
+            out[i]["attention_calls"] = {"impl": calls[i]["impl"], "stock_fallback": calls[i]["stock_fallback"]}
+    return out
