@@ -97,11 +97,13 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
             from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
             scale = shape.head_dim ** -0.5
+            args = (module, q, k, v)
             paths = {
-                "llm_attn.flash_attn_func": lambda: flash_attn_func(q, k, v, causal=causal),
-                "llm_attn via the patch": lambda: llm_attn_attention_forward(module, q, k, v, None, scaling=scale),
-                "sdpa (transformers)": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scale),
-                "torch SDPA": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True),
+                "llm_attn.flash_attn_func": lambda a=args, c=causal: flash_attn_func(*a[1:], causal=c),
+                "llm_attn via the patch": lambda a=args, s=scale: llm_attn_attention_forward(*a, None, scaling=s),
+                "sdpa (transformers)": lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
+                "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c,
+                                                                                      enable_gqa=True),
             }
             for name, fn in paths.items():
                 row = {"shape": shape.name, "path": name, "calls": calls, "device": str(device),
@@ -116,7 +118,7 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                     row["attention_calls"] = {"impl": report.num_native_calls,
                                               "stock_fallback": report.num_fallback_calls}
                 out.append(row)
-            del model, module
+            del model, module, args, paths
     return out
 
 

@@ -91,7 +91,8 @@ def _smi_state(index: int) -> dict:
            "clocks_locked": (app != default) if app is not None and default is not None else None,
            "clock_event_reasons": vals[4] if len(vals) > 4 else None}
     apps = subprocess.run(["nvidia-smi", f"--id={index}", "--query-compute-apps=pid,used_memory",
-                           "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+                           "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                          check=False)
     me = os.getpid()
     others = []
     for line in apps.stdout.strip().splitlines():
