@@ -433,7 +433,11 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
         except _OOM_ERRORS:
             raise
         except Exception as e:  # noqa: BLE001 (any capture failure is a property of this path: recorded, not fatal)
-            torch.cuda.synchronize(device)
+            del graph
+            try:
+                torch.cuda.synchronize(device)
+            except RuntimeError:
+                pass  # the capture's own error is the one to report
             raise GraphCaptureUnsupported(f"the prefill with a {cache} cache cannot be captured in a CUDA graph: "
                                           f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
         _reset_peak(device)
