@@ -137,3 +137,27 @@ def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
         table.append([p, *cells])
     return tabulate(table, headers=["path", *[f"{s}: host µs/call" for s in shapes]], tablefmt=tablefmt,
                     disable_numparse=True)
+
+
+def main(argv=None) -> int:
+    """``python -m llm_attn.harness.hostcost [--device cuda] [--dtype float16] [--calls 300]``: the table."""
+    import argparse  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m llm_attn.harness.hostcost", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--calls", type=int, default=CALLS)
+    args = ap.parse_args(argv)
+    if args.calls < 1:
+        ap.error(f"--calls must be >= 1, got {args.calls}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    rows = measure_host_cost(args.device, getattr(torch, args.dtype), calls=args.calls)
+    print(host_cost_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
