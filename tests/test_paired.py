@@ -81,7 +81,7 @@ def test_host_bound_flag_on_synthetic_rows():
     row = {"status": "ok", "host_bound": hb, "attention_calls": {"impl": 4, "stock_fallback": 28},
            "host_env": hostenv.span({"gpu": {"sm_mhz": 1980.0}, "cpu": {}}, {"gpu": {"sm_mhz": 1755.0}, "cpu": {}})}
     notes = row_notes(row)
-    assert notes[0] == "host-bound (enqueue 95% of TTFT)"
+    assert notes[0] == "host-bound (enqueue 95% of TTFT; GPU timeline spans 99% of wall)"
     assert notes[1] == "FALLBACK 88% of attention calls to stock (28/32)"
     assert notes[2] == "SM clock moved 11%"
     assert row_notes({**row, "host_bound": gpu_bound, "attention_calls": {"impl": 32, "stock_fallback": 0},

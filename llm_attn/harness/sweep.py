@@ -434,7 +434,9 @@ def row_notes(row: dict | None) -> list[str]:
     notes = []
     hb = row.get("host_bound")
     if hb and hb.get("host_bound"):
-        notes.append(f"host-bound (enqueue {100 * hb['enqueue_share']:.0f}% of TTFT)")
+        span = hb.get("gpu_span_share")
+        notes.append(f"host-bound (enqueue {100 * hb['enqueue_share']:.0f}% of TTFT"
+                     + (f"; GPU timeline spans {100 * span:.0f}% of wall)" if span is not None else ")"))
     calls = row.get("attention_calls")
     if calls and calls.get("stock_fallback"):
         n = calls["stock_fallback"] + (calls.get("impl") or 0)
