@@ -171,6 +171,10 @@ setup(
         # examples/finetune_lora.py (LoRA through the patch) and tests/test_finetune_lora.py. optimum: peft refuses
         # every LoRA layer when gptqmodel (the AWQ backend) is installed without optimum >= 1.24.
         "finetune": ["peft>=0.13", "datasets>=2.20", "optimum>=1.24"],
+        # --prompts (llm_attn/harness/prompts.py): prompts from a local json/jsonl/parquet/csv file or a cached
+        # dataset; GPU clocks in every row (llm_attn/harness/hostenv.py) read through NVML when it is installed.
+        "prompts": ["datasets>=2.14"],
+        "nvml": ["nvidia-ml-py"],
     },
     # Installed packages register attention implementations here (llm_attn.registry reads the group), e.g.
     #   [project.entry-points."llm_attn.attention"] mine = "my_pkg.attention:register"

@@ -106,6 +106,11 @@ def llm_attn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
         # torch.full fills on the device; as_tensor(int, device=cuda) would be a pageable host->device copy, which
         # synchronises the stream and stalls the CPU's run-ahead on every forward pass.
         seqused = torch.full((batch_size,), total, dtype=torch.int32, device=mask.device)
+    # Tag a contiguous tensor: sdpa_mask returns the batch rows expanded (stride 0), and transformers >= 5.2x's
+    # generate() calls ``.contiguous()`` on the mask it prepares for a static cache, which would copy it into a new,
+    # untagged tensor and send every decode step to the stock path. On a contiguous mask that call returns the
+    # mask itself. (A decode mask is B x 1 x 1 x kv bools; where the tag is set the kernel never reads it.)
+    mask = mask.contiguous()
     setattr(mask, SEQUSED_ATTR, seqused)
     return mask
 

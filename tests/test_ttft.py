@@ -158,7 +158,7 @@ def test_awq_int4_model_counts_packed_weights(tmp_path):
 
 # -- error rows -----------------------------------------------------------------------------------------------------
 def _failing_measure(exc_for_seq: dict):
-    real = sweep_mod.measure_ttft
+    real = sweep_mod.measure_ttft_paired  # TTFT is measured paired (all implementations of a point together)
 
     def measure(model, prompt, *a, **kw):
         exc = exc_for_seq.get(prompt.shape[1])
@@ -171,7 +171,7 @@ def _failing_measure(exc_for_seq: dict):
 
 def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys):
     # A CPU cannot run out of GPU memory: inject the exception torch raises, at one point only.
-    monkeypatch.setattr(sweep_mod, "measure_ttft",
+    monkeypatch.setattr(sweep_mod, "measure_ttft_paired",
                         _failing_measure({32: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")}))
     out = tmp_path / "rows.jsonl"
     code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, *CPU, "--out", str(out)])
@@ -186,7 +186,7 @@ def test_oom_point_is_recorded_and_sweep_continues(tmp_path, monkeypatch, capsys
 
 
 def test_failing_point_gives_error_row_and_exit_1(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sweep_mod, "measure_ttft", _failing_measure({16: RuntimeError("kernel exploded")}))
+    monkeypatch.setattr(sweep_mod, "measure_ttft_paired", _failing_measure({16: RuntimeError("kernel exploded")}))
     out = tmp_path / "rows.jsonl"
     code = ttft.main(["--impl", "sdpa", "--measure", "ttft", *FAST, *CPU, "--out", str(out)])
     assert code == 1
@@ -210,16 +210,17 @@ def test_ctrl_c_keeps_finished_rows_and_resume_completes(tmp_path, monkeypatch, 
     monkeypatch.setattr(sweep_mod, "measure_decode_generate", interrupted)
     assert ttft.main(args) == 130
     first = rows_of(out)
-    # sdpa: ttft16, gen16, ttft32, gen32; llm_attn: ttft16, then Ctrl-C inside its first decode
+    # paired TTFT first (both implementations per length), then sdpa: gen16, gen32; llm_attn: Ctrl-C inside its
+    # first decode
     assert [(r["impl"], r["seq"], r["kind"]) for r in first] == [
-        ("sdpa", 16, "ttft"), ("sdpa", 16, "decode_generate"), ("sdpa", 32, "ttft"),
-        ("sdpa", 32, "decode_generate"), ("llm_attn", 16, "ttft")]
+        ("sdpa", 16, "ttft"), ("llm_attn", 16, "ttft"), ("sdpa", 32, "ttft"), ("llm_attn", 32, "ttft"),
+        ("sdpa", 16, "decode_generate"), ("sdpa", 32, "decode_generate")]
     monkeypatch.setattr(sweep_mod, "measure_decode_generate", real)
     assert ttft.main(args + ["--resume"]) == 0
     rows = rows_of(out)
-    assert rows[:5] == first  # nothing finished was measured again
+    assert rows[:6] == first  # nothing finished was measured again
     assert len(rows) == 8 and len({point_key(r) for r in rows}) == 8
-    assert "5 measurements already in" in capsys.readouterr().out
+    assert "6 measurements already in" in capsys.readouterr().out
 
 
 # -- the writer -----------------------------------------------------------------------------------------------------

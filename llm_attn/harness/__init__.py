@@ -11,6 +11,10 @@ Modules, one job each:
 - ``impls``    — how a loaded model is switched between the implementations of ``llm_attn.registry``.
 - ``measure``  — TTFT, decode (``generate`` and static-cache/CUDA-graph) and correctness measurements.
 - ``breakdown``— one prefill under torch.profiler: attention / GEMM / quantised weights / other / idle.
+- ``paired``   — paired TTFT: every implementation once per repeat in a seeded shuffled order; host-bound flag.
+- ``hostenv``  — GPU clocks/locks/other processes and CPU frequency/governor at the start and end of a measurement.
+- ``prompts``  — prompts from a local dataset file or a cached dataset (``--prompts``); an offline tokenizer.
+- ``hostcost`` — host µs per attention call (ours, ours through the patch, SDPA), no sync.
 - ``sweep``    — runs a grid of points through ``measure``, writing one row per measurement, and the summary table.
 - ``session``  — one measurement session: defaults, checks, loading the model, running a sweep, summarising rows.
 - ``experiments`` — experiment definitions (TOML) and where their results go.

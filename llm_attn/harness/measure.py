@@ -10,6 +10,9 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 - Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
   the kernels need without Python and launch overhead. On CPU the same static-cache loop runs without a graph and
   says so in ``mode``.
+- TTFT, "graph" (``measure_ttft_graph``): the whole prefill and the first-token argmax captured in one CUDA graph
+  and replayed (a fresh DynamicCache created inside the capture, or a StaticCache reset before each replay); the
+  attention kernels of one profiled replay are named in the row. Off CUDA, or where capture fails: 'unsupported'.
 - Correctness: max |logit difference| at the prompt's last position and greedy-token agreement, a patched
   implementation vs stock.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import time
 from collections.abc import Callable
 
@@ -31,6 +35,7 @@ from llm_attn.harness.stats import summarize
 # Steps run before capturing the decode graph: the first call of an op may allocate workspaces or pick algorithms,
 # which a capture must not see.
 GRAPH_WARMUP_STEPS = 2
+_OOM_ERRORS = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
 
 
 class GraphCaptureUnsupported(RuntimeError):
@@ -343,4 +348,128 @@ def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, referen
         # variant, and how many of its calls took the stock path.
         "patch": report,
         "attention_calls": calls,
+    }
+
+
+# -- TTFT replayed from a CUDA graph ------------------------------------------------------------------------------------
+GRAPH_CACHES = ("dynamic", "static")
+# Kernel names of attention implementations (ours: flash_fwd/flash_decode/flash_combine; PyTorch's SDPA backends:
+# pytorch_flash::flash_fwd*, fmha_cutlass* (memory-efficient), cuDNN's *sdpa*/*fmha*; flash-attn 2: flash_fwd*).
+# A graph replay runs no Python, so no profiler range can attribute kernels: names are all there is.
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|attn|sdpa|mha_|_mha|softmax", re.IGNORECASE)
+
+
+def attention_kernels_of(events) -> list[dict]:
+    """The attention kernels in a profile (``prof.events()``): name, launches and total ms, by total time."""
+    agg: dict[str, list] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU or not ATTENTION_KERNEL.search(e.name):
+            continue
+        if "annotation" in str(getattr(e, "activity_type", "") or ""):
+            continue
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += (e.time_range.end - e.time_range.start) / 1e3
+    return [{"name": n, "launches": c, "ms": ms} for n, (c, ms) in sorted(agg.items(), key=lambda x: -x[1][1])]
+
+
+def profile_kernels(run: Callable[[], None], device: torch.device) -> list[dict]:
+    """Run ``run`` once under torch.profiler (CUDA activity) and return the attention kernels that ran
+    (``attention_kernels_of``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize(device)
+    return attention_kernels_of(prof.events())
+
+
+def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int, cache: str = "dynamic",
+                       profile: bool = True, on_repeat: Callable[[], None] | None = None) -> dict:
+    """Kernel-limited TTFT: the whole prefill (exact prompt, ``logits_to_keep=1``, greedy argmax of the first token)
+    captured in one CUDA graph and replayed; each sample is one replay timed with CUDA events. Host noise cannot
+    reach it: it is what an engine with graph capture (or ``torch.compile(mode="reduce-overhead")``) sees.
+
+    ``cache="dynamic"``: a fresh DynamicCache is created inside the capture, as eager TTFT does (the replay rewrites
+    the graph's own copy of it). ``cache="static"``: a StaticCache of exactly the prompt's length, reset before
+    every replay (outside the timed region): what ``cache_implementation="static"`` and compiled generation use.
+
+    Raises GraphCaptureUnsupported (a row with status 'unsupported' and the reason) off CUDA and for any capture
+    failure. With ``profile`` one more replay runs under torch.profiler and ``attention_kernels`` names the
+    attention kernels it ran."""
+    if cache not in GRAPH_CACHES:
+        raise ValueError(f"cache must be one of {GRAPH_CACHES}, got {cache!r}")
+    device = input_ids.device
+    if device.type != "cuda":
+        raise GraphCaptureUnsupported(f"CUDA graphs need a CUDA device; this run is on {device.type}")
+    batch, seq = input_ids.shape
+    static = StaticCache(config=model.config, max_cache_len=seq) if cache == "static" else None
+
+    def prefill():
+        if static is not None:
+            tok, _ = prefill_first_token(model, input_ids, cache=static)
+        else:
+            tok, _ = prefill_first_token(model, input_ids)
+        return tok
+
+    def reset():
+        if static is not None:
+            static.reset()
+
+    with torch.inference_mode():
+        # Warm-up on a side stream, as capture requires (a failure here is the model's, not the capture's: raised).
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmup)):
+                reset()
+                prefill()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                token = prefill()
+        except _OOM_ERRORS:
+            raise
+        except Exception as e:  # noqa: BLE001 (any capture failure is a property of this path: recorded, not fatal)
+            del graph
+            try:
+                torch.cuda.synchronize(device)
+            except RuntimeError:
+                pass  # the capture's own error is the one to report
+            raise GraphCaptureUnsupported(f"the prefill with a {cache} cache cannot be captured in a CUDA graph: "
+                                          f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+        _reset_peak(device)
+        samples = []
+        for _ in range(repeats):
+            reset()
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+            if on_repeat:
+                on_repeat()
+        first_tokens = token.tolist()
+        kernels = None
+        if profile:
+            reset()
+            torch.cuda.synchronize(device)
+            kernels = profile_kernels(graph.replay, device)
+        peak = _peak(device)
+        del graph
+    return {
+        "timer": "cuda_event",
+        "mode": f"cuda_graph_{cache}_cache",
+        "cache": cache,
+        "samples_ms": samples,
+        "stats": summarize(samples),
+        "warmup": warmup,
+        "repeats": repeats,
+        "first_tokens": first_tokens,
+        "attention_kernels": kernels,
+        "peak_mem_bytes": peak,
     }

@@ -23,7 +23,8 @@ SCHEMA = "llm_attn.ttft/2"
 OLD_SCHEMAS = ("llm_attn.ttft/1",)
 READABLE_SCHEMAS = (SCHEMA, *OLD_SCHEMAS)
 
-MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness", "breakdown")
+MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness", "breakdown", "ttft_graph",
+                "ttft_graph_static")
 KINDS = MEASUREMENTS + ("error",)
 # unsupported: the stock path cannot be measured that way (e.g. eager attention inside a CUDA graph).
 STATUSES = ("ok", "oom", "unsupported", "error")
@@ -40,6 +41,8 @@ KIND_FIELDS = {
                      "bytes_per_token"),
     "correctness": ("reference_impl", "max_abs_logit_diff", "greedy_agreement", "first_divergence",
                     "tokens_reference", "tokens_impl"),
+    "ttft_graph": ("samples_ms", "stats", "timer", "mode", "cache", "attention_kernels", "peak_mem_bytes"),
+    "ttft_graph_static": ("samples_ms", "stats", "timer", "mode", "cache", "attention_kernels", "peak_mem_bytes"),
     "breakdown": ("span_ms", "category_ms", "category_pct", "ttft_if_attention_zero_ms", "attention_attribution"),
     "error": ("error",),
 }
@@ -72,7 +75,8 @@ def point_key(row: dict) -> tuple:
     sweep with the same definition must find its finished points. TTFT and the prefill breakdown do not depend on
     ``new_tokens``."""
     measurement = row["measurement"]
-    new_tokens = None if measurement in ("ttft", "breakdown") else row.get("new_tokens")
+    new_tokens = None if measurement in ("ttft", "breakdown", "ttft_graph", "ttft_graph_static") \
+        else row.get("new_tokens")
     return (row.get("experiment"), row.get("model_spec"), row.get("dtype"), row.get("impl"), row.get("batch"),
             row.get("seq"), new_tokens, measurement)
 

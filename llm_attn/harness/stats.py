@@ -31,3 +31,57 @@ def summarize(samples_ms: Sequence[float]) -> dict:
         "stdev": stdev,
         "stdev_pct": 100.0 * stdev / mean if mean > 0 else None,
     }
+
+
+# -- paired verdicts ---------------------------------------------------------------------------------------------------
+# 10k resamples: the 2.5/97.5 % quantiles of the bootstrap distribution move by < 0.1 % between seeds at n = 10..50.
+BOOTSTRAP_RESAMPLES = 10_000
+CONFIDENCE = 0.95
+
+
+def paired_ratio_interval(reference_ms: Sequence[float], mine_ms: Sequence[float], *,
+                          resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE,
+                          seed: int = 0) -> dict:
+    """Speedup ``median(reference) / median(mine)`` (> 1: mine is faster, as the table's 'vs sdpa' column reads)
+    with a paired percentile-bootstrap interval: each resample draws repeat indices with replacement and keeps
+    both implementations' samples of a drawn repeat together, so drift that hit both alike cancels.
+
+    ``reference_ms[i]`` and ``mine_ms[i]`` must come from the same repeat ``i``. Seeded: the same samples give the
+    same interval. ``contains_one`` means the data cannot tell the two apart at this confidence."""
+    ref = np.asarray(reference_ms, dtype=np.float64)
+    mine = np.asarray(mine_ms, dtype=np.float64)
+    if ref.shape != mine.shape or ref.ndim != 1 or ref.size == 0:
+        raise ValueError(f"paired samples must be two non-empty lists of equal length, got {ref.shape} and "
+                         f"{mine.shape}")
+    if not (np.all(np.isfinite(ref)) and np.all(np.isfinite(mine))) or np.any(ref <= 0) or np.any(mine <= 0):
+        raise ValueError("paired samples must be finite positive latencies")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    ratio = float(np.median(ref) / np.median(mine))
+    rng = np.random.default_rng(seed)
+    n = ref.size
+    # Resampled in chunks so 10k x n indices never need more than a few MB.
+    ratios = np.empty(resamples, dtype=np.float64)
+    chunk = max(1, 2_000_000 // n)
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        ratios[start:stop] = np.median(ref[idx], axis=1) / np.median(mine[idx], axis=1)
+    alpha = (1 - confidence) / 2
+    lo, hi = (float(v) for v in np.quantile(ratios, [alpha, 1 - alpha]))
+    # The percentile interval of a median can exclude the point estimate for tiny n; widen to hold it.
+    lo, hi = min(lo, ratio), max(hi, ratio)
+    return {"ratio": ratio, "low": lo, "high": hi, "confidence": confidence, "n": int(n),
+            "resamples": int(resamples), "method": "paired percentile bootstrap of the ratio of medians",
+            "seed": seed, "contains_one": bool(lo <= 1.0 <= hi)}
+
+
+def format_ratio_interval(iv: dict, words: bool = True) -> str:
+    """``0.995x [0.989, 1.002] no difference`` / ``1.20x [1.15, 1.26] faster`` / ``0.80x [0.77, 0.83] slower``."""
+    digits = 3 if max(abs(iv["high"] - 1), abs(iv["low"] - 1)) < 0.1 else 2
+    text = f"{iv['ratio']:.{digits}f}x [{iv['low']:.{digits}f}, {iv['high']:.{digits}f}]"
+    if not words:
+        return text
+    if iv["contains_one"]:
+        return text + " no difference"
+    return text + (" faster" if iv["low"] > 1.0 else " slower")

@@ -22,7 +22,7 @@ from tabulate import tabulate
 from tqdm.auto import tqdm
 
 from llm_attn import registry
-from llm_attn.harness import flops
+from llm_attn.harness import flops, hostenv
 from llm_attn.harness.breakdown import measure_breakdown
 from llm_attn.harness.devices import Device
 from llm_attn.harness.impls import BASE_IMPL, impl_info, is_stock, use_impl
@@ -32,10 +32,15 @@ from llm_attn.harness.measure import (
     measure_decode_generate,
     measure_decode_static,
     measure_ttft,
+    measure_ttft_graph,
 )
+from llm_attn.harness.paired import measure_ttft_paired, paired_verdicts
+from llm_attn.harness.stats import format_ratio_interval
 from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
 
-PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown")
+PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown", "ttft_graph", "ttft_graph_static")
+# TTFT is measured paired: every implementation once per repeat, in a seeded shuffled order (harness.paired).
+PAIRED = ("ttft",)
 ALL_MEASUREMENTS = PER_POINT + ("correctness",)
 # What runs when nothing is asked for: the profiled breakdown is opt-in (``--measure breakdown``).
 DEFAULT_MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
@@ -147,7 +152,8 @@ class Sweep:
 
     def __init__(self, cfg: SweepConfig, model, info, env: dict, writer: ResultWriter, device_entry: Device | None,
                  done: set[tuple] | None = None, progress: bool = True, argv: list[str] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None,
+                 prompts: Callable[[int, int], torch.Tensor] | None = None):
         self.cfg, self.model, self.env, self.writer = cfg, model, env, writer
         self.device = torch.device(cfg.device)
         self.device_entry = device_entry
@@ -157,6 +163,9 @@ class Sweep:
         self.log = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
         self.run_id = uuid.uuid4().hex[:12]
         self.rows: list[dict] = []
+        # (batch, seq) -> token ids on the CPU: e.g. harness.prompts.prompt_batch over a --prompts dataset. Default:
+        # seeded random ids (make_prompt).
+        self.prompts = prompts
         self.skipped = 0
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab = text_config.vocab_size
@@ -164,6 +173,14 @@ class Sweep:
         self.geometry = flops.geometry(info_json.get("config") or text_config.to_dict())
         self.weight_bytes = flops.weight_bytes_read_per_step(model)
         self.info = {**info_json, "model_bytes": flops.model_bytes(model)}
+
+    def _prompt(self, batch: int, seq: int) -> torch.Tensor:
+        if self.prompts is None:
+            return make_prompt(self.vocab, batch, seq, self.cfg.seed, self.device)
+        ids = self.prompts(batch, seq)
+        if tuple(ids.shape) != (batch, seq):
+            raise ValueError(f"the prompt source gave shape {tuple(ids.shape)}, expected {(batch, seq)}")
+        return ids.to(self.device)
 
     # -- rows -----------------------------------------------------------------------------------------------------
     def _base(self, measurement: str, impl: str, batch: int, seq: int, command_impls: list[str]) -> dict:
@@ -194,6 +211,7 @@ class Sweep:
     def _guarded(self, base: dict, fn: Callable[[], dict]) -> None:
         """Run one measurement; an OOM or any other failure becomes an error row and the sweep continues."""
         failure = None
+        env_start = hostenv.snapshot(self.device)
         try:
             fields = fn()
         except _OOM as e:
@@ -204,12 +222,13 @@ class Sweep:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
             failure = ("error", type(e).__name__, str(e), traceback.format_exc())
+        env = hostenv.span(env_start, hostenv.snapshot(self.device))
         if failure is None:
-            self._emit({**base, **fields})
+            self._emit({**base, **fields, "host_env": env})
         else:
             # Only strings were kept: the exception's frames (holding the failed point's tensors) are gone by now,
             # so the memory they held can be given back before the next point.
-            self._emit_error(base, *failure)
+            self._emit_error({**base, "host_env": env}, *failure)
 
     def _emit_error(self, base: dict, status: str, etype: str, message: str, tb: str) -> None:
         mem = _free_cuda_memory(self.device)
@@ -234,12 +253,13 @@ class Sweep:
         if measurement == "ttft":
             inner.reset(total=cfg.repeats)
             fields = measure_ttft(self.model, prompt, cfg.warmup, cfg.repeats, on_repeat=inner.update)
-            f = flops.prefill_flops(self.geometry, batch, seq)
-            fields.update({"model_flops": f, "attention_flops": flops.attention_flops(self.geometry, batch, seq),
-                           "tflops": f / (fields["stats"]["p50"] * 1e-3) / 1e12})
-            if self.device_entry is not None:
-                fields["pct_of_peak_fp16"] = 100 * fields["tflops"] / self.device_entry.fp16_tensor_tflops
+            fields.update(self._ttft_extras(fields, batch, seq))
             return fields
+        if measurement in ("ttft_graph", "ttft_graph_static"):
+            inner.reset(total=cfg.repeats)
+            return measure_ttft_graph(self.model, prompt, cfg.warmup, cfg.repeats,
+                                      cache="static" if measurement == "ttft_graph_static" else "dynamic",
+                                      on_repeat=inner.update)
         if measurement == "breakdown":
             inner.reset(total=1)
             entry = registry.get(self._impl_now)
@@ -260,31 +280,99 @@ class Sweep:
     def run(self) -> list[dict]:
         cfg = self.cfg
         per_point = [m for m in PER_POINT if m in cfg.measurements]
-        todo = [(impl, b, s, m) for impl in cfg.impls for b in cfg.batches for s in cfg.seqs for m in per_point
+        blocked = [m for m in per_point if m not in PAIRED]
+        todo = [(impl, b, s, m) for impl in cfg.impls for b in cfg.batches for s in cfg.seqs for m in blocked
                 if self._key(m, impl, b, s) not in self.done]
+        # Paired points: the implementations still to measure at each (measurement, batch, seq), measured together.
+        todo_paired = []
+        for m in (m for m in per_point if m in PAIRED):
+            for b in cfg.batches:
+                for s in cfg.seqs:
+                    left = [i for i in cfg.impls if self._key(m, i, b, s) not in self.done]
+                    if left:
+                        todo_paired.append((m, b, s, left))
         checked = [i for i in cfg.impls if not is_stock(i)] if "correctness" in cfg.measurements else []
         todo_corr = [(i, b, s) for i in checked for b in cfg.batches for s in cfg.seqs
                      if self._key("correctness", i, b, s) not in self.done]
         planned = len(cfg.impls) * len(cfg.batches) * len(cfg.seqs) * len(per_point)
         planned += len(checked) * len(cfg.batches) * len(cfg.seqs)
-        self.skipped = planned - len(todo) - len(todo_corr)
-        total = len(todo) + len(todo_corr)
+        n_paired = sum(len(left) for *_, left in todo_paired)
+        self.skipped = planned - len(todo) - len(todo_corr) - n_paired
+        total = len(todo) + len(todo_corr) + n_paired
         # disable=None: bars only on a terminal, so logs of CI and batch jobs stay readable.
         disable = None if self.progress else True
         with tqdm(total=total, desc="measurements", unit="pt", disable=disable, file=sys.stderr) as bar, \
                 tqdm(total=0, desc="  repeats", leave=False, disable=disable, file=sys.stderr) as inner:
+            for m, b, s, left in todo_paired:
+                self._run_paired(m, left, b, s, bar, inner)
             for impl in cfg.impls:
                 points = [(b, s, m) for i, b, s, m in todo if i == impl]
                 if points:
                     self._run_impl(impl, points, bar, inner)
             for impl, b, s in todo_corr:
                 bar.set_postfix_str(f"correctness {impl} vs {CORRECTNESS_REFERENCE} b={b} s={s}")
-                prompt = make_prompt(self.vocab, b, s, cfg.seed, self.device)
+                prompt = self._prompt(b, s)
                 base = self._base("correctness", impl, b, s, [CORRECTNESS_REFERENCE, impl])
                 self._guarded(base, lambda p=prompt, i=impl: measure_correctness(
                     self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, i, use_impl))
                 bar.update()
         return self.rows
+
+    def _ttft_extras(self, fields: dict, batch: int, seq: int) -> dict:
+        f = flops.prefill_flops(self.geometry, batch, seq)
+        extras = {"model_flops": f, "attention_flops": flops.attention_flops(self.geometry, batch, seq),
+                  "tflops": f / (fields["stats"]["p50"] * 1e-3) / 1e12}
+        if self.device_entry is not None:
+            extras["pct_of_peak_fp16"] = 100 * extras["tflops"] / self.device_entry.fp16_tensor_tflops
+        return extras
+
+    def _run_paired(self, measurement: str, impls: list[str], batch: int, seq: int, bar: tqdm, inner: tqdm) -> None:
+        """One paired TTFT point: every implementation once per repeat, shuffled (``harness.paired``); one row per
+        implementation, each with the paired record and its verdict against every stock implementation paired
+        with it. An implementation the model cannot be switched to gets an error row and is left out of the
+        pairing; a failure of the paired run (OOM, ...) gives every implementation's row that status."""
+        cfg = self.cfg
+        ok = []
+        for impl in impls:
+            try:
+                with use_impl(self.model, impl):
+                    pass
+                ok.append(impl)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001
+                self._emit_error(self._base(measurement, impl, batch, seq, [impl]), "error", type(e).__name__,
+                                 f"switching the model to {impl!r} failed: {e}", traceback.format_exc())
+                bar.update()
+        if not ok:
+            return
+        bar.set_postfix_str(f"paired {measurement} {'/'.join(ok)} b={batch} s={seq}")
+        prompt = self._prompt(batch, seq)
+        bases = {i: self._base(measurement, i, batch, seq, ok) for i in ok}
+        inner.reset(total=cfg.repeats)
+        failure = None
+        env_start = hostenv.snapshot(self.device)
+        try:
+            got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
+                                      seed=cfg.seed, on_repeat=inner.update)
+        except _OOM as e:
+            failure = ("oom", type(e).__name__, str(e), traceback.format_exc())
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
+            failure = ("error", type(e).__name__, str(e), traceback.format_exc())
+        env = hostenv.span(env_start, hostenv.snapshot(self.device))
+        del prompt
+        stocks = [i for i in ok if is_stock(i)]
+        for impl in ok:
+            if failure is not None:
+                self._emit_error({**bases[impl], "host_env": env}, *failure)
+            else:
+                row = {**bases[impl], **got[impl], "host_env": env}
+                row.update(self._ttft_extras(row, batch, seq))
+                row["vs"] = paired_verdicts(row, stocks, seed=cfg.seed)
+                self._emit(row)
+            bar.update()
 
     def _run_impl(self, impl: str, points: list[tuple], bar: tqdm, inner: tqdm) -> None:
         self._impl_now = impl
@@ -301,7 +389,7 @@ class Sweep:
                 return
             for b, s, m in points:
                 bar.set_postfix_str(f"{impl} b={b} s={s} {m}")
-                prompt = make_prompt(self.vocab, b, s, self.cfg.seed, self.device)
+                prompt = self._prompt(b, s)
 
                 def run_one(m=m, prompt=prompt):
                     if report is not None:
@@ -330,8 +418,39 @@ def latest_rows(rows: list[dict]) -> dict[tuple, dict]:
     return out
 
 
+def verdict_cell(row: dict | None, stock: str, ref_p50: float | None, mine_p50: float | None) -> str:
+    """The 'vs <stock>' cell of a TTFT row: the paired ratio with its 95 % interval and, where the interval holds
+    1.0, "no difference" (``stats.format_ratio_interval``); the plain ratio of p50s for rows without pairs."""
+    iv = (row or {}).get("vs", {}).get(stock) if row and row.get("status") == "ok" else None
+    if iv:
+        return format_ratio_interval(iv)
+    return f"{ref_p50 / mine_p50:.2f}x" if ref_p50 and mine_p50 else ""
+
+
+def row_notes(row: dict | None) -> list[str]:
+    """What a reader must know before trusting a row's number: host-bound, fallbacks to stock, moved clocks."""
+    if not row or row.get("status") != "ok":
+        return []
+    notes = []
+    hb = row.get("host_bound")
+    if hb and hb.get("host_bound"):
+        span = hb.get("gpu_span_share")
+        notes.append(f"host-bound (enqueue {100 * hb['enqueue_share']:.0f}% of TTFT"
+                     + (f"; GPU timeline spans {100 * span:.0f}% of wall)" if span is not None else ")"))
+    calls = row.get("attention_calls")
+    if calls and calls.get("stock_fallback"):
+        n = calls["stock_fallback"] + (calls.get("impl") or 0)
+        notes.append(f"FALLBACK {100 * calls['stock_fallback'] / n:.0f}% of attention calls to stock "
+                     f"({calls['stock_fallback']}/{n})")
+    env = row.get("host_env") or {}
+    if env.get("sm_clock_moved"):
+        notes.append(f"SM clock moved {env['sm_clock_change_pct']:.0f}%")
+    return notes
+
+
 def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
-    """llama-bench-like table: one line per (model, impl, batch, seq), speedups vs each stock implementation."""
+    """llama-bench-like table: one line per (model, impl, batch, seq), speedups vs each stock implementation (with
+    their paired 95 % interval where TTFT was measured paired), and notes: host-bound, fallbacks, moved clocks."""
     latest = latest_rows(rows).values()
     by_point: dict[tuple, dict] = {}
     for r in latest:
@@ -353,17 +472,21 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
         return fmt(r) if r["status"] == "ok" else r["status"].upper()
 
     table, modes = [], set()
+    graph_cols = any(k2 in m for m in by_point.values() for k2 in ("ttft_graph", "ttft_graph_static"))
     order = {i: n for n, i in enumerate(registry.names())}
     for k in sorted(by_point, key=lambda k: (str(k[0]), str(k[1]), k[2], k[3], k[4], order.get(k[5], 99))):
         m = by_point[k]
         t, dg, dgr = m.get("ttft"), m.get("decode_generate"), m.get("decode_graph")
+        tg, tgs = m.get("ttft_graph"), m.get("ttft_graph_static")
         if dgr is not None and dgr["status"] == "ok":
             modes.add(dgr["mode"])
         mine = ttft_p50(k, k[5])
-        speed = []
-        for s in stocks:
-            ref = ttft_p50(k, s)
-            speed.append(f"{ref / mine:.2f}x" if ref and mine else "")
+        speed = [verdict_cell(t, s, ttft_p50(k, s), mine) for s in stocks]
+        notes = []
+        for x in (t, dg, dgr, tg, tgs):
+            notes += [n for n in row_notes(x) if n not in notes]
+        kernels = next((x.get("attention_kernels") for x in (tg, tgs) if x and x.get("status") == "ok"
+                        and x.get("attention_kernels")), None)
         peak = next((x.get("peak_mem_bytes") for x in (t, dg, dgr) if x and x.get("peak_mem_bytes")), None)
         table.append([k[0], k[1], k[5], k[3], k[4],
                       cell(t, lambda r: f"{r['stats']['p50']:.2f}"),
@@ -374,11 +497,20 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                       cell(dg, lambda r: f"{r['tok_s']:.1f}"),
                       cell(dgr, lambda r: f"{r['tok_s']:.1f}"),
                       cell(dgr, lambda r: f"{100 * r['bw_fraction']:.0f}%" if r.get("bw_fraction") else ""),
-                      f"{peak / 2**30:.2f}" if peak else ""])
+                      f"{peak / 2**30:.2f}" if peak else "",
+                      *([cell(tg, lambda r: f"{r['stats']['p50']:.2f}"), cell(tgs, lambda r: f"{r['stats']['p50']:.2f}"),
+                         ", ".join(k_["name"][:40] for k_ in kernels[:2]) if kernels else ""]
+                        if graph_cols else []),
+                      "; ".join(notes)])
     headers = ["model", "quant", "impl", "batch", "seq", "TTFT p50 ms", "p90 ms", "stdev %",
                *[f"vs {s}" for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
-               "graph % of BW bound", "peak GiB"]
+               "graph % of BW bound", "peak GiB",
+               *(["TTFT graph ms (dynamic cache)", "TTFT graph ms (static cache)", "attention kernels (graph)"]
+                 if graph_cols else []), "notes"]
     out = tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
+    if any(r.get("vs") for r in latest if r.get("status") == "ok"):
+        out += ("\n(vs columns: ratio of TTFT medians, stock / this row, with its 95 % paired-bootstrap interval "
+                "over repeats in which every implementation ran once, in shuffled order)")
     if "static_cache_loop_no_graph" in modes:
         out += "\n(graph column: static-cache loop without CUDA graph — no GPU here)"
     return out

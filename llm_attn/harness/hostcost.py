@@ -1,0 +1,163 @@
+"""Host cost of one attention call (issue 18 item 5): microseconds of CPU time to issue a call, no sync.
+
+The 2048-token prefill of an 8B model is on the CPU/GPU edge: what each attention call costs the host is paid 32
+times per forward on the path that is host-bound. ``measure_host_cost`` times N back-to-back calls (after a
+warm-up, with one sync before and none inside) for each path at each shape:
+
+- ``llm_attn.flash_attn_func``: our op called directly;
+- ``llm_attn via the patch``: the transformers attention-interface function (``llm_attn_attention_forward``) with
+  a real ``LlamaAttention`` module of a patched model, exactly as a patched model calls it;
+- ``sdpa (transformers)``: stock ``sdpa_attention_forward`` with the same module, what an unpatched model runs;
+- ``torch SDPA``: ``F.scaled_dot_product_attention`` alone (GQA expanded by the op: ``enable_gqa``).
+
+On a GPU the N calls only enqueue kernels (N = 300 stays far below the launch queue's depth, so the host never
+waits for the device); on the CPU every call also computes, so CPU numbers are not host costs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CALLS = 300
+WARMUP = 20
+
+
+@dataclass(frozen=True)
+class HostShape:
+    name: str
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+
+
+# The shapes of issue 18: Llama 3 8B geometry (32 query heads over 8 KV heads, head_dim 128).
+PREFILL = HostShape("prefill 2048", 1, 32, 8, 2048, 2048, 128)
+DECODE = HostShape("decode kv 4096", 1, 32, 8, 1, 4096, 128)
+SHAPES = (PREFILL, DECODE)
+
+
+def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = CALLS,
+                     warmup: int = WARMUP) -> float:
+    """Mean host µs per call of ``fn`` over ``calls`` back-to-back calls, no sync inside the timed loop."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (t1 - t0) * 1e6 / calls
+
+
+def _attention_module(shape: HostShape, device, dtype):
+    """One real LlamaAttention (a one-layer Llama with this head geometry and a small hidden size: the
+    projections are never called) of a model patched with llm_attn, and the patch report."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    from llm_attn.patches import patch_model  # noqa: PLC0415
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                      max_position_embeddings=max(8192, shape.kv_len), bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation("sdpa")
+    report = patch_model(model, on_unsupported="fallback")
+    return model, model.model.layers[0].self_attn, report
+
+
+def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
+                      shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP) -> list[dict]:
+    """One dict per (shape, path): ``{"shape", "path", "us_per_call", "calls", ...}``; a path that cannot run
+    here gets ``us_per_call: None`` and the reason."""
+    from llm_attn.ops import flash_attn_func  # noqa: PLC0415
+    from llm_attn.patches.hf_attention_interface import llm_attn_attention_forward  # noqa: PLC0415
+
+    device = torch.device(device)
+    out = []
+    with torch.inference_mode():
+        for shape in shapes:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q = torch.randn(shape.batch, shape.heads, shape.q_len, shape.head_dim, generator=g).to(device, dtype)
+            k = torch.randn(shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim, generator=g).to(device, dtype)
+            v = torch.randn_like(k)
+            causal = shape.q_len > 1
+            model, module, report = _attention_module(shape, device, dtype)
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+            scale = shape.head_dim ** -0.5
+            args = (module, q, k, v)
+            paths = {
+                "llm_attn.flash_attn_func": lambda a=args, c=causal: flash_attn_func(*a[1:], causal=c),
+                "llm_attn via the patch": lambda a=args, s=scale: llm_attn_attention_forward(*a, None, scaling=s),
+                "sdpa (transformers)": lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
+                "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c,
+                                                                                      enable_gqa=True),
+            }
+            for name, fn in paths.items():
+                row = {"shape": shape.name, "path": name, "calls": calls, "device": str(device),
+                       "dtype": str(dtype).replace("torch.", ""), **vars(shape)}
+                report.reset_counters()
+                try:
+                    row["us_per_call"] = host_us_per_call(fn, device, calls, warmup)
+                except Exception as e:  # noqa: BLE001 (a path this device cannot run: recorded, the others go on)
+                    row["us_per_call"] = None
+                    row["why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                if name == "llm_attn via the patch":
+                    row["attention_calls"] = {"impl": report.num_native_calls,
+                                              "stock_fallback": report.num_fallback_calls}
+                out.append(row)
+            del model, module, args, paths
+    return out
+
+
+def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
+    from tabulate import tabulate  # noqa: PLC0415
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    val = {(r["shape"], r["path"]): r["us_per_call"] for r in rows}
+    table = []
+    for p in paths:
+        cells = []
+        for s in shapes:
+            v, ref = val.get((s, p)), val.get((s, "torch SDPA"))
+            cells.append("" if v is None else f"{v:.1f}" + (f" ({v / ref:.2f}x SDPA)" if ref else ""))
+        table.append([p, *cells])
+    return tabulate(table, headers=["path", *[f"{s}: host µs/call" for s in shapes]], tablefmt=tablefmt,
+                    disable_numparse=True)
+
+
+def main(argv=None) -> int:
+    """``python -m llm_attn.harness.hostcost [--device cuda] [--dtype float16] [--calls 300]``: the table."""
+    import argparse  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m llm_attn.harness.hostcost", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--calls", type=int, default=CALLS)
+    args = ap.parse_args(argv)
+    if args.calls < 1:
+        ap.error(f"--calls must be >= 1, got {args.calls}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    rows = measure_host_cost(args.device, getattr(torch, args.dtype), calls=args.calls)
+    print(host_cost_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

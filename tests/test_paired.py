@@ -1,0 +1,222 @@
+"""CPU tests of issue 18's machinery: paired TTFT order, the verdict interval, the host-bound flag, the JSONL rows
+with raw pairs, ``ttft_graph`` off CUDA, and static-cache decode running natively (counted calls).
+
+    pytest tests/test_paired.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llm_attn import models, ttft
+from llm_attn.harness import hostenv
+from llm_attn.harness.measure import GraphCaptureUnsupported, measure_decode_static, measure_ttft_graph
+from llm_attn.harness.paired import host_bound_summary, pairing_order, paired_verdicts, switch_cost_ms
+from llm_attn.harness.results import iter_rows, validate_row
+from llm_attn.harness.stats import format_ratio_interval, paired_ratio_interval
+from llm_attn.harness.sweep import row_notes, summary_table, verdict_cell
+
+
+# -- pairing order ----------------------------------------------------------------------------------------------------
+def test_pairing_order_is_a_seeded_shuffle_per_repeat():
+    impls = ["sdpa", "eager", "llm_attn"]
+    order = pairing_order(impls, 300, seed=7)
+    assert len(order) == 300
+    assert all(sorted(rep) == sorted(impls) for rep in order)  # every implementation once per repeat
+    assert order == pairing_order(impls, 300, seed=7)  # reproducible
+    assert order != pairing_order(impls, 300, seed=8)
+    # No implementation is always first: each leads about a third of the repeats (binomial, 300 draws).
+    firsts = {i: sum(rep[0] == i for rep in order) for i in impls}
+    assert all(60 <= n <= 140 for n in firsts.values()), firsts
+    assert len({tuple(rep) for rep in order}) == 6  # all 3! orders occur
+    with pytest.raises(ValueError):
+        pairing_order(["a", "a"], 3, 0)
+    with pytest.raises(ValueError):
+        pairing_order(["a"], 0, 0)
+
+
+# -- the interval -----------------------------------------------------------------------------------------------------
+def test_interval_covers_a_known_ratio_despite_shared_drift():
+    rng = np.random.default_rng(0)
+    n = 20
+    drift = rng.uniform(1.0, 1.8, n)  # host noise hitting both implementations of a repeat alike
+    mine = 100.0 * drift * rng.normal(1.0, 0.005, n)
+    ref = 120.0 * drift * rng.normal(1.0, 0.005, n)  # stock is 1.2x slower: speedup 1.2
+    iv = paired_ratio_interval(ref, mine, seed=1)
+    assert iv["low"] <= 1.2 <= iv["high"], iv
+    assert iv["low"] > 1.1 and iv["high"] < 1.3, iv  # pairing removes the drift: a tight interval
+    assert not iv["contains_one"]
+    assert format_ratio_interval(iv).endswith("faster")
+    assert paired_ratio_interval(ref, mine, seed=1) == iv  # seeded
+    slower = paired_ratio_interval(mine, ref, seed=1)
+    assert slower["high"] < 1.0 and format_ratio_interval(slower).endswith("slower")
+
+
+def test_identical_samples_say_no_difference():
+    x = [71.7, 72.1, 90.3, 71.9, 72.0, 85.0]
+    iv = paired_ratio_interval(x, list(x))
+    assert iv["ratio"] == 1.0 and iv["low"] == 1.0 and iv["high"] == 1.0 and iv["contains_one"]
+    assert format_ratio_interval(iv) == "1.000x [1.000, 1.000] no difference"
+
+
+def test_interval_format_and_bad_input():
+    iv = {"ratio": 0.995, "low": 0.989, "high": 1.002, "contains_one": True}
+    assert format_ratio_interval(iv) == "0.995x [0.989, 1.002] no difference"
+    assert format_ratio_interval(iv, words=False) == "0.995x [0.989, 1.002]"
+    with pytest.raises(ValueError):
+        paired_ratio_interval([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        paired_ratio_interval([1.0, float("nan")], [1.0, 1.0])
+
+
+# -- host-bound -------------------------------------------------------------------------------------------------------
+def test_host_bound_flag_on_synthetic_rows():
+    hb = host_bound_summary([100.0, 101.0, 99.0], [95.0, 96.0, 94.0], [101.0, 102.0, 100.0], device_timed=True)
+    assert hb["host_bound"] and hb["enqueue_share"] == pytest.approx(0.95)
+    assert hb["gpu_span_share"] == pytest.approx(300 / 303)
+    gpu_bound = host_bound_summary([100.0] * 3, [52.0, 55.0, 51.0], [101.0] * 3, device_timed=True)
+    assert not gpu_bound["host_bound"] and gpu_bound["enqueue_share"] == pytest.approx(0.52)
+    row = {"status": "ok", "host_bound": hb, "attention_calls": {"impl": 4, "stock_fallback": 28},
+           "host_env": hostenv.span({"gpu": {"sm_mhz": 1980.0}, "cpu": {}}, {"gpu": {"sm_mhz": 1755.0}, "cpu": {}})}
+    notes = row_notes(row)
+    assert notes[0] == "host-bound (enqueue 95% of TTFT; GPU timeline spans 99% of wall)"
+    assert notes[1] == "FALLBACK 88% of attention calls to stock (28/32)"
+    assert notes[2] == "SM clock moved 11%"
+    assert row_notes({**row, "host_bound": gpu_bound, "attention_calls": {"impl": 32, "stock_fallback": 0},
+                      "host_env": hostenv.span({"gpu": {"sm_mhz": 1980.0}, "cpu": {}},
+                                               {"gpu": {"sm_mhz": 1965.0}, "cpu": {}})}) == []
+
+
+def test_verdict_cell_falls_back_to_plain_ratio_for_old_rows():
+    assert verdict_cell({"status": "ok"}, "sdpa", 90.0, 100.0) == "0.90x"
+    iv = {"ratio": 1.2, "low": 1.15, "high": 1.26, "contains_one": False}
+    assert verdict_cell({"status": "ok", "vs": {"sdpa": iv}}, "sdpa", 1, 1) == "1.20x [1.15, 1.26] faster"
+
+
+def test_host_env_snapshot_on_cpu():
+    snap = hostenv.snapshot(torch.device("cpu"))
+    assert snap["gpu"]["source"] is None and "not a CUDA device" in snap["gpu"]["why"]
+    assert set(snap["cpu"]) >= {"cpu0_mhz", "governor"}
+    assert hostenv.span(snap, snap)["sm_clock_change_pct"] is None
+
+
+# -- the CLI: paired rows ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def paired_rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("paired") / "rows.jsonl"
+    code = ttft.main(["--device", "cpu", "--seq", "16", "--repeats", "4", "--warmup", "1", "--impl", "sdpa",
+                      "llm_attn", "--measure", "ttft", "--no-progress", "--out", str(out)])
+    return code, list(iter_rows(out, strict=True))
+
+
+def test_jsonl_rows_keep_the_raw_pairs(paired_rows):
+    code, rows = paired_rows
+    assert code == 0
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"sdpa", "llm_attn"}
+    for impl, r in by.items():
+        validate_row(r)
+        p = r["paired"]
+        assert p["impls"] == ["sdpa", "llm_attn"] and len(p["order"]) == 4
+        assert [rep.index(impl) for rep in p["order"]] == p["positions"]
+        assert p["samples_ms"][impl] == r["samples_ms"] and len(r["samples_ms"]) == 4
+        assert len(r["enqueue_samples_ms"]) == 4 and len(p["switch_ms"]) == 4
+        assert all(0 < e <= w for e, w in zip(r["enqueue_samples_ms"], r["wall_samples_ms"]))
+        assert r["stats"]["n"] == 4 and r["host_bound"]["host_bound"]  # on CPU the host does everything
+        assert r["host_env"]["start"]["gpu"]["source"] is None
+        assert r["paired"]["samples_ms"] == by["sdpa"]["paired"]["samples_ms"]  # one pairing, both rows
+    ours = by["llm_attn"]
+    iv = ours["vs"]["sdpa"]
+    assert iv == paired_verdicts(ours, ["sdpa"])["sdpa"]  # recomputable from the row alone
+    assert iv["ratio"] == pytest.approx(np.median(by["sdpa"]["samples_ms"]) / np.median(ours["samples_ms"]))
+    # Ours really ran: every attention call of warm-up and repeats (2 layers x 5 prefills) natively.
+    assert ours["attention_calls"] == {"impl": 10, "stock_fallback": 0, "fallback_reasons": {},
+                                       "counted_over": "warm-up and repeats"}
+    # Stock rows say what ran too: transformers' sdpa function, counted over the warm-up (1 prefill x 2 layers).
+    assert by["sdpa"]["attention_calls"] == {"impl": 2, "stock_fallback": 0, "fallback_reasons": {},
+                                             "counted_over": "warm-up"}
+    table = summary_table(rows)
+    assert format_ratio_interval(iv) in table and "paired-bootstrap interval" in table
+
+
+def test_switch_cost_is_small():
+    model, _ = models.load_model("tiny:fp16", "cpu", torch.float32)
+    from llm_attn.harness.impls import use_impl
+
+    cost = switch_cost_ms(model, ["sdpa", "llm_attn"], use_impl, rounds=10)
+    assert all(0 < c < 50 for c in cost.values()), cost  # milliseconds, outside the timed region
+
+
+# -- ttft_graph off CUDA ------------------------------------------------------------------------------------------------
+def test_ttft_graph_is_unsupported_on_cpu(tmp_path):
+    model, _ = models.load_model("tiny:fp16", "cpu", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with pytest.raises(GraphCaptureUnsupported, match="CUDA graphs need a CUDA device"):
+        measure_ttft_graph(model, ids, warmup=1, repeats=2)
+    out = tmp_path / "g.jsonl"
+    code = ttft.main(["--device", "cpu", "--seq", "8", "--repeats", "2", "--warmup", "1", "--impl", "llm_attn",
+                      "--measure", "ttft_graph", "ttft_graph_static", "--no-progress", "--out", str(out)])
+    rows = list(iter_rows(out, strict=True))
+    assert code == 0 and {r["measurement"] for r in rows} == {"ttft_graph", "ttft_graph_static"}
+    for r in rows:
+        validate_row(r)
+        assert r["status"] == "unsupported" and "CUDA graphs need a CUDA device" in r["error"]["message"]
+    assert "UNSUPPORTED" in summary_table(rows)
+
+
+# -- static-cache decode runs natively ----------------------------------------------------------------------------------
+def _tiny_patched_counts(fn):
+    from llm_attn.patches import patched
+
+    model, _ = models.load_model("tiny:fp16", "cpu", torch.float32)
+    with patched(model) as report:
+        got = fn(model)
+        return got, report.num_native_calls, report.num_fallback_calls, dict(report.fallback_calls)
+
+
+def test_generate_static_cache_runs_natively_batch_2():
+    """transformers >= 5.2x's generate() makes the static-cache mask contiguous: batch > 1 exposes a lost tag."""
+    new = 6
+    ids = torch.randint(0, 1024, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                  cache_implementation="static", pad_token_id=0)
+
+    _, native, fallback, reasons = _tiny_patched_counts(run)
+    layers = models.get_preset("tiny").num_hidden_layers
+    assert fallback == 0, reasons
+    assert native == layers * new
+
+
+def test_measure_decode_static_loop_runs_natively():
+    ids = torch.randint(0, 1024, (2, 9), generator=torch.Generator().manual_seed(0))
+    new, runs = 5, 2
+
+    def run(model):
+        return measure_decode_static(model, ids, new, runs, use_graph=False)
+
+    fields, native, fallback, reasons = _tiny_patched_counts(run)
+    layers = models.get_preset("tiny").num_hidden_layers
+    assert fallback == 0, reasons
+    # prefill + warm-up steps + (new - 1) steps per run, every one on llm_attn.
+    from llm_attn.harness.measure import GRAPH_WARMUP_STEPS
+
+    assert native == layers * (1 + GRAPH_WARMUP_STEPS + runs * (new - 1))
+    assert fields["mode"] == "static_cache_loop_no_graph"
+
+
+# -- host cost ----------------------------------------------------------------------------------------------------------
+def test_host_cost_runs_every_path_and_the_patch_path_is_native():
+    from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost
+
+    shapes = (HostShape("prefill 32", 1, 4, 2, 32, 32, 64), HostShape("decode kv 64", 1, 4, 2, 1, 64, 64))
+    rows = measure_host_cost("cpu", torch.float32, shapes=shapes, calls=5, warmup=1)
+    assert len(rows) == 8 and all(r["us_per_call"] and r["us_per_call"] > 0 for r in rows), rows
+    patch = [r for r in rows if r["path"] == "llm_attn via the patch"]
+    assert all(r["attention_calls"] == {"impl": 6, "stock_fallback": 0} for r in patch)
+    table = host_cost_table(rows)
+    assert "prefill 32: host µs/call" in table and "x SDPA" in table
