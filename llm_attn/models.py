@@ -90,6 +90,21 @@ PRESETS: dict[str, ModelPreset] = {
         name="tiny", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1024,
         max_position_embeddings=4096, rope_theta=500000.0, rope_scaling=None, rms_norm_eps=1e-5),
+    # Llama 3 70B geometry (80 layers, 64 q / 8 kv heads, hidden 8192), with the 8B preset's Llama 3.1 rope scaling.
+    # fp16 is ~141 GB on disk, AWQ int4 ~40 GB: check_free_disk refuses a write that does not fit.
+    "llama-3-70b": ModelPreset(
+        name="llama-3-70b", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001),
+    # The tensor-parallel test model (llm_attn.harness.tp): 8 q / 4 kv heads split 4/2 per rank at TP=2 (and 2/1 at
+    # TP=4), every linear a multiple of 128 (AWQ groups) and of 2 and 4 (row/column shards); runs on CPU with gloo.
+    "tiny-tp": ModelPreset(
+        name="tiny-tp", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1024,
+        max_position_embeddings=4096, rope_theta=500000.0, rope_scaling=None, rms_norm_eps=1e-5),
 }
 
 
@@ -224,6 +239,38 @@ def _generate_unit(u: _Unit, gen: torch.Generator, device: torch.device, group_s
     return {f"{u.name}.{k}": v for k, v in t.items()}
 
 
+class NotEnoughDiskError(OSError):
+    """The synthetic checkpoint would not fit on the disk it is to be written to."""
+
+
+# Headroom over the planned tensor bytes: safetensors headers, config files, and the filesystem's own blocks.
+DISK_HEADROOM = 1.02
+
+
+def estimated_checkpoint_bytes(preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128) -> int:
+    """Bytes the tensors of a synthetic checkpoint take on disk (the writer's own plan, summed)."""
+    return sum(u.nbytes for u in _plan(llama_config(get_preset(preset)), quant, group_size))
+
+
+def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128) -> int:
+    """Raise NotEnoughDiskError (one line: needed vs free, and which presets do fit) unless the checkpoint fits
+    on the filesystem holding ``path`` (or its nearest existing parent). Returns the estimated size in bytes."""
+    p = get_preset(preset)
+    need = int(estimated_checkpoint_bytes(p, quant, group_size) * DISK_HEADROOM)
+    where = Path(path).expanduser().absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        fits = [f"{name}:{q}" for name in PRESETS for q in ("awq", "fp16")
+                if estimated_checkpoint_bytes(name, q, group_size) * DISK_HEADROOM <= free]
+        raise NotEnoughDiskError(
+            f"not enough free disk for the synthetic {p.name} {quant} checkpoint in {where}: needs "
+            f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free; presets that fit there: {', '.join(fits) or 'none'} "
+            f"(or set LLM_ATTN_CACHE to a larger disk)")
+    return need
+
+
 def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], seed: int = 0,
                                group_size: int = 128, device: str | torch.device | None = None,
                                shard_bytes: int = SHARD_BYTES) -> Path:
@@ -244,6 +291,7 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
     path = Path(path)
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists and is not empty; refusing to write a checkpoint over it")
+    check_free_disk(path, p, quant, group_size)
     path.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device) if device is not None else _default_gen_device()
     cfg = llama_config(p)
