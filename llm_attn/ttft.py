@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the random prompts")
     p.add_argument("--devices", default=str(DEFAULT_TABLE), help="device datasheet table (TOML)")
     p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # set by llm_attn.experiment
+    # --- tensor parallel (llm_attn.harness.tp) ---
+    p.add_argument("--tp", type=_positive_int, default=None, metavar="N",
+                   help="tensor parallelism over N ranks (transformers' TP plan on torch.distributed; starts "
+                        "torchrun itself unless already under it); paired TTFT only. See llm_attn/harness/tp.py")
+    # --- end tensor parallel ---
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are also off when stderr is not a terminal)")
     return p
@@ -251,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tp is not None:  # --- tensor parallel: its own launcher and measurement (llm_attn.harness.tp) ---
+        from llm_attn.harness import tp  # noqa: PLC0415
+
+        return tp.main(args, parser, plugins, argv)
     device = resolve_device(args.device, parser)
     impls = args.impl or available_impls(device)
     for impl in impls:
