@@ -96,13 +96,14 @@ def parse_topo(text: str, gpus: list[int] | None = None) -> dict:
     NV# is NVLink (# bonded links); PIX/PXB/PHB/NODE/SYS are PCIe paths (through switches, the host bridge, or
     across CPU sockets). ``gpus`` restricts to those physical indices (the ranks' GPUs)."""
     lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    header = next((ln for ln in lines if re.search(r"\bGPU\d+\b", ln) and not re.match(r"^\s*GPU\d+\s", ln)), None)
+    # The header is indented (its first cell is empty); the matrix rows start with their own GPU name.
+    header = next((ln for ln in lines if re.search(r"\bGPU\d+\b", ln) and ln[0].isspace()), None)
     if header is None:
         return {"kind": "unknown", "links": {}}
     gpu_cols = re.findall(r"\bGPU\d+\b", header)
     links = {}
     for ln in lines:
-        m = re.match(r"^\s*GPU(\d+)\s+(.*)$", ln)
+        m = re.match(r"^GPU(\d+)\s+(.*)$", ln)
         if not m:
             continue
         i = int(m.group(1))
@@ -419,10 +420,10 @@ def measure_point(model, world: World, impls: list[str], prompt, warmup: int, re
     with torch.inference_mode():
         for impl in impls:
             with use_impl(model, impl) as rep:
-                if rep is not None:
-                    rep.reset_counters()
                 for _ in range(warmup):
                     _timed_prefill(model, prompt, device)
+                if rep is not None:  # count the calls of exactly one prefill: the one whose token is recorded
+                    rep.reset_counters()
                 _, _, tok, logits = _timed_prefill(model, prompt, device)
                 res[impl]["token"] = tok.tolist()
                 res[impl]["logits"] = logits.float().cpu()
