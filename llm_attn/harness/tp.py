@@ -25,8 +25,9 @@ Every rank then:
   every rank; all ranks meet at a barrier before each prefill; the TTFT sample is rank 0's time from the start of
   the prefill until the greedy first token is on rank 0 (CUDA events on GPUs, perf_counter on CPU); every rank also
   keeps its own time;
-- profiles one prefill per implementation with torch.profiler: per-rank GPU time (CPU op time on CPU) and the share
-  of it spent in communication (NCCL kernels; gloo/c10d collectives on CPU).
+- profiles one prefill per implementation with torch.profiler: per-rank GPU time (the sum of its kernel and copy
+  durations; on CPU the sum of op self times) and the share of it spent in communication (NCCL kernels; gloo/c10d
+  collectives on CPU). A collective's time includes waiting for the slower rank, so the shares differ per rank.
 
 Rank 0 writes one ``ttft`` row per (implementation, batch, seq) with the TP degree, world size, backend,
 interconnect (from ``nvidia-smi topo -m``: NVLink or PCIe), every rank's environment, samples, GPU time and
@@ -385,13 +386,24 @@ def profile_prefill(model, prompt, device) -> dict:
         prefill_first_token(model, prompt)[0].cpu()
         _sync(device)
     total = comm = 0.0
-    for e in prof.key_averages():
-        t = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if t <= 0:
-            continue
-        total += t
-        if _COMM.search(e.key):
-            comm += t
+    if cuda:
+        # Device-side events (kernels, memcpy/memset) once each, by duration. (Summing key_averages' self device
+        # times would count every kernel twice: as itself and under the CPU op that launched it.)
+        from torch.autograd import DeviceType  # noqa: PLC0415
+
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                t = e.time_range.elapsed_us()
+                total += t
+                if _COMM.search(e.name):
+                    comm += t
+    else:
+        # CPU op self times (each microsecond once); waiting inside a collective counts as communication.
+        for e in prof.key_averages():
+            t = e.self_cpu_time_total
+            total += max(t, 0)
+            if t > 0 and _COMM.search(e.key):
+                comm += t
     return {"busy_ms": total / 1e3, "comm_ms": comm / 1e3, "comm_share": comm / total if total else None,
             "timer": "cuda_kernels" if cuda else "cpu_ops"}
 
@@ -458,7 +470,10 @@ def summary_table(rows: list[dict]) -> str:
     from tabulate import tabulate  # noqa: PLC0415
 
     out = []
-    for r in sorted(rows, key=lambda r: (r["tp"]["degree"], r["model_spec"], r["batch"], r["seq"], r["impl"])):
+    def order(r):  # by TP degree, then model and point, the base implementation first
+        return (r["tp"]["degree"], r["model_spec"], r["batch"], r["seq"], "paired" in r, r["impl"])
+
+    for r in sorted(rows, key=order):
         p = r.get("paired")
         vs = (f"{p['ratio_p50']:.3f}x [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}] {p['verdict']}" if p else "(base)")
         ranks = r["tp"]["ranks"]
