@@ -285,3 +285,51 @@ def test_parse_topo():
     assert tp.parse_topo(TOPO_PCIE, gpus=[0, 1]) == {"kind": "PCIe", "links": {"0-1": "PHB"}}
     assert tp.parse_topo(TOPO_PCIE)["links"] == {"0-1": "PHB", "0-2": "SYS", "1-2": "SYS"}
     assert tp.parse_topo("No devices were found") == {"kind": "unknown", "links": {}}
+
+
+# -- why AWQ is refused under TP ------------------------------------------------------------------------------------
+
+AWQ_PROBE = """
+import json, sys, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM, AwqConfig
+from transformers.distributed import DistributedConfig
+from llm_attn import models
+dist.init_process_group("gloo")
+models._import_gptqmodel()
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float16,
+    quantization_config=AwqConfig(bits=4, group_size=128, zero_point=True, version="gemm", backend="torch_awq"),
+    distributed_config=DistributedConfig(tp_size=2, tp_plan="auto"))
+q = m.model.layers[0].self_attn.q_proj
+res = {"cls": type(q).__name__, "qweight": list(q.qweight.shape)}
+try:
+    with torch.inference_mode():
+        m(torch.zeros(1, 8, dtype=torch.long))
+    res["forward"] = "ok"
+except Exception as e:
+    res["forward"] = f"{type(e).__name__}: {e}"
+out = [None, None]
+dist.all_gather_object(out, res)
+if dist.get_rank() == 0:
+    open(sys.argv[2], "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_awq_int4_is_not_sharded_by_transformers_tp_plan(work):
+    """The fact the AWQ refusal rests on (gptqmodel 7.5.0, transformers 5.17): under tp_plan the int4 buffers stay
+    whole on every rank and the forward fails. If this test fails, the libraries shard AWQ now: lift the refusal in
+    llm_attn.harness.tp.preflight."""
+    from llm_attn.models import detect_awq_backends
+
+    if not detect_awq_backends().get("gptqmodel"):
+        pytest.skip("gptqmodel is not installed")
+    ckpt = models.write_synthetic_checkpoint(work / "tiny-tp-awq", "tiny-tp", "awq", seed=2, device="cpu")
+    script, out = work / "awq_probe.py", work / "awq_probe.json"
+    script.write_text(AWQ_PROBE)
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                 str(ckpt), str(out)], work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    h = models.PRESETS["tiny-tp"].hidden_size
+    for r in json.loads(out.read_text()):
+        assert r["qweight"] == [h, h // 8], r  # the whole (in, out/8) int4 weight, not a column shard
+        assert r["forward"] != "ok" and "DTensor" in r["forward"], r
