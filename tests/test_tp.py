@@ -242,19 +242,20 @@ def test_writer_checks_free_disk_first(tmp_path, monkeypatch):
     assert (tmp_path / "small" / "config.json").is_file()
 
 
-def test_cli_reports_disk_error_in_one_line(work, monkeypatch):
-    # 'models generate' of a checkpoint larger than this disk's free space, if there is one: the 70B in fp16.
-    need = models.estimated_checkpoint_bytes("llama-3-70b", "fp16")
-    cache = work / "cache-disk"
-    cache.mkdir(exist_ok=True)
+def test_cli_reports_disk_error_in_one_line(work):
+    """--tp with the 70B fp16 preset where the disk cannot hold it (141 GB): the writer's one line, exit 2."""
     import shutil
 
-    if shutil.disk_usage(cache).free > need * 1.1:
-        pytest.skip("this disk has room for the 70B fp16 checkpoint; the error path is covered above")
-    proc = _run([sys.executable, "-c", "from llm_attn import models; import sys\n"
-                 "try:\n models.cached_checkpoint('llama-3-70b', 'fp16', cache_dir=sys.argv[1])\n"
-                 "except models.NotEnoughDiskError as e:\n print(e); sys.exit(2)", str(cache)], work)
-    assert proc.returncode == 2 and "llama-3-70b fp16" in proc.stdout and "GB free" in proc.stdout
+    if shutil.disk_usage(work).free > models.estimated_checkpoint_bytes("llama-3-70b", "fp16") * 1.1:
+        pytest.skip("this disk has room for the 70B fp16 checkpoint; test_writer_checks_free_disk_first covers it")
+    line = _bad(work, "--tp", "2", "--model", "llama-3-70b:fp16", "--impl", "sdpa")
+    assert "NotEnoughDiskError: not enough free disk for the synthetic llama-3-70b fp16 checkpoint" in line
+    assert "GB free; presets that fit there: " in line
+
+
+def test_hub_id_is_refused_under_tp(work):
+    line = _bad(work, "--tp", "2", "--model", "meta-llama/Meta-Llama-3-70B", "--impl", "sdpa")
+    assert "under --tp give a preset" in line
 
 
 # -- interconnect ---------------------------------------------------------------------------------------------------

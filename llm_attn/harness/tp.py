@@ -7,9 +7,11 @@ Launch, either way (the same code runs):
 
 Without torchrun's environment (``WORLD_SIZE``/``RANK``), ``--tp N`` first checks its arguments in this process
 (one line and exit 2 for: KV heads not divisible by N, an implementation that cannot run on a head shard, an AWQ
-int4 checkpoint, fewer GPUs than N) and then starts ``python -m torch.distributed.run --standalone
---nproc-per-node N -m llm_attn.ttft <the same arguments>`` and returns its exit status. Under torchrun every rank
-checks the same things again (plus WORLD_SIZE == N) before anything is loaded.
+int4 checkpoint, fewer GPUs than N, a model that is neither a preset nor a local folder), writes a preset's
+synthetic checkpoint if it is not cached (in a child process; free disk checked first, one line when it does not fit)
+and then starts ``python -m torch.distributed.run --standalone --nproc-per-node N -m llm_attn.ttft <the same
+arguments>`` and returns its exit status. Under torchrun every rank checks the same things again (plus
+WORLD_SIZE == N) before anything is loaded.
 
 Every rank then:
 
@@ -184,6 +186,11 @@ def preflight(tp: int, spec: str, impls: list[str], device: str, dtype: torch.dt
         raise TPError("--tp: give --model explicitly (a preset such as llama-3-8b:fp16, or a checkpoint folder); "
                       "'auto' is the AWQ model on GPUs, which transformers' TP plan cannot shard")
     geo = model_geometry(spec)
+    if geo is None:
+        from llm_attn import models  # noqa: PLC0415
+
+        raise TPError(f"--model {spec}: under --tp give a preset ({', '.join(sorted(models.PRESETS))}, with ':fp16') "
+                      f"or a local checkpoint folder")
     if geo is not None:
         q, kv, hd = geo["q_heads"], geo["kv_heads"], geo["head_dim"]
         if kv % tp:
@@ -207,6 +214,31 @@ def preflight(tp: int, spec: str, impls: list[str], device: str, dtype: torch.dt
                               f"{kv // tp} KV heads per rank, head_dim {hd}, {str(dtype).removeprefix('torch.')} on "
                               f"{device}): {why}")
     return geo
+
+
+_PREPARE = """
+import sys
+from llm_attn import models
+try:
+    models.cached_checkpoint(sys.argv[1], sys.argv[2])
+except Exception as e:
+    print(f"{type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def prepare_checkpoint(spec: str) -> None:
+    """Generate a preset's synthetic checkpoint before the ranks start (free disk checked first), in a child process
+    so that this launcher holds no GPU memory while the ranks run. TPError with the writer's one line on failure."""
+    from llm_attn import models  # noqa: PLC0415
+
+    name, _, quant = spec.partition(":")
+    if name not in models.PRESETS:
+        return
+    proc = subprocess.run([sys.executable, "-c", _PREPARE, name, quant or "fp16"], capture_output=True, text=True)
+    if proc.returncode:
+        lines = proc.stderr.strip().splitlines()
+        raise TPError(f"--model {spec}: {lines[-1] if lines else f'checkpoint generation failed ({proc.returncode})'}")
 
 
 def launch(tp: int, argv: list[str]) -> int:
@@ -459,6 +491,7 @@ def measure_point(model, world: World, impls: list[str], prompt, warmup: int, re
                 res[impl]["samples_ms"].append(ms)
                 res[impl]["wall_samples_ms"].append(wall)
             log(f"  repeat {i + 1}/{repeats}")
+    # One peak over the interleaved repeats of every implementation (they alternate within each repeat).
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     for impl in impls:
         res[impl]["peak_mem_bytes"] = peak
@@ -609,8 +642,11 @@ def main(args, parser, plugins: list[str], argv: list[str] | None) -> int:
     device_type = resolve_device(args.device, parser)
     impls = args.impl or available_impls(device_type)
     dtype = DTYPES[args.dtype if args.dtype != "auto" else default_dtype(args.model, device_type)]
+    if args.resume:
+        parser.error("--resume: not supported with --tp (each --tp run measures every point it is given)")
     try:
         preflight(args.tp, args.model, impls, device_type, dtype)
+        prepare_checkpoint(args.model)
     except TPError as e:
         parser.error(str(e))
     return launch(args.tp, list(sys.argv[1:] if argv is None else argv))
