@@ -334,3 +334,24 @@ def test_awq_int4_is_not_sharded_by_transformers_tp_plan(work):
     for r in json.loads(out.read_text()):
         assert r["qweight"] == [h, h // 8], r  # the whole (in, out/8) int4 weight, not a column shard
         assert r["forward"] != "ok" and "DTensor" in r["forward"], r
+
+
+def test_tp1_baseline_loads_awq_with_the_project_loader(work):
+    """--tp 1 (the baseline the TP rows are compared against) runs one rank through models.load_model, AWQ int4
+    included."""
+    from llm_attn.models import detect_awq_backends
+
+    if not detect_awq_backends().get("gptqmodel"):
+        pytest.skip("gptqmodel is not installed")
+    out = work / "tp1.jsonl"
+    proc = _run([sys.executable, "-m", "llm_attn.ttft", "--tp", "1", "--model", "tiny-tp:awq", "--impl", "sdpa",
+                 "llm_attn", "--seq", "32", "--repeats", "2", "--warmup", "1", "--out", str(out)], work)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["tp"]["degree"] == 1 and r["tp"]["world_size"] == 1
+        assert r["model"]["quant"] == "awq-int4" and "gptqmodel" in r["model"]["awq_backend"]
+        assert r["dtype"] == "float16"
+    ours = next(r for r in rows if r["impl"] == "llm_attn")
+    assert ours["attention_calls"]["native"] == {"reference": 2}

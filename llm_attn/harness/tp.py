@@ -363,8 +363,9 @@ def local_heads(model) -> dict:
 
     def out_features(lin):
         w = getattr(lin, "weight", None)
-        w = w.to_local() if isinstance(w, DTensor) else w
-        return w.shape[0]
+        if not isinstance(w, torch.Tensor):  # an int4 QuantLinear (TP=1 only): no weight, its own out_features
+            return lin.out_features
+        return (w.to_local() if isinstance(w, DTensor) else w).shape[0]
 
     return {"q_heads": out_features(attn.q_proj) // hd, "kv_heads": out_features(attn.k_proj) // hd, "head_dim": hd}
 
@@ -644,6 +645,10 @@ def main(args, parser, plugins: list[str], argv: list[str] | None) -> int:
     dtype = DTYPES[args.dtype if args.dtype != "auto" else default_dtype(args.model, device_type)]
     if args.resume:
         parser.error("--resume: not supported with --tp (each --tp run measures every point it is given)")
+    from llm_attn.harness.results import output_file_problem  # noqa: PLC0415
+
+    if output_file_problem(args.out):
+        parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
     try:
         preflight(args.tp, args.model, impls, device_type, dtype)
         prepare_checkpoint(args.model)
