@@ -355,3 +355,12 @@ def test_tp1_baseline_loads_awq_with_the_project_loader(work):
         assert r["dtype"] == "float16"
     ours = next(r for r in rows if r["impl"] == "llm_attn")
     assert ours["attention_calls"]["native"] == {"reference": 2}
+
+
+def test_unavailable_duplicate_and_too_long_are_one_line():
+    with pytest.raises(tp.TPError, match="twice"):
+        tp.preflight(2, "tiny-tp:fp16", ["sdpa", "sdpa"], "cpu", torch.float32)
+    with pytest.raises(tp.TPError, match=r"--impl flash_attention_2: .*CUDA GPU"):
+        tp.preflight(2, "tiny-tp:fp16", ["flash_attention_2"], "cpu", torch.float32)
+    with pytest.raises(tp.TPError, match=r"--seq 5000: longer than tiny-tp allows \(4096 positions\)"):
+        tp.preflight(2, "tiny-tp:fp16", ["sdpa"], "cpu", torch.float32, seqs=[64, 5000])

@@ -152,7 +152,8 @@ def model_geometry(spec: str) -> dict | None:
     if name in models.PRESETS:
         p = models.PRESETS[name]
         return {"name": name, "q_heads": p.num_attention_heads, "kv_heads": p.num_key_value_heads,
-                "head_dim": p.head_dim, "awq": (quant or "awq") == "awq", "preset": True, "quant": quant}
+                "head_dim": p.head_dim, "awq": (quant or "awq") == "awq", "preset": True, "quant": quant,
+                "max_positions": p.max_position_embeddings}
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         cfg = json.loads((path / "config.json").read_text())
@@ -162,18 +163,25 @@ def model_geometry(spec: str) -> dict | None:
         qc = cfg.get("quantization_config") or json.loads((path / "config.json").read_text()).get(
             "quantization_config") or {}
         return {"name": str(path), "q_heads": q, "kv_heads": kv, "head_dim": hd,
-                "awq": str(qc.get("quant_method", "")).lower() == "awq", "preset": False, "quant": None}
+                "awq": str(qc.get("quant_method", "")).lower() == "awq", "preset": False, "quant": None,
+                "max_positions": cfg.get("max_position_embeddings")}
     return None
 
 
 def preflight(tp: int, spec: str, impls: list[str], device: str, dtype: torch.dtype, backend: str = "auto",
-              world_size: int | None = None) -> dict | None:
+              world_size: int | None = None, seqs: list[int] | None = None) -> dict | None:
     """Every reason this TP run cannot work, found before anything is loaded: raises TPError (one line).
     Returns the model geometry (None for a hub id)."""
     from llm_attn import registry  # noqa: PLC0415
 
     if tp < 1:
         raise TPError(f"--tp {tp}: must be >= 1")
+    if len(set(impls)) != len(impls):
+        raise TPError(f"--impl lists an implementation twice: {impls}")
+    for impl in impls:
+        why = registry.unavailable_reason(impl, device)
+        if why:
+            raise TPError(f"--impl {impl}: {why}")
     if world_size is not None and world_size != tp:
         raise TPError(f"--tp {tp}: torchrun started {world_size} processes (WORLD_SIZE={world_size}); start "
                       f"exactly {tp} (--nproc-per-node {tp})")
@@ -203,6 +211,9 @@ def preflight(tp: int, spec: str, impls: list[str], device: str, dtype: torch.dt
                           f"(gptqmodel keeps the int4 weights in buffers the plan does not split); use "
                           f"{geo['name'] if not geo['preset'] else geo['name'] + ':fp16'} with --dtype bfloat16 "
                           f"or float16")
+        too_long = [n for n in seqs or () if geo.get("max_positions") and n > geo["max_positions"]]
+        if too_long:
+            raise TPError(f"--seq {too_long[0]}: longer than {geo['name']} allows ({geo['max_positions']} positions)")
         dev = torch.device(device)
         for impl in impls:
             entry = registry.get(impl)
@@ -547,7 +558,8 @@ def run_ranks(args, parser, plugins: list[str], argv: list[str] | None) -> int:
     dtype_name = args.dtype if args.dtype != "auto" else default_dtype(args.model, device_type)
     dtype = DTYPES[dtype_name]
     try:
-        preflight(args.tp, args.model, impls, device_type, dtype, world_size=int(os.environ["WORLD_SIZE"]))
+        preflight(args.tp, args.model, impls, device_type, dtype, world_size=int(os.environ["WORLD_SIZE"]),
+                  seqs=args.seq)
     except TPError as e:
         return fail(str(e))
     if rank == 0 and output_file_problem(args.out):
@@ -650,7 +662,7 @@ def main(args, parser, plugins: list[str], argv: list[str] | None) -> int:
     if output_file_problem(args.out):
         parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
     try:
-        preflight(args.tp, args.model, impls, device_type, dtype)
+        preflight(args.tp, args.model, impls, device_type, dtype, seqs=args.seq)
         prepare_checkpoint(args.model)
     except TPError as e:
         parser.error(str(e))
