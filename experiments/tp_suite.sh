@@ -10,14 +10,16 @@
 #           AWQ int4 checkpoint at TP=1 (AWQ cannot be sharded by transformers' TP plan: see below)
 #   gen70b  writes the synthetic Llama 3 70B checkpoint, AWQ int4 (~40 GB) always, fp16 (~141 GB) when the disk
 #           has room (the writer checks free disk first and says in one line what fits)
-#   ttft70b 70B AWQ int4 at TP=1 (one GPU: the baseline), and 70B fp16 at TP=2 when its checkpoint exists
+#   ttft70b 70B AWQ int4 at TP=1 (one GPU: the baseline), and 70B at TP=2: from the fp16 checkpoint when gen70b
+#           could write it, else 'llama-3-70b:init' (config-only skeleton; transformers initialises each rank's
+#           weight shard at load: the exact geometry, fp16, no 141 GB on disk; rows say source initialised-at-load)
 #   table   the TTFT table of every row in $OUT/tp.jsonl, grouped by TP degree
 # Why no AWQ at TP=2: gptqmodel's QuantLinear keeps qweight/qzeros/scales as buffers; transformers' TP plan
 # (apply_tensor_parallelism) shards parameters only, so every rank keeps the whole int4 weight and the row-wise
 # layers fail with "mixed torch.Tensor and DTensor" (seen on CPU with gptqmodel 7.5.0 + transformers 5.17; the buffer
 # layout is the same for every gptqmodel AWQ kernel). The harness refuses it in one line; TP rows use fp16 weights.
-# Disk: nvidia-h200-x2 has 128 GiB: the 70B fp16 checkpoint (141 GB) does not fit there, so the 70B runs at TP=1
-# (AWQ) only; on nvidia-h200-x4 / -x8 (235 GiB) gen70b writes the fp16 one too and ttft70b runs it at TP=2.
+# Disk: nvidia-h200-x2 has 128 GiB: the 70B fp16 checkpoint (141 GB) does not fit there (gen70b says so in one
+# line), so TP=2 runs 'llama-3-70b:init'; on nvidia-h200-x4 / -x8 (235 GiB) gen70b writes the fp16 checkpoint.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Mandatory on the lent multi-GPU machines: no NVLink multicast (NVLS) in NCCL, none in torch's symmetric memory.
@@ -73,10 +75,13 @@ if has gen70b; then
 fi
 if has ttft70b; then
   ttft 1 llama-3-70b:awq
-  if ls -d "$LLM_ATTN_CACHE"/llama-3-70b-fp16-*/.llm_attn_complete >/dev/null 2>&1 && [ "$ngpu" -ge 2 ]; then
+  if [ "$ngpu" -lt 2 ]; then
+    echo "70B at TP=2 not run: $ngpu GPU(s)"
+  elif ls -d "$LLM_ATTN_CACHE"/llama-3-70b-fp16-*/.llm_attn_complete >/dev/null 2>&1; then
     ttft 2 llama-3-70b:fp16
   else
-    echo "70B at TP=2 not run: needs the fp16 checkpoint (141 GB; 'gen70b' writes it where the disk has room) and 2 GPUs"
+    echo "no 70B fp16 checkpoint (141 GB; too big for this disk?): TP=2 on llama-3-70b:init (weights initialised at load)"
+    ttft 2 llama-3-70b:init
   fi
 fi
 if has table || has ttft8b || has ttft70b; then

@@ -364,3 +364,21 @@ def test_unavailable_duplicate_and_too_long_are_one_line():
         tp.preflight(2, "tiny-tp:fp16", ["flash_attention_2"], "cpu", torch.float32)
     with pytest.raises(tp.TPError, match=r"--seq 5000: longer than tiny-tp allows \(4096 positions\)"):
         tp.preflight(2, "tiny-tp:fp16", ["sdpa"], "cpu", torch.float32, seqs=[64, 5000])
+
+
+def test_init_preset_runs_without_weights_on_disk(work):
+    """':init': a config-only skeleton (a few KB) whose weights transformers initialises on each rank's shard at
+    load: how Llama 3 70B runs at TP=2 where its 141 GB fp16 checkpoint does not fit the disk."""
+    out = work / "init.jsonl"
+    proc = _run([sys.executable, "-m", "llm_attn.ttft", "--tp", "2", "--model", "tiny-tp:init", "--impl", "sdpa",
+                 "llm_attn", "--seq", "32", "--repeats", "2", "--warmup", "1", "--out", str(out)], work)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2
+    skeleton = Path(rows[0]["model"]["path"])
+    assert sum(f.stat().st_size for f in skeleton.iterdir()) < 100_000
+    for r in rows:
+        assert r["model"]["source"] == "initialised-at-load" and r["tp"]["local_heads"]["q_heads"] == 4
+        assert len({tuple(k["first_token"]) for k in r["tp"]["ranks"]}) == 1
+        assert all(0 < k["profile"]["comm_share"] < 1 for k in r["tp"]["ranks"])
+    assert rows[0]["first_token"] == rows[1]["first_token"]  # sdpa and ours agree on the initialised model

@@ -36,6 +36,11 @@ interconnect (from ``nvidia-smi topo -m``: NVLink or PCIe), every rank's environ
 communication share, the first token and the paired ratio against the base implementation (sdpa) with its 95 %
 bootstrap interval. It prints a table grouped by TP degree.
 
+Models under ``--tp``: a preset (a bare name or ``:fp16`` is the fp16 checkpoint; ``:awq`` at TP=1 only; ``:init``
+is a config-only skeleton whose weights transformers initialises at load on each rank's shard, for models whose
+checkpoint does not fit the disk, e.g. ``llama-3-70b:init``: its weights differ between TP degrees, so compare first
+tokens only within one degree) or a local checkpoint folder.
+
 AWQ int4 checkpoints are refused under TP > 1: gptqmodel's QuantLinear keeps qweight/qzeros/scales as buffers,
 transformers' ``apply_tensor_parallelism`` shards parameters only, so every rank keeps the whole int4 weight and the
 row-wise layers fail ("mixed torch.Tensor and DTensor"). Use a ':fp16' preset (``--dtype bfloat16``/``float16``).
@@ -152,7 +157,7 @@ def model_geometry(spec: str) -> dict | None:
     if name in models.PRESETS:
         p = models.PRESETS[name]
         return {"name": name, "q_heads": p.num_attention_heads, "kv_heads": p.num_key_value_heads,
-                "head_dim": p.head_dim, "awq": (quant or "awq") == "awq", "preset": True, "quant": quant,
+                "head_dim": p.head_dim, "awq": quant == "awq", "preset": True, "quant": quant,
                 "max_positions": p.max_position_embeddings}
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
@@ -199,6 +204,9 @@ def preflight(tp: int, spec: str, impls: list[str], device: str, dtype: torch.dt
 
         raise TPError(f"--model {spec}: under --tp give a preset ({', '.join(sorted(models.PRESETS))}, with ':fp16') "
                       f"or a local checkpoint folder")
+    if geo["preset"] and geo["quant"] not in ("", "awq", "fp16", INIT_SUFFIX):
+        raise TPError(f"--model {spec}: unknown suffix {geo['quant']!r}; use {geo['name']}:fp16, :awq (TP=1 only) "
+                      f"or :{INIT_SUFFIX} (weights initialised at load, no checkpoint on disk)")
     if geo is not None:
         q, kv, hd = geo["q_heads"], geo["kv_heads"], geo["head_dim"]
         if kv % tp:
@@ -244,7 +252,7 @@ def prepare_checkpoint(spec: str) -> None:
     from llm_attn import models  # noqa: PLC0415
 
     name, _, quant = spec.partition(":")
-    if name not in models.PRESETS:
+    if name not in models.PRESETS or quant == INIT_SUFFIX:
         return
     proc = subprocess.run([sys.executable, "-c", _PREPARE, name, quant or "fp16"], capture_output=True, text=True)
     if proc.returncode:
@@ -308,6 +316,32 @@ class World:
             self.dist.destroy_process_group()
 
 
+INIT_SUFFIX = "init"
+SKELETON_TENSOR = "model.norm.weight"
+
+
+def skeleton_checkpoint(preset: str) -> Path:
+    """A preset's ``:init`` checkpoint: config.json and one small tensor (a few KB), no weights. transformers
+    initialises every missing weight at load (normal, std = initializer_range) on each rank's own shard, so a model
+    whose weights do not fit the disk (Llama 3 70B in fp16: 141 GB) can still be timed under TP. TTFT does not depend
+    on the weights' values; the rows say ``source: initialised-at-load``. Idempotent."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from llm_attn import models  # noqa: PLC0415
+
+    root = Path(os.environ.get("LLM_ATTN_CACHE") or Path.home() / ".cache" / "llm_attn").expanduser()
+    path = root / f"{preset}-init-skeleton-v{models.SYNTHETIC_FORMAT_VERSION}"
+    if (path / models.MARKER_FILE).is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = models.llama_config(preset)
+    cfg.dtype = torch.float16
+    cfg.save_pretrained(path)
+    save_file({SKELETON_TENSOR: torch.ones(cfg.hidden_size, dtype=torch.float16)}, str(path / "model.safetensors"))
+    (path / models.MARKER_FILE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    return path
+
+
 def checkpoint_path(spec: str, world: World) -> tuple[Path, str, str]:
     """(checkpoint folder, name, source): rank 0 generates a missing synthetic checkpoint (free disk checked first),
     the others wait for it. Raises TPError on every rank when it cannot be had."""
@@ -319,13 +353,13 @@ def checkpoint_path(spec: str, world: World) -> tuple[Path, str, str]:
         result = None
         if world.rank == 0:
             try:
-                result = str(models.cached_checkpoint(name, quant))
+                result = str(skeleton_checkpoint(name) if quant == INIT_SUFFIX else models.cached_checkpoint(name, quant))
             except Exception as e:  # noqa: BLE001 (one line for the user, on every rank)
                 result = f"ERROR {type(e).__name__}: {e}"
         result = world.from_rank0(result)
         if result.startswith("ERROR "):
             raise TPError(f"--model {spec}: {result[6:]}")
-        return Path(result), name, "synthetic"
+        return Path(result), name, "initialised-at-load" if quant == INIT_SUFFIX else "synthetic"
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         source = "synthetic" if (path / models.PROVENANCE_FILE).is_file() else "local"
@@ -339,19 +373,24 @@ def load_sharded(spec: str, world: World, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     from transformers.distributed import DistributedConfig  # noqa: PLC0415
 
-    if world.world == 1:
+    init = spec.partition(":")[2] == INIT_SUFFIX
+    if init:
+        torch.manual_seed(0)  # the initialised weights: the same on every run
+    if world.world == 1 and not init:
         # TP=1, the baseline: the project's own loader (AWQ int4 included), on this rank's device.
         from llm_attn import models  # noqa: PLC0415
 
+        if spec in models.PRESETS:
+            spec = f"{spec}:fp16"  # under --tp a bare preset is its fp16 checkpoint, at any TP degree
         try:
             model, minfo = models.load_model(spec, device=str(world.device), dtype=dtype, attn_implementation="sdpa")
         except Exception as e:  # noqa: BLE001 (the loader's message says what it accepts)
             raise TPError(f"--model {spec}: cannot load it: {type(e).__name__}: {e}") from None
         return model, {**minfo.to_dict(), "tp_plan": None}
     path, name, source = checkpoint_path(spec, world)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa",
-        distributed_config=DistributedConfig(tp_size=world.world, tp_plan="auto"))
+    placement = ({"device_map": str(world.device)} if world.world == 1 else
+                 {"distributed_config": DistributedConfig(tp_size=world.world, tp_plan="auto")})
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **placement)
     model.eval()
     cfg = model.config
     info = {"name": name, "source": source, "path": str(path),
