@@ -77,12 +77,15 @@ def test_first_token_and_logits_match_one_gpu(sharded, checkpoint, impl):
             patch_model(model, impl=impl, backend="cuda")
         tok, logits = prefill_first_token(model, prompt)
     ref = logits.float().cpu()
+    tol = 3e-2 * max(1.0, ref.abs().max().item())
     for r in sharded["ranks"]:
         got = torch.tensor(r[impl]["logits"])
         assert torch.isfinite(got).all()
-        # fp16: the row-wise all-reduce adds two fp16 partial sums; greedy tokens of random logits agree.
-        assert (got - ref).abs().max().item() <= 3e-2 * max(1.0, ref.abs().max().item())
-        assert r[impl]["token"] == tok.tolist()
+        # fp16: the row-wise all-reduce adds two fp16 partial sums, a different rounding than one matmul.
+        assert (got - ref).abs().max().item() <= tol
+        # The same greedy token, unless one GPU's top two logits are closer than that rounding.
+        for b, (mine, theirs) in enumerate(zip(r[impl]["token"], tok.tolist())):
+            assert mine == theirs or ref[b, theirs] - ref[b, mine] <= tol, (b, mine, theirs)
 
 
 def test_cli_tp2_on_gpus(work, checkpoint):
