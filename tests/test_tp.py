@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -228,7 +229,8 @@ def test_llama_3_70b_geometry():
 def test_writer_checks_free_disk_first(tmp_path, monkeypatch):
     free = 20 * 10**9
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(models.shutil, "disk_usage", lambda p: usage(10 * free, 9 * free, free))
+    # The shutil module itself (not a module's reference to it): wherever the writer's check lives, it sees this.
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * free, 9 * free, free))
     target = tmp_path / "big"
     with pytest.raises(models.NotEnoughDiskError) as e:
         models.write_synthetic_checkpoint(target, "llama-3-70b", "awq")
@@ -244,8 +246,6 @@ def test_writer_checks_free_disk_first(tmp_path, monkeypatch):
 
 def test_cli_reports_disk_error_in_one_line(work):
     """--tp with the 70B fp16 preset where the disk cannot hold it (141 GB): the writer's one line, exit 2."""
-    import shutil
-
     if shutil.disk_usage(work).free > models.estimated_checkpoint_bytes("llama-3-70b", "fp16") * 1.1:
         pytest.skip("this disk has room for the 70B fp16 checkpoint; test_writer_checks_free_disk_first covers it")
     line = _bad(work, "--tp", "2", "--model", "llama-3-70b:fp16", "--impl", "sdpa")
