@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random prompts")
     p.add_argument("--devices", default=str(DEFAULT_TABLE), help="device datasheet table (TOML)")
     p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # set by llm_attn.experiment
+    p.add_argument("--tp", type=positive_int, default=None, metavar="N",
+                   help="tensor parallelism over N ranks (transformers' TP plan on torch.distributed; starts "
+                        "torchrun itself unless already under it); paired TTFT only. See llm_attn/harness/tp.py")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are also off when stderr is not a terminal)")
     return p
@@ -95,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
+        from llm_attn.harness import tp  # noqa: PLC0415
+
+        return tp.main(args, parser, plugins, argv)
     try:
         device = session.resolve_device(args.device)
     except ValueError as e:

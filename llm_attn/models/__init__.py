@@ -41,16 +41,20 @@ from llm_attn.models.presets import (  # noqa: F401
 )
 from llm_attn.models.synthetic import (
     AWQ_LINEARS,
+    DISK_HEADROOM,
     MARKER_FILE,
     PROVENANCE_FILE,
     SYNTHETIC_FORMAT_VERSION,
+    NotEnoughDiskError,
     cached_checkpoint,
+    check_free_disk,
+    estimated_checkpoint_bytes,
     synthetic_awq_linear,
     write_synthetic_checkpoint,
 )
 
 __all__ = [
-    "AWQ_INSTALL_HINT", "AWQ_LINEARS", "MARKER_FILE", "PRESETS", "PROVENANCE_FILE", "SYNTHETIC_FORMAT_VERSION",
-    "AwqBackendMissingError", "ModelInfo", "ModelPreset", "cached_checkpoint", "detect_awq_backends", "get_preset",
+    "AWQ_INSTALL_HINT", "AWQ_LINEARS", "DISK_HEADROOM", "MARKER_FILE", "NotEnoughDiskError", "PRESETS", "PROVENANCE_FILE", "SYNTHETIC_FORMAT_VERSION",
+    "AwqBackendMissingError", "ModelInfo", "ModelPreset", "cached_checkpoint", "check_free_disk", "detect_awq_backends", "estimated_checkpoint_bytes", "get_preset",
     "llama_config", "load_model", "max_seq_len", "synthetic_awq_linear", "write_synthetic_checkpoint",
 ]

@@ -43,6 +43,21 @@ PRESETS: dict[str, ModelPreset] = {
         name="tiny", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1024,
         max_position_embeddings=4096, rope_theta=500000.0, rope_scaling=None, rms_norm_eps=1e-5),
+    # Llama 3 70B geometry (80 layers, 64 q / 8 kv heads, hidden 8192), with the 8B preset's Llama 3.1 rope scaling.
+    # fp16 is ~141 GB on disk, AWQ int4 ~40 GB: check_free_disk refuses a write that does not fit.
+    "llama-3-70b": ModelPreset(
+        name="llama-3-70b", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001),
+    # The tensor-parallel test model (llm_attn.harness.tp): 8 q / 4 kv heads split 4/2 per rank at TP=2 (and 2/1 at
+    # TP=4), every linear a multiple of 128 (AWQ groups) and of 2 and 4 (row/column shards); runs on CPU with gloo.
+    "tiny-tp": ModelPreset(
+        name="tiny-tp", hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1024,
+        max_position_embeddings=4096, rope_theta=500000.0, rope_scaling=None, rms_norm_eps=1e-5),
 }
 
 

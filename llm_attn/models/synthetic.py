@@ -120,6 +120,38 @@ def _generate_unit(u: _Unit, gen: torch.Generator, device: torch.device, group_s
     return {f"{u.name}.{k}": v for k, v in t.items()}
 
 
+class NotEnoughDiskError(OSError):
+    """The synthetic checkpoint would not fit on the disk it is to be written to."""
+
+
+# Headroom over the planned tensor bytes: safetensors headers, config files, and the filesystem's own blocks.
+DISK_HEADROOM = 1.02
+
+
+def estimated_checkpoint_bytes(preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128) -> int:
+    """Bytes the tensors of a synthetic checkpoint take on disk (the writer's own plan, summed)."""
+    return sum(u.nbytes for u in _plan(llama_config(get_preset(preset)), quant, group_size))
+
+
+def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128) -> int:
+    """Raise NotEnoughDiskError (one line: needed vs free, and which presets do fit) unless the checkpoint fits
+    on the filesystem holding ``path`` (or its nearest existing parent). Returns the estimated size in bytes."""
+    p = get_preset(preset)
+    need = int(estimated_checkpoint_bytes(p, quant, group_size) * DISK_HEADROOM)
+    where = Path(path).expanduser().absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        fits = [f"{name}:{q}" for name in PRESETS for q in ("awq", "fp16")
+                if estimated_checkpoint_bytes(name, q, group_size) * DISK_HEADROOM <= free]
+        raise NotEnoughDiskError(
+            f"not enough free disk for the synthetic {p.name} {quant} checkpoint in {where}: needs "
+            f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free; presets that fit there: {', '.join(fits) or 'none'} "
+            f"(or set LLM_ATTN_CACHE to a larger disk)")
+    return need
+
+
 def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], seed: int = 0,
                                group_size: int = 128, device: str | torch.device | None = None,
                                shard_bytes: int = SHARD_BYTES) -> Path:
@@ -140,6 +172,7 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
     path = Path(path)
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists and is not empty; refusing to write a checkpoint over it")
+    check_free_disk(path, p, quant, group_size)
     path.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device) if device is not None else _default_gen_device()
     cfg = llama_config(p)
