@@ -149,8 +149,12 @@ def test_backward_seqused_k_out_of_range_is_clamped(cuda_ext, causal, sq):
     got = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=wild)
     ref = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=clamped)
     torch.cuda.synchronize()
+    # dQ is accumulated with float32 atomics, and on a grid this small so are dK/dV (split key blocks): the order of
+    # the additions varies from launch to launch, so the gradients are compared at that run-to-run spread (the
+    # rounding of the fp16 result), not bitwise. The batches that use no key must be exactly 0 (below).
     for a, r in zip(got, ref, strict=True):
-        assert not r.isnan().any() and torch.equal(a, r)
+        assert not r.isnan().any() and not a.isnan().any()
+        torch.testing.assert_close(a, r, rtol=2e-3, atol=2e-3)
     assert all(torch.all(g[2:] == 0) for g in got)
     check_grads(got, q, k, v, dout, causal, seqused_k=wild)
 
