@@ -142,7 +142,7 @@ def test_backward_seqused_k(cuda_ext, causal, sq):
 @pytest.mark.parametrize("sq", [1, 300])
 def test_backward_seqused_k_out_of_range_is_clamped(cuda_ext, causal, sq):
     """seqused_k above kv_len counts as kv_len, below 0 as 0 (flash_attn_func's docstring): the gradients of
-    out-of-range values are exactly those of the clamped values (zero dk/dv for a batch that uses no key)."""
+    out-of-range values are those of the clamped values (exactly zero for a batch that uses no key)."""
     q, k, v, dout = _qkv(4, 8, 2, sq, 500, 64, torch.float16, seed=sq + causal)
     wild = torch.tensor([501, 2**31 - 1, -1, -2**31], dtype=torch.int32, device="cuda")
     clamped = torch.tensor([500, 500, 0, 0], dtype=torch.int32, device="cuda")
