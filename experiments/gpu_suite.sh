@@ -53,7 +53,8 @@ if has readme; then
   # whose default GPU model needs gptqmodel (the awq step); without it that run stops with its install hint.
   rm -rf /tmp/readme && mkdir -p /tmp/readme && tar --exclude=./build --exclude='./llm_attn/_C*' \
     --exclude=./llm_attn/patches --exclude=./.whl --exclude='*.egg-info' -cf - . | tar -xf - -C /tmp/readme
-  (cd /tmp/readme && export LLM_ATTN_CUDA_ARCHS=${LLM_ATTN_CUDA_ARCHS:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+  # No LLM_ATTN_CUDA_ARCHS or MAX_JOBS: a new user sets neither (setup.py builds for the visible GPU).
+  (cd /tmp/readme && unset LLM_ATTN_CUDA_ARCHS MAX_JOBS
    if [ -n "${awq_site:-}" ]; then export PYTHONPATH=$awq_site; else unset PYTHONPATH; fi
    cmds=$(awk '/^```bash/ {n++; next} n == 1 && /^```/ {exit} n == 1 && !/^[[:space:]]*#/ && NF' README.md | head -2)
    cmd1=$(sed -n 1p <<<"$cmds") cmd2=$(sed -n 2p <<<"$cmds")
