@@ -149,7 +149,7 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
 
     # 1. Settings llm_attn does not implement: error or counted fallback, per on_unsupported.
     problem = runtime.forced[0] if runtime.forced else None
-    if problem is None:
+    if problem is None and kwargs and not _UNSUPPORTED_KWARGS.keys().isdisjoint(kwargs):
         for name, what in _UNSUPPORTED_KWARGS.items():
             if kwargs.get(name) is not None:
                 problem = f"{what} ({name}={kwargs[name]!r}) is not implemented by {runtime.impl.name}"
