@@ -418,6 +418,8 @@ def _prepared_key(q, k, v, out, lse, seqused_k, scale, causal):
     T = torch.Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T or type(out) is not T or type(lse) is not T:
         return None
+    if not q.is_cuda:  # refused by the checks: nothing to keep
+        return None
     if seqused_k is None:
         sk = None
     elif type(seqused_k) is T:
