@@ -359,6 +359,10 @@ def _plan_for(index: int, *shape) -> _plan.Plan:
     return _plan.plan(_plan.Shape(*shape), device_info(index)[1])
 
 
+_ArgArray = ctypes.c_void_p * 1
+_cu_streams: dict = {}  # raw stream handle -> driver.CUstream (a wrapper of the handle, made once)
+
+
 def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
     driver = _driver()
     fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
@@ -366,9 +370,16 @@ def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: in
         from llm_attn import _nvrtc_sm90  # noqa: PLC0415
 
         params = _nvrtc_sm90.params(params, launch)
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    _drv_check(driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, driver.CUstream(stream),
-                                     ctypes.addressof(args), 0), f"launching {launch.kernel}")
+    args = _ArgArray(ctypes.addressof(params))
+    cu_stream = _cu_streams.get(stream)
+    if cu_stream is None:
+        if len(_cu_streams) >= 64:
+            _cu_streams.clear()
+        cu_stream = _cu_streams[stream] = driver.CUstream(stream)
+    result = driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, cu_stream,
+                                   ctypes.addressof(args), 0)
+    if int(result[0] if isinstance(result, tuple) else result) != 0:
+        _drv_check(result, f"launching {launch.kernel}")
 
 
 # -- the extension's interface ---------------------------------------------------------------------------------
@@ -497,14 +508,19 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
             p.split_counters = counters.data_ptr()
             keep.append(counters)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
     if index == torch.cuda.current_device():
+        stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
         for launch in plan.launches:
             _launch(index, launch, p, stream)
     else:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
         with torch.cuda.device(index):
             for launch in plan.launches:
                 _launch(index, launch, p, stream)
+
+
+# The current stream's raw handle without building a torch.cuda.Stream (what torch's own generated code calls).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def sm90_probe_offsets() -> dict[str, int]:
