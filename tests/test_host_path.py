@@ -254,3 +254,16 @@ def test_nvrtc_launcher_cache_keeps_results_and_errors():
         _nvrtc.mha_fwd(q, k, v, out, lse, None, -0.125, True)
     with pytest.raises(RuntimeError, match="lse must be a contiguous float32"):
         _nvrtc.mha_fwd(q, k, v, out, lse[:, :, :32], None, 0.125, True)
+
+
+def test_profiler_and_jit_trace_see_the_op(monkeypatch):
+    q, k, v = _good()
+    spy = _CountOp(monkeypatch)
+    with torch.no_grad():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            flash_attn_func(q, k, v)
+        assert spy.calls == 1
+        assert any("llm_attn::flash_fwd" in e.name for e in prof.events())
+        traced = torch.jit.trace(lambda a, b, c: flash_attn_func(a, b, c), (q, k, v), check_trace=False)
+        assert spy.calls == 2
+        assert "llm_attn::flash_fwd" in str(traced.graph)
