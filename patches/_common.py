@@ -189,7 +189,11 @@ class AttentionRuntime:
 
     # -- the call ------------------------------------------------------------------------------------------------
     def choose_variant(self, query: torch.Tensor) -> tuple[str | None, str | None]:
-        return self.choose_variant_for(query.device, query.dtype, query.shape[-1])
+        key = (query.device, query.dtype, query.shape[-1])
+        got = self._choices.get(key)  # choose_variant_for, inlined: this runs on every call
+        if got is None:
+            got = self._choices[key] = self.impl.choose(key[0], key[1], key[2], self.options.backend)
+        return got
 
     def choose_variant_for(self, device: torch.device, dtype: torch.dtype, head_dim: int):
         key = (device, dtype, head_dim)
