@@ -267,3 +267,36 @@ def test_profiler_and_jit_trace_see_the_op(monkeypatch):
         traced = torch.jit.trace(lambda a, b, c: flash_attn_func(a, b, c), (q, k, v), check_trace=False)
         assert spy.calls == 2
         assert "llm_attn::flash_fwd" in str(traced.graph)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: graph capture of the direct path needs one")
+@pytest.mark.parametrize("q_len", [1, 77])  # decode (split-KV workspace, zeroed counters) and prefill
+def test_cuda_graph_capture_of_the_direct_path(monkeypatch, q_len):
+    from llm_attn._ext import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no kernel backend here")
+    dev, dt = "cuda", torch.float16
+    q = torch.randn(2, 8, q_len, 128, device=dev, dtype=dt)
+    k = torch.randn(2, 2, 700, 128, device=dev, dtype=dt)
+    v = torch.randn(2, 2, 700, 128, device=dev, dtype=dt)
+    spy = _CountOp(monkeypatch)
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            flash_attn_func(q, k, v, causal=True)  # warm-up (kernel load) outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = flash_attn_func(q, k, v, causal=True)
+        assert spy.calls == 0  # the direct path was captured
+        for _ in range(2):  # fresh inputs, replayed
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            ref = _sdpa(q.cpu().double(), k.cpu().double(), v.cpu().double(), True)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-3, atol=2e-3)
