@@ -359,6 +359,10 @@ def _plan_for(index: int, *shape) -> _plan.Plan:
     return _plan.plan(_plan.Shape(*shape), device_info(index)[1])
 
 
+_ArgArray = ctypes.c_void_p * 1
+_cu_streams: dict = {}  # raw stream handle -> driver.CUstream (a wrapper of the handle, made once)
+
+
 def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
     driver = _driver()
     fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
@@ -366,9 +370,16 @@ def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: in
         from llm_attn import _nvrtc_sm90  # noqa: PLC0415
 
         params = _nvrtc_sm90.params(params, launch)
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    _drv_check(driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, driver.CUstream(stream),
-                                     ctypes.addressof(args), 0), f"launching {launch.kernel}")
+    args = _ArgArray(ctypes.addressof(params))
+    cu_stream = _cu_streams.get(stream)
+    if cu_stream is None:
+        if len(_cu_streams) >= 64:
+            _cu_streams.clear()
+        cu_stream = _cu_streams[stream] = driver.CUstream(stream)
+    result = driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, cu_stream,
+                                   ctypes.addressof(args), 0)
+    if int(result[0] if isinstance(result, tuple) else result) != 0:
+        _drv_check(result, f"launching {launch.kernel}")
 
 
 # -- the extension's interface ---------------------------------------------------------------------------------
@@ -402,10 +413,38 @@ def _fail(*parts) -> None:
     raise RuntimeError("llm_attn.mha_fwd: " + "".join(str(p) for p in parts))
 
 
-def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            seqused_k: torch.Tensor | None, scale: float, causal: bool) -> None:
-    """FlashAttention forward into preallocated out/lse: kernels/binding.cpp's mha_fwd, with the same checks
-    (llm_attn.kernel_contract.launcher_problem states them once)."""
+# Per call kind (the shapes, strides, dtypes, devices and alignment of every operand, scale, causal, tile): the
+# launcher's verdict, its plan and a params struct holding everything but the pointers, so a repeated call of a kind
+# checks nothing twice and copies a struct in place of filling some 30 fields. Only calls that passed are stored
+# (bad input always meets launcher_problem and its message). Bounded.
+_PREPARED: dict = {}
+_PREPARED_MAX = 256
+
+
+def _operand_key(t):
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _prepared_key(q, k, v, out, lse, seqused_k, scale, causal):
+    T = torch.Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T or type(out) is not T or type(lse) is not T:
+        return None
+    if not q.is_cuda:  # refused by the checks: nothing to keep
+        return None
+    if seqused_k is None:
+        sk = None
+    elif type(seqused_k) is T:
+        sk = (seqused_k.shape, seqused_k.stride(), seqused_k.dtype, seqused_k.device)
+    else:
+        return None
+    index = q.device.index
+    return (_operand_key(q), _operand_key(k), _operand_key(v), _operand_key(out), lse.shape, lse.stride(),
+            lse.dtype, lse.device, sk, type(scale), scale, type(causal), causal, _tile,
+            torch.cuda.current_device() if index is None else index)
+
+
+def _prepare(q, k, v, out, lse, seqused_k, scale, causal):
+    """(device index, plan, params template without pointers) for a call that passed the launcher's checks."""
     problem = kernel_contract.launcher_problem(q, k, v, out, lse, seqused_k, scale, causal)
     if problem:
         _fail(problem)
@@ -421,9 +460,6 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         _fail("kernel launch failed: ", e)
 
     p = FlashFwdParams()
-    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-    p.lse = lse.data_ptr()
-    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
     (p.q_batch_stride, p.q_head_stride, p.q_row_stride) = q.stride()[:3]
     (p.k_batch_stride, p.k_head_stride, p.k_row_stride) = k.stride()[:3]
     (p.v_batch_stride, p.v_head_stride, p.v_row_stride) = v.stride()[:3]
@@ -434,8 +470,35 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     p.scale_log2 = scale * 1.4426950408889634  # M_LOG2E, rounded to float as binding.cpp does
     p.causal, p.is_bf16, p.tile = bool(causal), is_bf16, _tile
     p.num_splits = plan.num_splits
+    return index, plan, p
+
+
+def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            seqused_k: torch.Tensor | None, scale: float, causal: bool) -> None:
+    """FlashAttention forward into preallocated out/lse: kernels/binding.cpp's mha_fwd, with the same checks
+    (llm_attn.kernel_contract.launcher_problem states them once)."""
+    try:
+        key = _prepared_key(q, k, v, out, lse, seqused_k, scale, causal)
+        prepared = _PREPARED.get(key) if key is not None else None
+    except (TypeError, AttributeError):  # odd arguments: the full checks below say what is wrong
+        key = prepared = None
+    if prepared is None:
+        prepared = _prepare(q, k, v, out, lse, seqused_k, scale, causal)
+        if key is not None:
+            if len(_PREPARED) >= _PREPARED_MAX:
+                _PREPARED.clear()
+            _PREPARED[key] = prepared
+    index, plan, template = prepared
+
+    # A copy per call (launches copy their parameters when queued, but another thread may launch concurrently).
+    p = FlashFwdParams.from_buffer_copy(template)
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    p.lse = lse.data_ptr()
+    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
     keep = []  # the workspace lives until the launches are queued; torch's allocator orders its reuse by stream
     if plan.num_splits > 1:
+        batch, num_heads, seqlen_q, head_dim = q.shape
+        num_kv_heads = k.shape[1]
         o_accum = torch.empty((plan.num_splits, batch, num_heads, seqlen_q, head_dim), dtype=torch.float32,
                               device=q.device)
         lse_accum = torch.empty((plan.num_splits, batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
@@ -445,14 +508,19 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
             p.split_counters = counters.data_ptr()
             keep.append(counters)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
     if index == torch.cuda.current_device():
+        stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
         for launch in plan.launches:
             _launch(index, launch, p, stream)
     else:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
         with torch.cuda.device(index):
             for launch in plan.launches:
                 _launch(index, launch, p, stream)
+
+
+# The current stream's raw handle without building a torch.cuda.Stream (what torch's own generated code calls).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def sm90_probe_offsets() -> dict[str, int]:

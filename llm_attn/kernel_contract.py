@@ -55,9 +55,53 @@ def kernel_problem(dtype: torch.dtype, head_dim: int, *, scale: float | None = N
     return None
 
 
+# Verdicts of check_inputs for inputs that passed, keyed by everything the full check reads (types, shapes,
+# strides, dtypes, devices, causal, scale, seqused_k's metadata, path): a repeated call costs one key and one dict
+# lookup. Only passes are stored, so bad input always takes the full check and raises its own error. Bounded.
+_VERDICTS: dict = {}
+_VERDICTS_MAX = 512
+_Tensor = torch.Tensor
+
+
+def _verdict_key(q, k, v, causal, scale, seqused_k, path):
+    """The cache key, or None where the inputs are not plain tensors (subclasses, fakes: the full check runs)."""
+    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
+        return None
+    if seqused_k is None:
+        sk = None
+    elif type(seqused_k) is _Tensor:
+        sk = (seqused_k.dtype, seqused_k.shape, seqused_k.device)
+    else:
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+            v.shape, v.stride(), v.dtype, v.device, type(causal), causal, type(scale), scale, sk, path)
+
+
 def check_inputs(q, k, v, causal, scale, seqused_k, path: str) -> bool:
     """Validate the arguments of ``flash_attn_func``; return True when the CUDA kernel will run (``path`` 'kernel',
-    or 'auto' with CUDA tensors). Raises TypeError/ValueError whose message names the argument and the fix."""
+    or 'auto' with CUDA tensors). Raises TypeError/ValueError whose message names the argument and the fix.
+
+    Eager calls with inputs like a previous good call's cost one dict lookup (``_VERDICTS``); traced calls and
+    anything unusual run the full check (``check_inputs_full``)."""
+    if torch.compiler.is_compiling():
+        return check_inputs_full(q, k, v, causal, scale, seqused_k, path)
+    try:
+        key = _verdict_key(q, k, v, causal, scale, seqused_k, path)
+        verdict = _VERDICTS.get(key) if key is not None else None
+    except TypeError:  # an unhashable argument (e.g. path=[...]): the full check says what is wrong
+        key = verdict = None
+    if verdict is not None:
+        return verdict
+    verdict = check_inputs_full(q, k, v, causal, scale, seqused_k, path)
+    if key is not None:
+        if len(_VERDICTS) >= _VERDICTS_MAX:
+            _VERDICTS.clear()
+        _VERDICTS[key] = verdict
+    return verdict
+
+
+def check_inputs_full(q, k, v, causal, scale, seqused_k, path: str) -> bool:
+    """``check_inputs`` without its cache: every check, every call."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

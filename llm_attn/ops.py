@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 from typing import Literal
 
 import torch
 
+from llm_attn import _ext as _ext_mod
 from llm_attn import backward, reference
 from llm_attn._ext import get_ext
 
@@ -58,11 +60,22 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: tor
 def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel):
     if not use_kernel:
         return _reference_impl(q, k, v, seqused_k, scale, causal)
+    return _kernel_impl(q, k, v, seqused_k, scale, causal)
+
+
+def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
     # cp.async moves 16-byte chunks: strides must be multiples of 8 elements and bases 16-byte aligned. Any
     # layout transformers or a KV cache produces is; anything else is copied once rather than rejected.
-    q, k, v = (t if _aligned16(t) else t.contiguous() for t in (q, k, v))
+    if not _aligned16(q):
+        q = q.contiguous()
+    if not _aligned16(k):
+        k = k.contiguous()
+    if not _aligned16(v):
+        v = v.contiguous()
     out, lse = _empty_outputs(q)
-    get_ext().mha_fwd(q, k, v, out, lse, seqused_k, float(scale), bool(causal))
+    # lse is kept: the kernels write it unconditionally (binding.cpp's mha_fwd requires it), and it is one small
+    # float32 (B, Hq, Sq) allocation from torch's caching allocator.
+    (ext or _current_ext()).mha_fwd(q, k, v, out, lse, seqused_k, float(scale), bool(causal))
     return out, lse
 
 
@@ -113,11 +126,56 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         warnings.warn("flash_attn_func(..., 'cuda') is deprecated: use path='kernel'", DeprecationWarning, stacklevel=2)
         path = "kernel"
     use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
-    if use_kernel and not torch.compiler.is_compiling():  # traced code must not look up the build (the op does)
-        get_ext()  # raises KernelNotBuiltError with build instructions
+    compiling = torch.compiler.is_compiling()
+    ext = None
+    if use_kernel and not compiling:  # traced code must not look up the build (the op does)
+        ext = _current_ext()  # raises KernelNotBuiltError with build instructions
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel)
+    if not compiling and direct_call_allowed(q, k, v):
+        # Eager, nothing to differentiate, no mode that must see the op: the op's own implementation, without the
+        # dispatcher's round trip (the same code the op runs; torch.compile, autograd and modes keep the op).
+        if use_kernel:
+            out, lse = _kernel_impl(q, k, v, seqused_k, scale, causal, ext)
+        else:
+            out, lse = _reference_impl(q, k, v, seqused_k, scale, causal)
+    else:
+        out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel)
     return (out, lse) if return_lse else out
+
+
+def direct_call_allowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether an eager call may skip the ``llm_attn::flash_fwd`` dispatcher: plain tensors (no fake, functional
+    or other subclass), no gradient wanted, no torch-function or dispatch mode, no functorch transform (vmap,
+    grad), no profiler (whose trace names the op), no torch.jit.trace. The caller has checked that nothing is
+    being compiled."""
+    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return not (_torch_function_mode_enabled() or _dispatch_stack_len() or _functorch_active()
+                or _profiler_enabled() or _jit_tracing())
+
+
+_Tensor = torch.Tensor
+_torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+_profiler_enabled = torch.autograd._profiler_enabled
+_jit_tracing = torch.jit.is_tracing  # torch.jit.trace records ops through the dispatcher
+
+# get_ext() resolved once per requested build (set_backend, LLM_ATTN_BUILD / LLM_ATTN_BACKEND): a failed import of
+# the extension, tried on every call where only NVRTC is available, is the costliest part of a lookup.
+_EXT_CACHE: dict = {}
+
+
+def _current_ext():
+    key = (_ext_mod._forced, os.environ.get("LLM_ATTN_BUILD"), os.environ.get("LLM_ATTN_BACKEND"))
+    ext = _EXT_CACHE.get(key)
+    if ext is None:
+        ext = get_ext()  # raises KernelNotBuiltError; failures are not cached
+        _EXT_CACHE.clear()
+        _EXT_CACHE[key] = ext
+    return ext
 
 
 TILES = {"auto": 0, "large": 1, "wide": 2, "small": 3, "hopper": 4}

@@ -131,26 +131,35 @@ class AttentionImpl:
     def run(self, variant: str, q, k, v, *, causal: bool, scale: float, seqused_k=None) -> torch.Tensor:
         """One call, (B, Hq, Sq, D) out. Inside a profiler, the call is a ``llm_attn.attention:<name>`` range, so
         that ``--measure breakdown`` attributes exactly this implementation's kernels to attention."""
+        return self.runner(variant)(q, k, v, causal, scale, seqused_k)
+
+    def runner(self, variant: str) -> Callable:
+        """``run`` for one variant, decided once: ``call(q, k, v, causal, scale, seqused_k) -> out``. The entry that
+        serves the variant (the reference entry for 'reference' asked of another one) is looked up here, not per
+        call; a caller that makes many calls (the patches' runtime) keeps it."""
         entry = self
         if variant == "reference" and not self.provides_reference:
             entry = _reference_entry()
             if entry is None:
                 raise RuntimeError("no registered implementation provides a reference path")
-        if entry.select is not None:
-            call = lambda: entry.fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,  # noqa: E731
-                                    variant=variant)
-        else:
-            call = lambda: self.fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k)  # noqa: E731
-        if _profiling():
-            with torch.profiler.record_function(range_name(self.name)):
-                out = call()
-        else:
-            out = call()
-        if not isinstance(out, torch.Tensor) or out.shape != q.shape:
-            raise RuntimeError(f"attention implementation {self.name!r} ({self.source_label}) returned "
-                               f"{getattr(out, 'shape', type(out).__name__)}, expected a tensor of q's shape "
-                               f"{tuple(q.shape)} (B, Hq, Sq, D)")
-        return out
+        fn, with_variant, rng, impl = entry.fn, entry.select is not None, range_name(self.name), self
+
+        def call(q, k, v, causal, scale, seqused_k=None):
+            if _profiling():
+                with torch.profiler.record_function(rng):
+                    out = (fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, variant=variant)
+                           if with_variant else fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k))
+            elif with_variant:
+                out = fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, variant=variant)
+            else:
+                out = fn(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k)
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+                raise RuntimeError(f"attention implementation {impl.name!r} ({impl.source_label}) returned "
+                                   f"{getattr(out, 'shape', type(out).__name__)}, expected a tensor of q's shape "
+                                   f"{tuple(q.shape)} (B, Hq, Sq, D)")
+            return out
+
+        return call
 
     @property
     def source_label(self) -> str:

@@ -148,6 +148,8 @@ class AttentionRuntime:
         # (device, dtype, head_dim) -> (variant, why): asked once per kind of call, so that no import or probe
         # (e.g. whether the CUDA extension loads) runs inside a torch.compile trace.
         self._choices: dict = {}
+        # variant -> the entry's runner (registry.AttentionImpl.runner): the serving entry decided once, not per call.
+        self._runners: dict = {}
 
     # A patched model is copied (copy.deepcopy), pickled and torch.saved with its patch: the runtime keeps the
     # implementation's name, not its entry (a plugin's function may not pickle), and looks the entry up again when
@@ -156,10 +158,12 @@ class AttentionRuntime:
         state = dict(self.__dict__)
         del state["impl"]
         state["_choices"] = {}
+        state["_runners"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_runners", {})
         self.impl = registry.get(self.options.impl)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
@@ -185,7 +189,11 @@ class AttentionRuntime:
 
     # -- the call ------------------------------------------------------------------------------------------------
     def choose_variant(self, query: torch.Tensor) -> tuple[str | None, str | None]:
-        return self.choose_variant_for(query.device, query.dtype, query.shape[-1])
+        key = (query.device, query.dtype, query.shape[-1])
+        got = self._choices.get(key)  # choose_variant_for, inlined: this runs on every call
+        if got is None:
+            got = self._choices[key] = self.impl.choose(key[0], key[1], key[2], self.options.backend)
+        return got
 
     def choose_variant_for(self, device: torch.device, dtype: torch.dtype, head_dim: int):
         key = (device, dtype, head_dim)
@@ -203,9 +211,11 @@ class AttentionRuntime:
     def run(self, variant: str, query, key, value, *, causal: bool, scale: float | None,
             seqused_k: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D) -> (B, Sq, Hq, D) contiguous, the layout transformers expects."""
-        if scale is None:
-            scale = 1.0 / math.sqrt(query.shape[-1])
-        out = self.impl.run(variant, query, key, value, causal=causal, scale=float(scale), seqused_k=seqused_k)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        call = self._runners.get(variant)
+        if call is None:
+            call = self._runners[variant] = self.impl.runner(variant)
+        out = call(query, key, value, causal, scale, seqused_k)
         return out.transpose(1, 2).contiguous()  # llm_attn's op stores (B, Sq, Hq, D): then this is free
 
 

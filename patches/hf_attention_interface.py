@@ -135,6 +135,11 @@ def default_report() -> PatchReport:
     return _default_runtime().report
 
 
+def _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    return _stock_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
+
+
 def llm_attn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                                **kwargs):
     """Registered in ``AttentionInterface`` as "llm_attn" — one entry for every registry implementation: the module's
@@ -143,13 +148,9 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
     None)."""
     runtime = getattr(module, RUNTIME_ATTR, None) or _default_runtime()
 
-    def stock():
-        return _stock_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                             is_causal=is_causal, **kwargs)
-
     # 1. Settings llm_attn does not implement: error or counted fallback, per on_unsupported.
     problem = runtime.forced[0] if runtime.forced else None
-    if problem is None:
+    if problem is None and kwargs and not _UNSUPPORTED_KWARGS.keys().isdisjoint(kwargs):
         for name, what in _UNSUPPORTED_KWARGS.items():
             if kwargs.get(name) is not None:
                 problem = f"{what} ({name}={kwargs[name]!r}) is not implemented by {runtime.impl.name}"
@@ -163,7 +164,7 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
         variant, problem = runtime.choose_variant(query)
     if problem is not None:
         runtime.setting_unsupported(problem)
-        return stock()
+        return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
     # 2. The mask: what stock sdpa would compute, expressed natively where that is exact.
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -172,7 +173,7 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
         if causal and kv_len < q_len:
             # Stock sdpa would apply a top-left causal mask here; the kernel aligns bottom-right. Rare; stay exact.
             runtime.count_fallback("no mask, causal, more queries than keys")
-            return stock()
+            return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
         if causal and kv_len > q_len:
             # Prefill into an empty static cache: stock crops keys to q_len (top-left causal), so do we.
             key, value = key[:, :, :q_len], value[:, :, :q_len]
@@ -187,13 +188,13 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
         why = runtime.seqused_problem(variant)
         if why is not None:
             runtime.count_fallback(why)
-            return stock()
+            return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
         out = runtime.run(variant, query, key, value, causal=True, scale=scaling, seqused_k=seqused)
         runtime.count_native(variant)
         return out, None
 
     runtime.count_fallback("attention mask is not a causal prefix (padding or custom mask): stock sdpa")
-    return stock()
+    return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
 
 
 def register() -> None:
