@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.runs):
         cmd = run_command(i, args, extra)
         print(f"run {i + 1}/{args.runs}: {' '.join(cmd[1:])}", flush=True)
-        proc = subprocess.run(cmd)  # noqa: S603 (our own CLI, arguments as a list)
+        proc = subprocess.run(cmd, check=False)  # noqa: S603 (our own CLI, arguments as a list)
         if proc.returncode == 130:
             return 130
         if proc.returncode != 0:

@@ -197,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_dataset(parser, args, cfg, model, info, prompts, argv) -> int:
     """--seq dataset: TTFT p50/p90 over the --prompts dataset's own lengths (session.run_dataset)."""
-    from llm_attn.models import max_seq_len  # noqa: PLC0415
     from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
     from llm_attn.harness.results import OutputWriteError  # noqa: PLC0415
+    from llm_attn.models import max_seq_len  # noqa: PLC0415
 
     try:
         rows = session.run_dataset(cfg, model, info, args.out, prompts, max_seq_len(model), args.devices,

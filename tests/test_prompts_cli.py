@@ -22,7 +22,11 @@ from llm_attn.harness.experiments import load_experiment  # noqa: E402
 from llm_attn.harness.results import iter_rows  # noqa: E402
 from llm_attn.models.presets import PRESETS  # noqa: E402
 from llm_attn.models.synthetic import cached_checkpoint  # noqa: E402
-from llm_attn.models.tokenizer import TOKENIZER_FILE, ensure_offline_tokenizer, write_offline_tokenizer  # noqa: E402
+from llm_attn.models.tokenizer import (  # noqa: E402
+    TOKENIZER_FILE,
+    ensure_offline_tokenizer,
+    write_offline_tokenizer,
+)
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.",
          "Time to first token is dominated by the prefill of the prompt, layer after layer.",

@@ -16,7 +16,6 @@ from llm_attn.reporting.merge import (
     _model_label,
 )
 
-
 METHOD = """\
 **How the numbers are made.** TTFT = prefill forward over exactly `seq` prompt tokens (fresh cache, logits of
 the last position only) plus greedy sampling of the first token, timed with CUDA events after warm-up at the
