@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tp is not None and (args.prompts or (args.seq and "dataset" in args.seq)):  # -- prompts --
+        parser.error("--prompts and --seq dataset are not supported with --tp yet")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = None
     if dataset_seq and len(args.seq) > 1:
         parser.error("--seq dataset cannot be combined with other lengths")
+    if dataset_seq and args.measure != list(DEFAULT_MEASUREMENTS) and args.measure != ["ttft"]:
+        parser.error("--seq dataset measures TTFT only (leave out --measure, or give --measure ttft)")
     if dataset_seq and not args.prompts:
         parser.error("--seq dataset needs --prompts PATH (the dataset whose lengths are measured)")
     if args.prompt_field and not args.prompts:

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from llm_attn import ttft  # noqa: E402
 from llm_attn.harness.experiments import load_experiment  # noqa: E402
-from llm_attn.harness.results import iter_rows  # noqa: E402
+from llm_attn.harness.results import iter_rows, validate_row  # noqa: E402
 from llm_attn.models.presets import PRESETS  # noqa: E402
 from llm_attn.models.synthetic import cached_checkpoint  # noqa: E402
 from llm_attn.models.tokenizer import (  # noqa: E402
@@ -27,6 +27,7 @@ from llm_attn.models.tokenizer import (  # noqa: E402
     ensure_offline_tokenizer,
     write_offline_tokenizer,
 )
+from llm_attn.reporting.document import write_report  # noqa: E402
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.",
          "Time to first token is dominated by the prefill of the prompt, layer after layer.",
@@ -114,6 +115,12 @@ def test_ttft_seq_dataset_reports_p50_and_p90(jsonl, tmp_path, capsys):
     assert rows[1]["vs"]["sdpa"]["n"] == len(TEXTS)  # paired prompt by prompt
     text = capsys.readouterr().out
     assert "TTFT over the dataset's own prompt lengths" in text and "TTFT p90 ms" in text
+    for r in rows:
+        validate_row(r)
+    report = write_report([out], tmp_path / "report").read_text()  # the report has the same table
+    section = report[report.index("### TTFT over the dataset's own prompt lengths"):]
+    ours = next(line for line in section.splitlines() if "| llm_attn" in line)
+    assert f"{rows[1]['stats']['p50']:.2f}" in ours and f"{rows[1]['stats']['p90']:.2f}" in ours
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -228,9 +228,9 @@ def dataset_table(rows: list[dict], tablefmt: str = "github") -> str:
     """``--seq dataset`` rows: TTFT p50 / p90 over the dataset's prompts, with the paired verdict vs stock."""
     from tabulate import tabulate  # noqa: PLC0415
 
-    from llm_attn.harness.sweep import row_notes, verdict_cell  # noqa: PLC0415
+    from llm_attn.harness.sweep import latest_rows, row_notes, verdict_cell  # noqa: PLC0415
 
-    ds = [r for r in rows if r.get("measurement") == "ttft_dataset"]
+    ds = [r for r in latest_rows(rows).values() if r.get("measurement") == "ttft_dataset"]
     if not ds:
         return ""
     stocks = [s for s in ("sdpa", "eager", "flash_attention_2") if any(r["impl"] == s for r in ds)]
