@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seq dataset cannot be combined with other lengths")
     if dataset_seq and args.measure != list(DEFAULT_MEASUREMENTS) and args.measure != ["ttft"]:
         parser.error("--seq dataset measures TTFT only (leave out --measure, or give --measure ttft)")
+    if dataset_seq and args.resume:
+        parser.error("--resume is not supported with --seq dataset (it is one measurement over all prompts)")
     if dataset_seq and not args.prompts:
         parser.error("--seq dataset needs --prompts PATH (the dataset whose lengths are measured)")
     if args.prompt_field and not args.prompts:

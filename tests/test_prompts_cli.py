@@ -131,6 +131,8 @@ def test_ttft_seq_dataset_reports_p50_and_p90(jsonl, tmp_path, capsys):
     (["--seq", "dataset"], "--seq dataset needs --prompts"),
     (["--seq", "8", "dataset", "--prompts", "{jsonl}"], "cannot be combined"),
     (["--seq", "8", "--prompt-field", "text"], "--prompt-field needs --prompts"),
+    (["--seq", "dataset", "--prompts", "{jsonl}", "--measure", "decode_generate"], "measures TTFT only"),
+    (["--seq", "dataset", "--prompts", "{jsonl}", "--resume"], "--resume is not supported"),
 ])
 def test_bad_prompts_exit_2_with_one_line(extra, message, jsonl, tmp_path, capsys):
     bad = tmp_path / "prompts.txt"
