@@ -6,6 +6,8 @@
     python -m llm_attn.ttft --model /models/Meta-Llama-3-8B-Instruct-AWQ --seq 1024 --batch 1 4
     python -m llm_attn.ttft --plugin examples/my_attention.py --impl mine sdpa llm_attn --seq 2048
     python -m llm_attn.ttft --impl sdpa llm_attn --seq 2048 8192 --measure ttft breakdown
+    python -m llm_attn.ttft --seq 2048 --prompts prompts.jsonl    # dataset text, cut or repeated to 2048 tokens
+    python -m llm_attn.ttft --seq dataset --prompts prompts.jsonl # its own lengths: TTFT p50 / p90 over prompts
 
 Without ``--model`` (``auto``) a GPU gets the synthetic Llama 3 8B AWQ checkpoint (exact geometry, seeded int4
 weights, loaded through a real AWQ loader; generated once and cached) and a machine without a GPU gets a tiny
