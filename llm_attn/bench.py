@@ -6,6 +6,7 @@
     python -m llm_attn.bench --mode backward --seqs 1024 4096 16384     # training: forward+backward, backward alone
     python -m llm_attn.bench --impls ours flash cudnn naive flex numba --seqs 2048 8192   # registry entries too
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
+    python -m llm_attn.bench --mode host                        # host µs per call: ours, the patch, SDPA
 
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
@@ -19,6 +20,11 @@ launches and replayed inside a CUDA graph.
 Backward: q_len = kv_len = S; two phases per point, "fwd+bwd" (forward, then autograd.grad of dq, dk, dv) and "bwd"
 (autograd.grad alone on a retained forward graph); FLOPs 3.5x and 2.5x the forward's (the backward's five matmuls
 against the forward's two). Plain calls by default (--graph 1 captures them in a CUDA graph).
+
+Host (issue 18): host microseconds to issue one attention call (300 back-to-back calls, no sync inside;
+harness/hostcost.py) at the prefill (--seqs, default 2048) and decode (--kv, default 4096) shapes, for our op
+(flash_attn_func), ours through the transformers patch wrapper, transformers' sdpa and torch SDPA. Runs on CPU too
+(there every call also computes: not a host cost).
 
 Each row of the JSONL output carries the environment and the command that reproduces it.
 """
@@ -44,10 +50,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plugin_argument(p)
-    p.add_argument("--mode", choices=["prefill", "decode", "backward"], default="prefill")
-    p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
-                   help="prefill: q_len = kv_len = S")
-    p.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192, 32768], help="decode: KV cache lengths")
+    p.add_argument("--mode", choices=["prefill", "decode", "backward", "host"], default="prefill")
+    p.add_argument("--seqs", type=int, nargs="+", default=None,
+                   help="prefill: q_len = kv_len = S (default 512 .. 16384; host mode: 2048)")
+    p.add_argument("--kv", type=int, nargs="+", default=None,
+                   help="decode: KV cache lengths (default 512 2048 8192 32768; host mode: 4096)")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -65,8 +72,17 @@ def main(argv=None):
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,
                    help="1: time replays of a captured CUDA graph (kernel time without Python/launch overhead); "
                         "0: plain calls (default: prefill 1, decode 0 and 1)")
+    p.add_argument("--calls", dest="repeats_host", type=int, default=300,
+                   help="host mode: back-to-back calls timed per path and shape (default 300)")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
+    host = args.mode == "host"
+    if args.repeats_host < 1:
+        p.error(f"--calls must be >= 1, got {args.repeats_host}")
+    if args.seqs is None:
+        args.seqs = [2048] if host else [512, 1024, 2048, 4096, 8192, 16384]
+    if args.kv is None:
+        args.kv = [4096] if host else [512, 2048, 8192, 32768]
     for name in ("seqs", "kv", "batch"):
         if any(x <= 0 for x in getattr(args, name)):
             p.error(f"--{name} values must be positive")
@@ -76,6 +92,9 @@ def main(argv=None):
         out = open(args.out, "a") if args.out else nullcontext()  # noqa: SIM115 (closed by the with below)
     except OSError as e:
         p.error(f"--out {args.out}: {e.strerror or e}")
+    if host:  # -- --mode host --
+        with out as f:
+            return _host_mode(p, args, f, argv)
     if not torch.cuda.is_available():
         p.error("the kernel benchmark needs a CUDA GPU")
     graphs = args.graph if args.graph is not None else {"decode": [0, 1], "prefill": [1], "backward": [0]}[args.mode]
@@ -112,10 +131,43 @@ def main(argv=None):
     print(tabulate([list(r.values()) for r in table], headers=headers, floatfmt=".2f"))
 
 
+def _host_mode(p, args, f, argv) -> int:
+    """--mode host: µs per call of ours / ours through the patch / transformers' sdpa / torch SDPA
+    (harness/hostcost.py), per shape and dtype; rows to --out."""
+    from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost  # noqa: PLC0415
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("no GPU: on CPU every call also computes, so these are not host costs (they check the benchmark)",
+              file=sys.stderr)
+    shapes = []
+    for b in args.batch:
+        shapes += [HostShape(f"prefill {s}" + (f" b{b}" if b > 1 else ""), b, args.heads, args.kv_heads, s, s,
+                             args.head_dim) for s in args.seqs]
+        shapes += [HostShape(f"decode kv {s}" + (f" b{b}" if b > 1 else ""), b, args.heads, args.kv_heads, 1, s,
+                             args.head_dim) for s in args.kv]
+    env = environment()
+    command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    for dt in args.dtypes:
+        rows = measure_host_cost(device, DTYPES[dt], shapes=tuple(shapes), calls=args.repeats_host,
+                                 warmup=args.warmup)
+        for row in rows:
+            row.update(mode="host", env=env, command=command)
+            if f:
+                try:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                except OSError as e:
+                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
+        print(f"\n{dt} on {device}: host µs per call ({args.repeats_host} back-to-back calls, no sync)")
+        print(host_cost_table(rows))
+    return 0
+
+
 def _fmt_last(table):
     r = table[-1]
     return "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

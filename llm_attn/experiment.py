@@ -85,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    e.g. {c.command(c.impls, c.batches[0], c.seqs[0], c.measurements)}")
         return 0
 
+    texts = None
+    if exp.prompts is not None:  # -- prompts from a dataset: checked before any model loads --
+        from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
+
+        try:
+            texts = session.load_prompt_texts(exp.prompts, exp.prompt_field, max(c_ for c in configs
+                                                                                 for c_ in c.batches))
+        except PromptsError as e:
+            parser.error(f"{args.definition}: {e}")
     status = 0
     for cfg in configs:
         print(f"loading model {cfg.model_spec!r} on {device} ({cfg.dtype}) ...", file=sys.stderr, flush=True)
@@ -97,9 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         except session.SetupError as e:
             parser.error(str(e))
         print(session.describe_model(info, device, cfg.model_spec), flush=True)
+        prompts = None
+        if texts is not None:  # -- prompts from a dataset --
+            try:
+                prompts = session.dataset_prompts_for(model, info, exp.prompts, texts, exp.prompt_field)
+            except PromptsError as e:
+                parser.error(f"{args.definition}: {e}")
         written, code = run_session(parser, cfg, model, info, out, resume=not args.no_resume,
                                     devices_path=args.devices, progress=not args.no_progress, argv=cmd,
-                                    again="run the same command again to continue", out_option="", resumed="resumed")
+                                    again="run the same command again to continue", out_option="", resumed="resumed",
+                                    prompts=prompts)
         if code is not None:
             return code
         if any(r["status"] == "error" for r in written):

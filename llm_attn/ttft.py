@@ -6,6 +6,8 @@
     python -m llm_attn.ttft --model /models/Meta-Llama-3-8B-Instruct-AWQ --seq 1024 --batch 1 4
     python -m llm_attn.ttft --plugin examples/my_attention.py --impl mine sdpa llm_attn --seq 2048
     python -m llm_attn.ttft --impl sdpa llm_attn --seq 2048 8192 --measure ttft breakdown
+    python -m llm_attn.ttft --seq 2048 --prompts prompts.jsonl    # dataset text, cut or repeated to 2048 tokens
+    python -m llm_attn.ttft --seq dataset --prompts prompts.jsonl # its own lengths: TTFT p50 / p90 over prompts
 
 Without ``--model`` (``auto``) a GPU gets the synthetic Llama 3 8B AWQ checkpoint (exact geometry, seeded int4
 weights, loaded through a real AWQ loader; generated once and cached) and a machine without a GPU gets a tiny
@@ -49,6 +51,11 @@ from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPE
 DEFAULT_OUT = "ttft-results.jsonl"
 
 
+def seq_length(text: str) -> int | str:
+    """A --seq value: a positive token count, or 'dataset' (the --prompts dataset's own lengths)."""
+    return "dataset" if text == "dataset" else positive_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llm_attn.ttft", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
@@ -58,13 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto' (synthetic Llama 3 8B AWQ on a GPU, tiny fp16 model on CPU), a preset "
                         "(llama-3-8b, tiny; ':awq' or ':fp16' picks the format), a local checkpoint folder, or a "
                         "Hugging Face hub id already in the local cache (nothing is downloaded)")
-    p.add_argument("--seq", type=positive_int, nargs="+", default=None, metavar="N",
-                   help="prompt length(s) in tokens (default: 512 1024 2048 on a GPU, 32 64 on CPU)")
+    p.add_argument("--seq", type=seq_length, nargs="+", default=None, metavar="N",
+                   help="prompt length(s) in tokens (default: 512 1024 2048 on a GPU, 32 64 on CPU); 'dataset' "
+                        "(with --prompts): the dataset's own lengths, reported as TTFT p50 and p90 over its prompts")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1], metavar="B", help="batch size(s)")
     p.add_argument("--impl", nargs="+", choices=names, default=None, metavar="IMPL",
                    help=f"attention implementations, from {{{', '.join(names)}}} (the registry, with --plugin's; "
                         "default: the stock ones available here, then llm_attn)")
     add_plugin_argument(p)
+    # -- prompts from a dataset (harness/prompts.py) --
+    p.add_argument("--prompts", default=None, metavar="PATH",
+                   help="prompt text from a dataset instead of random ids: a local .json/.jsonl/.parquet/.csv file, "
+                        "a save_to_disk folder, or a dataset in the local Hugging Face cache (nothing is downloaded; "
+                        "needs the 'prompts' extra). Tokenized with the model's tokenizer, cut or repeated to --seq")
+    p.add_argument("--prompt-field", default=None, metavar="NAME",
+                   help="the text column of --prompts (default: text, content, prompt, document, question, or the "
+                        "first string column)")
+    p.add_argument("--prompt-count", type=positive_int, default=100, metavar="N",
+                   help="at most this many texts of --prompts are used (default 100)")
+    # -- end prompts --
     p.add_argument("--new-tokens", type=at_least_two, default=32, metavar="N",
                    help="tokens generated in the decode and correctness measurements (default 32)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
@@ -98,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.tp is not None and (args.prompts or (args.seq and "dataset" in args.seq)):  # -- prompts --
+        parser.error("--prompts and --seq dataset are not supported with --tp yet")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 
@@ -119,31 +140,90 @@ def main(argv: list[str] | None = None) -> int:
     if output_file_problem(args.out):
         parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
 
+    # -- prompts from a dataset: checked before the model loads --
+    dataset_seq = args.seq is not None and "dataset" in args.seq
+    texts = None
+    if dataset_seq and len(args.seq) > 1:
+        parser.error("--seq dataset cannot be combined with other lengths")
+    if dataset_seq and args.measure != list(DEFAULT_MEASUREMENTS) and args.measure != ["ttft"]:
+        parser.error("--seq dataset measures TTFT only (leave out --measure, or give --measure ttft)")
+    if dataset_seq and args.resume:
+        parser.error("--resume is not supported with --seq dataset (it is one measurement over all prompts)")
+    if dataset_seq and not args.prompts:
+        parser.error("--seq dataset needs --prompts PATH (the dataset whose lengths are measured)")
+    if args.prompt_field and not args.prompts:
+        parser.error("--prompt-field needs --prompts")
+    if args.prompts:
+        from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
+
+        try:
+            texts = session.load_prompt_texts(args.prompts, args.prompt_field,
+                                              args.prompt_count if dataset_seq else max(args.batch))
+        except PromptsError as e:
+            parser.error(str(e))
+    # -- end prompts --
     print(f"loading model {args.model!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
     try:
-        model, info, seqs = session.load_checked(args.model, device, dtype, args.allow_dequant_fallback, args.seq,
-                                                 args.new_tokens, args.measure)
+        model, info, seqs = session.load_checked(args.model, device, dtype, args.allow_dequant_fallback,
+                                                 None if dataset_seq else args.seq, args.new_tokens,
+                                                 args.measure)
     except KeyboardInterrupt:
         return 130
     except session.SetupError as e:
         parser.error(str(e))
     print(session.describe_model(info, device, args.model), flush=True)
+    prompts = None
+    if texts is not None:  # -- prompts from a dataset --
+        from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
+
+        try:
+            prompts = session.dataset_prompts_for(model, info, args.prompts, texts, args.prompt_field)
+        except PromptsError as e:
+            parser.error(str(e))
+        print(f"prompts: {len(texts)} texts of {args.prompts}", flush=True)
 
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
                       allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device,
                       plugins=plugins)
+    if dataset_seq:  # -- --seq dataset --
+        return _run_dataset(parser, args, cfg, model, info, prompts, argv)
     written, status = run_session(parser, cfg, model, info, args.out, resume=args.resume, devices_path=args.devices,
                                   progress=not args.no_progress, argv=[sys.executable, "-m", "llm_attn.ttft",
                                                                        *(sys.argv[1:] if argv is None else argv)],
                                   again="run again with --resume to continue", out_option="--out: ",
-                                  resumed="--resume")
+                                  resumed="--resume", prompts=prompts)
     if status is not None:
         return status
     if written:
         print(session.rows_tables(written))
     line, status = session.rows_summary(written, args.out)
+    print("\n" + line)
+    return status
+
+
+def _run_dataset(parser, args, cfg, model, info, prompts, argv) -> int:
+    """--seq dataset: TTFT p50/p90 over the --prompts dataset's own lengths (session.run_dataset)."""
+    from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
+    from llm_attn.harness.results import OutputWriteError  # noqa: PLC0415
+    from llm_attn.models import max_seq_len  # noqa: PLC0415
+
+    try:
+        rows = session.run_dataset(cfg, model, info, args.out, prompts, max_seq_len(model), args.devices,
+                                   progress=not args.no_progress,
+                                   argv=[sys.executable, "-m", "llm_attn.ttft", *(sys.argv[1:] if argv is None
+                                                                                  else argv)])
+    except PromptsError as e:
+        parser.error(str(e))
+    except OutputWriteError as e:
+        parser.error(f"--out: {e}")
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: every finished measurement is in {args.out}", file=sys.stderr)
+        return 130
+    if rows:
+        print(session.rows_tables(rows))
+    line, status = session.rows_summary(rows, args.out)
     print("\n" + line)
     return status
 

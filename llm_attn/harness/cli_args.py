@@ -59,15 +59,16 @@ def load_plugins(argv: list[str] | None, prog: str) -> list[str]:
 
 def run_session(parser: argparse.ArgumentParser, cfg, model, info, out, *, resume: bool, devices_path,
                 progress: bool, argv: list[str], again: str, out_option: str,
-                resumed: str) -> tuple[list[dict], int | None]:
+                resumed: str, prompts=None) -> tuple[list[dict], int | None]:
     """``session.run`` as a command line runs it: Ctrl-C and an unwritable output become one message and an exit
-    status. Returns (rows written, None) or ([], exit status). ``again`` says how to continue after Ctrl-C,
+    status. Returns (rows written, None) or ([], exit status). ``prompts``: ``session.DatasetPrompts`` (--prompts). ``again`` says how to continue after Ctrl-C,
     ``out_option`` prefixes a write error, ``resumed`` the count of points skipped because they were done."""
     from llm_attn.harness.results import OutputWriteError  # noqa: PLC0415
     from llm_attn.harness.session import run  # noqa: PLC0415 (loads torch: keep --help of the CLIs fast)
 
     try:
-        written, skipped = run(cfg, model, info, out, resume, devices_path, progress=progress, argv=argv)
+        written, skipped = run(cfg, model, info, out, resume, devices_path, progress=progress, argv=argv,
+                                 prompts=prompts)
     except KeyboardInterrupt:
         print(f"\ninterrupted: every finished measurement is in {out}; {again}", file=sys.stderr)
         return [], 130

@@ -30,7 +30,8 @@ class ExperimentDef(SweepParams):
     """One experiment file: the sweep parameters of ``SweepParams`` (seqs, batches, new_tokens, warmup, repeats,
     decode_repeats, measurements, seed, allow_dequant_fallback, plugins) plus the models, dtypes and
     implementations to sweep them over. Every list is swept as a product; ``impls`` left out means the default
-    implementations available on the machine that runs it. ``plugins`` (.py paths relative to the TOML file, or
+    implementations available on the machine that runs it. ``prompts`` / ``prompt_field``: prompt text from a
+    dataset (a path relative to the TOML file), as ``python -m llm_attn.ttft --prompts``. ``plugins`` (.py paths relative to the TOML file, or
     module[:attr]) register implementations that ``impls`` may then name."""
 
     name: str
@@ -38,6 +39,10 @@ class ExperimentDef(SweepParams):
     dtypes: list[str] = field(default_factory=lambda: ["auto"])
     impls: list[str] | None = None
     description: str = ""
+    # Prompt text from a dataset (as ttft's --prompts / --prompt-field; harness/prompts.py): a path relative to the
+    # TOML file, or a dataset in the local cache. None: seeded random token ids.
+    prompts: str | None = None
+    prompt_field: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -51,6 +56,12 @@ class ExperimentDef(SweepParams):
         bad = [d for d in self.dtypes if d != "auto" and d not in DTYPES]
         if bad:
             raise ValueError(f"dtypes: unknown {bad}; choose from auto, {', '.join(DTYPES)}")
+        for key in ("prompts", "prompt_field"):
+            val = getattr(self, key)
+            if val is not None and (not isinstance(val, str) or not val):
+                raise ValueError(f"{key} must be a non-empty string, got {val!r}")
+        if self.prompt_field is not None and self.prompts is None:
+            raise ValueError("prompt_field needs prompts")
         registry.load_plugins(self.plugins)  # raises PluginError (a ValueError) with the spec and the cause
         if self.impls is not None:
             known = registry.names()
@@ -95,6 +106,10 @@ def load_experiment(path: str | Path) -> ExperimentDef:
         data["plugins"] = [str(path.parent / p) if isinstance(p, str) and p.endswith(".py")
                            and not Path(p).is_absolute() and (path.parent / p).is_file() else p
                            for p in data["plugins"]]
+    if isinstance(data.get("prompts"), str):  # a prompts file is named relative to the definition
+        rel = path.parent / Path(data["prompts"]).expanduser()
+        if not Path(data["prompts"]).expanduser().is_absolute() and rel.exists():
+            data["prompts"] = str(rel)
     return ExperimentDef(**data)
 
 

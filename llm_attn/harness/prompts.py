@@ -76,7 +76,8 @@ def load_dataset_source(source: str, split: str | None = None):
     try:
         import datasets  # noqa: PLC0415 (optional dependency: only --prompts needs it)
     except ImportError as e:
-        raise PromptsError(f"--prompts needs the 'datasets' package (pip install datasets): {e}") from None
+        raise PromptsError("--prompts needs the optional 'datasets' package: "
+                           'python -m pip install -e ".[prompts]"' f" ({e})") from None
     path = Path(source).expanduser()
     with _offline():
         try:
@@ -182,47 +183,11 @@ def length_distribution(prompts: Sequence[torch.Tensor]) -> dict:
             "p90": float(np.percentile(n, 90)), "max": int(n.max()), "mean": float(n.mean())}
 
 
-# -- an offline tokenizer for the synthetic checkpoints ------------------------------------------------------------------
-# Training text for the byte-level BPE: plain English about what the harness does. Any text tokenizes anyway (every
-# byte is in the base alphabet); this only decides which merges exist.
-_CORPUS = """
-Time to first token is the time from the moment a prompt is handed to the model until the first generated token
-is available on the host. It is dominated by the prefill: one forward pass over every token of the prompt, in
-which each layer computes queries, keys and values, attends causally over the prompt, and writes the keys and
-values into the cache that decoding will read. Attention is one part of that work; the matrix multiplications of
-the projections and of the feed-forward network are another, and for a quantised model the unpacking of the
-weights is a third. The host must enqueue every kernel of the forward pass; when the host is slower than the
-device, the device waits, and the measured time says more about the host than about any kernel.
-A trustworthy comparison runs the implementations side by side, in a shuffled order, many times, and reports the
-ratio of the medians with an interval that says how sure the measurement is. Where the interval holds one, the
-honest verdict is that the data cannot tell the implementations apart.
-The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick daft
-zebras jump. 0123456789 + - * / = < > ( ) [ ] { } , . ; : ! ? ' " # $ % & @ ^ _ ` | ~
-def attention(query, key, value, causal=True): return softmax(query @ key.T / sqrt(d)) @ value
-"""
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the synthetic presets' bos 1 and eos 2
-
-
-def write_offline_tokenizer(path: str | os.PathLike, vocab_size: int, corpus: str | None = None) -> Path:
-    """Train a byte-level BPE of at most ``vocab_size`` ids (the 256 byte symbols, the special tokens
-    ``SPECIAL_TOKENS`` at ids 0-2, and merges learnt from ``corpus``) and save it into ``path`` as a
-    ``PreTrainedTokenizerFast`` (tokenizer.json + tokenizer_config.json). Offline and seeded by its input: the same
-    corpus and size give the same tokenizer. Returns ``path``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-
-    base = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
-    if vocab_size < base:
-        raise ValueError(f"a byte-level tokenizer needs vocab_size >= {base}, got {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = corpus if corpus is not None else _CORPUS
-    tok.train_from_iterator([line for line in text.splitlines() if line.strip()], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(path))
-    return path
+# The offline tokenizer of the synthetic checkpoints lives with them (llm_attn/models/tokenizer.py: models may not
+# import the harness); re-exported here, where --prompts uses it.
+from llm_attn.models.tokenizer import (  # noqa: E402,F401
+    SPECIAL_TOKENS,
+    TOKENIZER_FILE,
+    ensure_offline_tokenizer,
+    write_offline_tokenizer,
+)

@@ -24,7 +24,7 @@ OLD_SCHEMAS = ("llm_attn.ttft/1",)
 READABLE_SCHEMAS = (SCHEMA, *OLD_SCHEMAS)
 
 MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness", "breakdown", "ttft_graph",
-                "ttft_graph_static")
+                "ttft_graph_static", "ttft_dataset")  # ttft_dataset: --seq dataset (harness.session.run_dataset)
 KINDS = MEASUREMENTS + ("error",)
 # unsupported: the stock path cannot be measured that way (e.g. eager attention inside a CUDA graph).
 STATUSES = ("ok", "oom", "unsupported", "error")
@@ -44,6 +44,9 @@ KIND_FIELDS = {
     "ttft_graph": ("samples_ms", "stats", "timer", "mode", "cache", "attention_kernels", "peak_mem_bytes"),
     "ttft_graph_static": ("samples_ms", "stats", "timer", "mode", "cache", "attention_kernels", "peak_mem_bytes"),
     "breakdown": ("span_ms", "category_ms", "category_pct", "ttft_if_attention_zero_ms", "attention_attribution"),
+    # --seq dataset: one sample per prompt (the median of its paired repeats), at the prompts' own lengths.
+    "ttft_dataset": ("samples_ms", "stats", "timer", "warmup", "repeats", "lengths", "length_distribution",
+                     "prompts", "paired"),
     "error": ("error",),
 }
 
@@ -75,7 +78,7 @@ def point_key(row: dict) -> tuple:
     sweep with the same definition must find its finished points. TTFT and the prefill breakdown do not depend on
     ``new_tokens``."""
     measurement = row["measurement"]
-    new_tokens = None if measurement in ("ttft", "breakdown", "ttft_graph", "ttft_graph_static") \
+    new_tokens = None if measurement in ("ttft", "breakdown", "ttft_graph", "ttft_graph_static", "ttft_dataset") \
         else row.get("new_tokens")
     return (row.get("experiment"), row.get("model_spec"), row.get("dtype"), row.get("impl"), row.get("batch"),
             row.get("seq"), new_tokens, measurement)

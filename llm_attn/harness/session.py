@@ -95,27 +95,166 @@ def length_problem(model, seqs: list[int], new_tokens: int, measurements: list[s
     return None
 
 
-def run(cfg: SweepConfig, model, info, out: str | Path, resume: bool, devices_path: str | Path | None,
-        progress: bool = True, argv: list[str] | None = None) -> tuple[list[dict], int]:
-    """Measure ``cfg`` on a loaded model, appending rows to ``out``. Returns (rows written, number of measurements
-    skipped because ``resume`` found them in ``out``)."""
-    env = capture_env(cfg.device)
+def _device_entry(env: dict, devices_path):
     try:
-        entry = find_device(env["device_name"], load_devices(devices_path))
+        return find_device(env["device_name"], load_devices(devices_path))
     except (OSError, ValueError) as e:
         print(f"warning: device table unusable ({e}); no %-of-peak or bandwidth bound", file=sys.stderr)
-        entry = None
+        return None
+
+
+def run(cfg: SweepConfig, model, info, out: str | Path, resume: bool, devices_path: str | Path | None,
+        progress: bool = True, argv: list[str] | None = None, prompts=None) -> tuple[list[dict], int]:
+    """Measure ``cfg`` on a loaded model, appending rows to ``out``. Returns (rows written, number of measurements
+    skipped because ``resume`` found them in ``out``). ``prompts``: a ``DatasetPrompts`` (--prompts) whose text
+    replaces the seeded random prompts."""
+    env = capture_env(cfg.device)
+    entry = _device_entry(env, devices_path)
     done = finished_keys(out) if resume else set()
     with ResultWriter(out) as writer:
-        sweep = Sweep(cfg, model, info, env, writer, entry, done=done, progress=progress, argv=argv)
+        sweep = Sweep(cfg, model, info, env, writer, entry, done=done, progress=progress, argv=argv,
+                      prompts=prompts.batch if prompts is not None else None,
+                      row_extra=prompts.row_extra() if prompts is not None else None)
         rows = sweep.run()
     return rows, sweep.skipped
 
 
+# -- --prompts: text from a dataset (harness/prompts.py) -------------------------------------------------------------
+class DatasetPrompts:
+    """The texts of ``--prompts`` and the model's tokenizer: ``batch(b, s)`` gives (b, s) token ids (each text cut
+    or repeated to s), ``each(max_seq)`` one prompt per text at its own length (``--seq dataset``)."""
+
+    def __init__(self, source: str, texts: list[str], field: str | None, tokenizer, vocab_size: int | None):
+        self.source, self.texts, self.field = source, texts, field
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    def batch(self, batch: int, seq: int):
+        from llm_attn.harness.prompts import prompt_batch  # noqa: PLC0415
+
+        return prompt_batch(self.tokenizer, self.texts, batch, seq, self.vocab_size)
+
+    def each(self, max_seq: int):
+        from llm_attn.harness.prompts import PromptsError, dataset_prompts  # noqa: PLC0415
+
+        out = dataset_prompts(self.tokenizer, self.texts, max_seq)
+        if not out:
+            raise PromptsError(f"--prompts {self.source}: every text tokenized to zero tokens")
+        too_big = [int(p.max()) for p in out if self.vocab_size is not None and int(p.max()) >= self.vocab_size]
+        if too_big:
+            raise PromptsError(f"--prompts: the tokenizer produced id {too_big[0]}, beyond the model's vocabulary "
+                               f"({self.vocab_size})")
+        return out
+
+    def row_extra(self, dataset: bool = False) -> dict:
+        args = ["--prompts", self.source] + (["--prompt-field", self.field] if self.field else [])
+        return {"prompts": {"source": self.source, "field": self.field, "texts": len(self.texts),
+                            "tokenizer": getattr(self.tokenizer, "name_or_path", None),
+                            "seq_mode": "dataset" if dataset else "cut_or_repeat"},
+                "command_args": args}
+
+
+def load_prompt_texts(source: str, field: str | None, limit: int | None) -> list[str]:
+    """The texts of ``--prompts`` (before the model loads, so a bad source costs nothing); PromptsError."""
+    from llm_attn.harness.prompts import load_texts  # noqa: PLC0415
+
+    return load_texts(source, field, limit=limit)
+
+
+def dataset_prompts_for(model, info, source: str, texts: list[str], field: str | None) -> DatasetPrompts:
+    """``DatasetPrompts`` with the tokenizer saved beside the loaded checkpoint (``info.path``); PromptsError."""
+    from llm_attn.harness.prompts import load_tokenizer  # noqa: PLC0415
+
+    get = (lambda k: info.get(k)) if isinstance(info, dict) else (lambda k: getattr(info, k, None))
+    path = get("path") or getattr(model, "name_or_path", None)
+    tok = load_tokenizer(path)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return DatasetPrompts(source, texts, field, tok, getattr(cfg, "vocab_size", None))
+
+
+def run_dataset(cfg: SweepConfig, model, info, out: str | Path, prompts: DatasetPrompts, max_seq: int,
+                devices_path: str | Path | None, progress: bool = True, argv: list[str] | None = None) -> list[dict]:
+    """``--seq dataset``: TTFT over the dataset's own length distribution, every implementation paired prompt by
+    prompt (``paired.measure_ttft_over_prompts``). One ``ttft_dataset`` row per implementation (``seq`` = the
+    longest prompt; ``length_distribution`` and ``lengths`` say the rest; ``stats`` p50/p90 are over prompts)."""
+    import traceback  # noqa: PLC0415
+
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from llm_attn.harness import hostenv  # noqa: PLC0415
+    from llm_attn.harness.impls import is_stock, use_impl  # noqa: PLC0415
+    from llm_attn.harness.paired import measure_ttft_over_prompts, paired_verdicts  # noqa: PLC0415
+    from llm_attn.harness.prompts import length_distribution  # noqa: PLC0415
+
+    device = torch.device(cfg.device)
+    each = [p.to(device) for p in prompts.each(max_seq)]
+    dist = length_distribution(each)
+    env = capture_env(cfg.device)
+    entry = _device_entry(env, devices_path)
+    with ResultWriter(out) as writer:
+        sweep = Sweep(cfg, model, info, env, writer, entry, progress=progress, argv=argv,
+                      row_extra=prompts.row_extra(dataset=True))
+        seq = dist["max"]
+        bases = {i: sweep._base("ttft_dataset", i, 1, seq, cfg.impls) for i in cfg.impls}
+        command = " ".join(["python -m llm_attn.ttft --seq dataset", *(f"--impl {' '.join(cfg.impls)}".split()),
+                            "--model", cfg.model_spec, "--dtype", cfg.dtype, "--device", cfg.device,
+                            "--warmup", str(cfg.warmup), "--repeats", str(cfg.repeats),
+                            "--prompt-count", str(len(prompts.texts)), *prompts.row_extra()["command_args"]])
+        start = hostenv.snapshot(device)
+        failure = None
+        with tqdm(total=len(each), desc="prompts", unit="prompt", disable=None if progress else True,
+                  file=sys.stderr) as bar:
+            try:
+                got = measure_ttft_over_prompts(model, each, cfg.impls, cfg.warmup, cfg.repeats, switch=use_impl,
+                                                seed=cfg.seed, on_prompt=bar.update)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 (recorded as the rows' error)
+                failure = ("oom" if "OutOfMemory" in type(e).__name__ else "error", type(e).__name__, str(e),
+                           traceback.format_exc())
+        span = hostenv.span(start, hostenv.snapshot(device))
+        stocks = [i for i in cfg.impls if is_stock(i)]
+        for impl in cfg.impls:
+            base = {**bases[impl], "command": command, "host_env": span, "length_distribution": dist}
+            if failure is not None:
+                sweep._emit_error(base, *failure)
+                continue
+            row = {**base, **got[impl]}
+            row["vs"] = paired_verdicts(row, stocks, seed=cfg.seed)
+            sweep._emit(row)
+    return sweep.rows
+
+
+def dataset_table(rows: list[dict], tablefmt: str = "github") -> str:
+    """``--seq dataset`` rows: TTFT p50 / p90 over the dataset's prompts, with the paired verdict vs stock."""
+    from tabulate import tabulate  # noqa: PLC0415
+
+    from llm_attn.harness.sweep import latest_rows, row_notes, verdict_cell  # noqa: PLC0415
+
+    ds = [r for r in latest_rows(rows).values() if r.get("measurement") == "ttft_dataset"]
+    if not ds:
+        return ""
+    stocks = [s for s in ("sdpa", "eager", "flash_attention_2") if any(r["impl"] == s for r in ds)]
+    p50 = {(r["run_id"], r["impl"]): r["stats"]["p50"] for r in ds if r["status"] == "ok"}
+    table = []
+    for r in ds:
+        d = r.get("length_distribution") or {}
+        ok = r["status"] == "ok"
+        table.append([r["model"].get("name"), r["impl"], (r.get("prompts") or {}).get("source", ""),
+                      d.get("count", ""), f"{d['p50']:.0f} / {d['p90']:.0f}" if d else "",
+                      f"{r['stats']['p50']:.2f}" if ok else r["status"].upper(),
+                      f"{r['stats']['p90']:.2f}" if ok else "",
+                      *[verdict_cell(r, s, p50.get((r["run_id"], s)), p50.get((r["run_id"], r["impl"])))
+                        for s in stocks],
+                      "; ".join(row_notes(r))])
+    return "TTFT over the dataset's own prompt lengths (--seq dataset)\n" + tabulate(
+        table, headers=["model", "impl", "prompts", "n", "tokens p50 / p90", "TTFT p50 ms", "TTFT p90 ms",
+                        *[f"vs {s}" for s in stocks], "notes"], tablefmt=tablefmt, disable_numparse=True)
+
+
 def rows_tables(rows: list[dict]) -> str:
     """The summary table, then the correctness and breakdown tables where the rows have them."""
-    parts = [summary_table(rows)]
-    parts += [t for t in (correctness_table(rows), breakdown_table(rows)) if t]
+    parts = [summary_table(rows)] if any(r.get("measurement") != "ttft_dataset" for r in rows) else []
+    parts += [t for t in (dataset_table(rows), correctness_table(rows), breakdown_table(rows)) if t]
     return "\n\n".join(parts)
 
 

@@ -153,7 +153,7 @@ class Sweep:
     def __init__(self, cfg: SweepConfig, model, info, env: dict, writer: ResultWriter, device_entry: Device | None,
                  done: set[tuple] | None = None, progress: bool = True, argv: list[str] | None = None,
                  log: Callable[[str], None] | None = None,
-                 prompts: Callable[[int, int], torch.Tensor] | None = None):
+                 prompts: Callable[[int, int], torch.Tensor] | None = None, row_extra: dict | None = None):
         self.cfg, self.model, self.env, self.writer = cfg, model, env, writer
         self.device = torch.device(cfg.device)
         self.device_entry = device_entry
@@ -166,6 +166,9 @@ class Sweep:
         # (batch, seq) -> token ids on the CPU: e.g. harness.prompts.prompt_batch over a --prompts dataset. Default:
         # seeded random ids (make_prompt).
         self.prompts = prompts
+        # Fields every row carries, e.g. {"prompts": {"source": ..., "field": ...}} for --prompts; its
+        # "command_args" are appended to each row's reproducing command.
+        self.row_extra = dict(row_extra or {})
         self.skipped = 0
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab = text_config.vocab_size
@@ -184,13 +187,17 @@ class Sweep:
 
     # -- rows -----------------------------------------------------------------------------------------------------
     def _base(self, measurement: str, impl: str, batch: int, seq: int, command_impls: list[str]) -> dict:
-        return {
+        extra = {k: v for k, v in self.row_extra.items() if k != "command_args"}
+        command = self.cfg.command(command_impls, batch, seq, [measurement])
+        if self.row_extra.get("command_args"):
+            command += " " + shlex.join(self.row_extra["command_args"])
+        return {**extra,
             "schema": SCHEMA, "kind": measurement, "measurement": measurement, "status": "ok",
             "experiment": self.cfg.experiment, "run_id": self.run_id, "time": _now(),
             "device": self.env["device_slug"], "model_spec": self.cfg.model_spec, "model": self.info,
             "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq,
             "new_tokens": self.cfg.new_tokens,
-            "env": self.env, "command": self.cfg.command(command_impls, batch, seq, [measurement]),
+            "env": self.env, "command": command,
             "argv": shlex.join(self.argv),
         }
 
@@ -454,7 +461,7 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
     latest = latest_rows(rows).values()
     by_point: dict[tuple, dict] = {}
     for r in latest:
-        if r["measurement"] == "breakdown":
+        if r["measurement"] in ("breakdown", "ttft_dataset"):  # their own tables
             continue
         model = r["model"]
         k = (model.get("name"), model.get("quant"), r["dtype"], r["batch"], r["seq"], r["impl"])

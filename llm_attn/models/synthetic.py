@@ -22,6 +22,7 @@ from llm_attn import awq as awq_format
 logger = logging.getLogger("llm_attn.models")
 
 from llm_attn.models.presets import PRESETS, ModelPreset, get_preset, llama_config
+from llm_attn.models.tokenizer import ensure_offline_tokenizer, write_offline_tokenizer
 
 # Bump when the synthetic weight recipe or file layout changes, so cached checkpoints are regenerated.
 SYNTHETIC_FORMAT_VERSION = 1
@@ -215,6 +216,8 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
     cfg.save_pretrained(path)
     GenerationConfig(bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id, do_sample=False,
                      max_length=p.max_position_embeddings).save_pretrained(path)
+    # A tokenizer, so that --prompts can tokenize text for it (trained offline; bos/eos at the preset's ids).
+    write_offline_tokenizer(path, p.vocab_size, bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id)
     (path / PROVENANCE_FILE).write_text(json.dumps({
         "generator": "llm_attn.models.write_synthetic_checkpoint", "format_version": SYNTHETIC_FORMAT_VERSION,
         "preset": dataclasses.asdict(p), "quant": quant, "seed": seed, "group_size": group_size,
@@ -253,6 +256,11 @@ def cached_checkpoint(preset: str | ModelPreset, quant: Literal["awq", "fp16"], 
     path = root / f"{tag}-{quant}{suffix}-seed{seed}-v{SYNTHETIC_FORMAT_VERSION}"
     with FileLock(str(path) + ".lock"):
         if (path / MARKER_FILE).is_file():
+            # Cached before checkpoints carried a tokenizer: add one next to the weights (not a reason to rewrite
+            # them, so the format version stays).
+            if ensure_offline_tokenizer(path, p.vocab_size, bos_token_id=p.bos_token_id,
+                                        eos_token_id=p.eos_token_id):
+                logger.info("added the offline tokenizer to %s", path)
             return path
         if path.exists():
             logger.warning("removing incomplete synthetic checkpoint %s (no %s marker)", path, MARKER_FILE)

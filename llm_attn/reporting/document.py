@@ -7,6 +7,7 @@ from pathlib import Path
 
 from llm_attn.harness.devices import load_devices
 from llm_attn.harness.results import result_files
+from llm_attn.harness.session import dataset_table
 from llm_attn.reporting.merge import Merged, _slugify, load_rows
 from llm_attn.reporting.plots import (
     plot_breakdown,
@@ -67,6 +68,11 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
                        "kernels launched inside the implementation's own call; idle = no kernel running (CPU-bound "
                        "gaps). 'TTFT if attention took 0 ms' is the most any attention kernel could gain.\n",
                        bd, ""]
+        ds = dataset_table(m.device_rows[d])  # --seq dataset rows (harness.session)
+        if ds:
+            title, _, table = ds.partition("\n")
+            md += [f"### {title}\n", "Each prompt at its own token length, all implementations paired prompt by "
+                   "prompt; p50 / p90 over the prompts' TTFTs.\n", table, ""]
         corr = correctness_md(m, d)
         if corr:
             md += ["### Correctness (each implementation vs stock)\n", corr, ""]

@@ -98,6 +98,8 @@ class Merged:
         # (device, series, seq, impl, measurement) -> row
         self.index = {}
         for r in rows:
+            if r["measurement"] == "ttft_dataset":  # not a point of a length sweep: its own table (device_rows)
+                continue
             self.index[(r["device"], self.series(r), r["seq"], r["impl"], r["measurement"])] = r
 
     def _device_order(self, slug):
@@ -110,7 +112,7 @@ class Merged:
         return (_model_label(r), r["batch"])
 
     def all_series(self) -> list[tuple]:
-        return sorted({self.series(r) for r in self.rows}, key=lambda s: (s[0], s[1]))
+        return sorted({k[1] for k in self.index}, key=lambda s: (s[0], s[1]))
 
     def projectable_series(self) -> list[tuple]:
         """Series measured on at least one device of the table: projecting the CPU test model onto a GPU would

@@ -102,7 +102,8 @@ def plot_ttft(m: Merged, series: tuple, proj: list[Device], path: Path) -> None:
 
 
 def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
-    """TTFT speedup of every non-stock implementation over each stock one measured beside it."""
+    """TTFT speedup of every non-stock implementation over each stock one measured beside it; error bars: the
+    95 % paired interval of rows measured paired."""
     devices = [d for d in m.measured if any(not _is_stock(r) for r in m.device_rows[d] if m.series(r) == series)]
     if not devices:
         return False
@@ -115,14 +116,23 @@ def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
         styles = ("-", "--", ":", "-.")
         for impl in mine:
             for n, stock in enumerate(stocks):
-                pts = []
+                pts, err = [], []
                 for s in m.seqs(d, series):
                     got, ref = m.ok(d, series, s, impl, "ttft"), m.ok(d, series, s, stock, "ttft")
                     if got and ref:
-                        pts.append((s, ref["stats"]["p50"] / got["stats"]["p50"]))
+                        # The paired ratio and its 95 % interval where measured paired; else the plain ratio.
+                        iv = (got.get("vs") or {}).get(stock)
+                        if iv:
+                            pts.append((s, iv["ratio"]))
+                            err.append((iv["ratio"] - iv["low"], iv["high"] - iv["ratio"]))
+                        else:
+                            pts.append((s, ref["stats"]["p50"] / got["stats"]["p50"]))
+                            err.append((0.0, 0.0))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", color=_color(impl), linestyle=styles[n % len(styles)],
-                            label=f"{impl} vs {stock}")
+                    xs, ys = zip(*pts)
+                    lo, hi = zip(*err)
+                    ax.errorbar(xs, ys, yerr=[lo, hi] if any(lo) or any(hi) else None, marker="o", capsize=3,
+                                color=_color(impl), linestyle=styles[n % len(styles)], label=f"{impl} vs {stock}")
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_title(f"{m.device_name[d]} (measured)")
         ax.set_xlabel("prompt tokens")

@@ -6,6 +6,7 @@ from tabulate import tabulate
 
 from llm_attn.harness import flops
 from llm_attn.harness.devices import Device
+from llm_attn.harness.sweep import row_notes, verdict_cell
 from llm_attn.reporting.merge import (
     BREAKDOWN,
     STOCK_ORDER,
@@ -14,7 +15,6 @@ from llm_attn.reporting.merge import (
     _impl_key,
     _model_label,
 )
-
 
 METHOD = """\
 **How the numbers are made.** TTFT = prefill forward over exactly `seq` prompt tokens (fresh cache, logits of
@@ -32,7 +32,12 @@ dequantisation, so the same peak applies.
 
 **Decode bandwidth bound**: tok/s ≤ bandwidth / bytes per step, where bytes per step = every weight as stored
 (int4 packed weights, scales and zeros for AWQ; the embedding table only for its B rows) + the K/V cache read
-once at the mean context length. The fraction shown is measured tok/s over that bound."""
+once at the mean context length. The fraction shown is measured tok/s over that bound.
+
+**vs columns.** Where TTFT was measured paired (every implementation once per repeat, in a shuffled order), a `vs`
+cell is the ratio of medians, stock / this row, with its 95 % paired-bootstrap interval, and says "no difference"
+where the interval holds 1.0 ("faster" / "slower" otherwise); older rows show the plain ratio of p50s. **notes**:
+host-bound rows (enqueue ≥ 90 % of TTFT), attention calls that fell back to stock, an SM clock that moved > 5 %."""
 
 
 def _f(x, fmt="{:.2f}"):
@@ -72,8 +77,13 @@ def device_table(m: Merged, device: str, series: tuple) -> str:
             pct = 100 * tflops / entry.fp16_tensor_tflops if tflops and entry else None
             speed = []
             for s in stocks:
+                # The paired ratio, its 95 % interval and verdict words where the row was measured paired;
+                # the plain ratio of p50s for older rows (sweep.verdict_cell).
                 ref = m.ok(device, series, seq, s, "ttft")
-                speed.append(_f(ref["stats"]["p50"] / p50, "{:.2f}x") if ref and p50 else "")
+                speed.append(verdict_cell(t, s, ref["stats"]["p50"] if ref else None, p50) if p50 else "")
+            notes = []
+            for x in (t, dg, dgr):
+                notes += [n for n in row_notes(x) if n not in notes]
             bw = None
             if dgr is not None and dgr["status"] == "ok" and entry:
                 bw = 100 * dgr["tok_s"] * dgr["bytes_per_token"]["total"] / entry.bandwidth_bytes_s
@@ -87,10 +97,11 @@ def device_table(m: Merged, device: str, series: tuple) -> str:
                 _f(dgr["tok_s"], "{:.1f}") if dgr is not None and dgr["status"] == "ok" else _status_cell(dgr),
                 _f(bw, "{:.0f}%"),
                 _f(peak / 2**30 if peak else None),
+                "; ".join(notes),
             ])
     headers = ["seq", "impl", "TTFT p50 ms", "p90 ms", "stdev %", "model TFLOP/s", "% fp16 peak",
                *[f"vs {s}" for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
-               "graph % of BW bound", "peak GiB"]
+               "graph % of BW bound", "peak GiB", "notes"]
     return tabulate(lines, headers=headers, tablefmt="github", disable_numparse=True)
 
 
