@@ -30,26 +30,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from llm_attn import registry
-from llm_attn.harness import session
-from llm_attn.harness.cli_args import (
-    add_plugin_argument,
-    at_least_two,
-    load_plugins,
-    non_negative_int,
-    positive_int,
-    run_session,
-)
-from llm_attn.harness.devices import DEFAULT_TABLE
-from llm_attn.harness.impls import available_impls, unavailable_reason
-from llm_attn.harness.results import output_file_problem
-from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPES, SweepConfig
+# Only the standard library at import: torch, transformers and the harness are imported in build_parser() and
+# main(), so that --help is fast and a Ctrl-C during those imports exits 130 without a traceback (see the end).
 
 DEFAULT_OUT = "ttft-results.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llm_attn import registry  # noqa: PLC0415
+    from llm_attn.harness.cli_args import add_plugin_argument, at_least_two, non_negative_int, positive_int  # noqa: PLC0415
+    from llm_attn.harness.devices import DEFAULT_TABLE  # noqa: PLC0415
+    from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPES  # noqa: PLC0415
+
     p = argparse.ArgumentParser(prog="python -m llm_attn.ttft", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,9 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llm_attn._ext import forced_build_problem  # noqa: PLC0415
+    from llm_attn.harness import session  # noqa: PLC0415
+    from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
+    from llm_attn.harness.impls import available_impls, unavailable_reason  # noqa: PLC0415
+    from llm_attn.harness.results import output_file_problem, results_file_problem  # noqa: PLC0415
+    from llm_attn.harness.sweep import SweepConfig  # noqa: PLC0415
+
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
+    if problem:
+        fail(parser, problem)
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 
@@ -113,20 +117,34 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--impl {impl}: {reason}")
     if len(set(impls)) != len(impls):
         parser.error(f"--impl lists an implementation twice: {impls}")
-    dtype = args.dtype if args.dtype != "auto" else session.default_dtype(args.model, device)
     if session.model_spec_problem(args.model):
         parser.error(f"--model {args.model}: {session.model_spec_problem(args.model)}")
+    try:
+        spec, fallback_note = session.resolve_model_spec(args.model, device)
+    except session.SetupError as e:
+        parser.error(str(e))
+    if fallback_note:
+        print(fallback_note, file=sys.stderr, flush=True)
+    dtype = args.dtype if args.dtype != "auto" else session.default_dtype(spec, device)
     if output_file_problem(args.out):
         parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
+    if results_file_problem(args.out):  # before the model loads: never append after (or resume from) garbage
+        fail(parser, f"--out: {results_file_problem(args.out)}")
+    problem = session.resource_problem(spec, device, dtype)
+    if problem:
+        fail(parser, f"--model {args.model}: {problem}")
 
-    print(f"loading model {args.model!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    print(f"loading model {spec!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
     try:
-        model, info, seqs = session.load_checked(args.model, device, dtype, args.allow_dequant_fallback, args.seq,
+        model, info, seqs = session.load_checked(spec, device, dtype, args.allow_dequant_fallback, args.seq,
                                                  args.new_tokens, args.measure)
     except KeyboardInterrupt:
+        print("\ninterrupted while loading the model", file=sys.stderr)
         return 130
     except session.SetupError as e:
         parser.error(str(e))
+    print(f"model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     print(session.describe_model(info, device, args.model), flush=True)
 
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
@@ -134,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
                       allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device,
                       plugins=plugins)
+    t0 = time.perf_counter()
+    print(f"measuring {len(impls)} implementation(s) x {len(args.batch)} batch size(s) x {len(seqs)} length(s) "
+          f"({', '.join(args.measure)}), rows appended to {args.out} ...", file=sys.stderr, flush=True)
     written, status = run_session(parser, cfg, model, info, args.out, resume=args.resume, devices_path=args.devices,
                                   progress=not args.no_progress, argv=[sys.executable, "-m", "llm_attn.ttft",
                                                                        *(sys.argv[1:] if argv is None else argv)],
@@ -141,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                                   resumed="--resume")
     if status is not None:
         return status
+    print(f"measured in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     if written:
         print(session.rows_tables(written))
     line, status = session.rows_summary(written, args.out)
@@ -149,4 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # also during the imports at the top of main(): the same exit as later, no traceback
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

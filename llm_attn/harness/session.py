@@ -49,6 +49,24 @@ def model_spec_problem(spec: str) -> str | None:
     return None
 
 
+def resolve_model_spec(spec: str, device: str) -> tuple[str, str | None]:
+    """'auto' -> the preset it means on ``device`` (``llm_attn.models.auto_spec``: on a GPU without an AWQ int4
+    backend, the 8B model in fp16) and a line to print about that choice; any other spec as it is."""
+    if spec != "auto":
+        return spec, None
+    from llm_attn.models import auto_spec  # noqa: PLC0415
+
+    return auto_spec(device)
+
+
+def resource_problem(spec: str, device: str, dtype: str) -> str | None:
+    """Whether the model fits the device's free memory and the cache's free disk (``llm_attn.models.
+    resource_problem``), checked before anything is generated or loaded."""
+    from llm_attn.models import resource_problem as problem  # noqa: PLC0415
+
+    return problem(spec, device, DTYPES[dtype])
+
+
 def describe_model(info, device: str, spec: str = "auto") -> str:
     get = (lambda k: info.get(k)) if isinstance(info, dict) else (lambda k: getattr(info, k, None))
     parts = [str(get("quant"))]
