@@ -147,8 +147,6 @@ def _fmt_last(table):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # also during the imports at the top of main(): exit 130, no traceback
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    from llm_attn._cli import run_cli
+
+    run_cli(main)  # Ctrl-C, also during main()'s imports: exit 130 and one line, no traceback

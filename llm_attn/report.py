@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    from llm_attn._cli import run_cli
+
+    run_cli(main)  # Ctrl-C, also during main()'s imports: exit 130 and one line, no traceback

@@ -9,6 +9,7 @@ into one ``error:`` line and exit status 2.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -125,9 +126,33 @@ def run(cfg: SweepConfig, model, info, out: str | Path, resume: bool, devices_pa
         entry = None
     done = finished_keys(out) if resume else set()
     with ResultWriter(out) as writer:
-        sweep = Sweep(cfg, model, info, env, writer, entry, done=done, progress=progress, argv=argv)
+        # Progress bars draw only on a terminal; elsewhere (``cmd > log 2>&1``, CI) a plain line per finished
+        # measurement keeps the log moving.
+        logged = _LineLogger(writer) if not (progress and sys.stderr.isatty()) else writer
+        sweep = Sweep(cfg, model, info, env, logged, entry, done=done, progress=progress, argv=argv)
         rows = sweep.run()
     return rows, sweep.skipped
+
+
+class _LineLogger:
+    """A ResultWriter that also prints one line per row written to stderr: what was measured, its outcome, and
+    the time since the session started."""
+
+    def __init__(self, writer: ResultWriter):
+        self.writer, self.t0 = writer, time.perf_counter()
+
+    def write(self, row: dict) -> None:
+        self.writer.write(row)
+        stats = row.get("stats") if isinstance(row.get("stats"), dict) else {}
+        what = f"p50 {stats['p50']:.2f} ms" if stats.get("p50") is not None else row.get("status")
+        if row.get("status") not in ("ok", None):
+            what = f"{row.get('status')}: {str((row.get('error') or {}).get('message', ''))[:100]}" \
+                if isinstance(row.get("error"), dict) else row.get("status")
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {row.get('measurement')} {row.get('impl')} "
+              f"b={row.get('batch')} s={row.get('seq')}: {what}", file=sys.stderr, flush=True)
+
+    def __getattr__(self, name):  # rows_written, path, close, ...
+        return getattr(self.writer, name)
 
 
 def rows_tables(rows: list[dict]) -> str:
