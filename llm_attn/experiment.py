@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
 
     status = 0
     for cfg in configs:
+        note = session.resolve_model_spec(cfg.model_spec, device)[1]  # 'auto' on a GPU without gptqmodel: fp16
+        if note:
+            print(note, file=sys.stderr, flush=True)
         print(f"loading model {cfg.model_spec!r} on {device} ({cfg.dtype}) ...", file=sys.stderr, flush=True)
         try:
             model, info, _ = session.load_checked(cfg.model_spec, device, cfg.dtype, cfg.allow_dequant_fallback,
