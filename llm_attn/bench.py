@@ -54,7 +54,12 @@ def main(argv=None):
         non_negative_int,
         positive_int,
     )
-    from llm_attn.harness.kernel_bench import BENCH_IMPLS, DTYPES, _table_row, bench_point  # noqa: PLC0415
+    from llm_attn.harness.kernel_bench import (  # noqa: PLC0415
+        BENCH_IMPLS,
+        DTYPES,
+        _table_row,
+        bench_point,
+    )
 
     load_plugins(argv, "python -m llm_attn.bench")
     p = argparse.ArgumentParser(prog="python -m llm_attn.bench", description=__doc__.split("\n\n")[0],

@@ -58,8 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     from llm_attn.envinfo import capture_env  # noqa: PLC0415
     from llm_attn.harness import session  # noqa: PLC0415
     from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
-    from llm_attn.harness.experiments import TOMLDecodeError, load_experiment, results_path  # noqa: PLC0415
-    from llm_attn.harness.results import iter_rows, output_file_problem, results_file_problem  # noqa: PLC0415
+    from llm_attn.harness.experiments import (  # noqa: PLC0415
+        TOMLDecodeError,
+        load_experiment,
+        results_path,
+    )
+    from llm_attn.harness.results import (  # noqa: PLC0415
+        iter_rows,
+        output_file_problem,
+        results_file_problem,
+    )
 
     load_plugins(argv, "python -m llm_attn.experiment")
     parser = build_parser()

@@ -40,7 +40,12 @@ DEFAULT_OUT = "ttft-results.jsonl"
 
 def build_parser() -> argparse.ArgumentParser:
     from llm_attn import registry  # noqa: PLC0415
-    from llm_attn.harness.cli_args import add_plugin_argument, at_least_two, non_negative_int, positive_int  # noqa: PLC0415
+    from llm_attn.harness.cli_args import (  # noqa: PLC0415
+        add_plugin_argument,
+        at_least_two,
+        non_negative_int,
+        positive_int,
+    )
     from llm_attn.harness.devices import DEFAULT_TABLE  # noqa: PLC0415
     from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPES  # noqa: PLC0415
 

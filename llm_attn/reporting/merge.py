@@ -9,8 +9,8 @@ from pathlib import Path
 from llm_attn.harness import flops
 from llm_attn.harness.devices import Device, find_device
 from llm_attn.harness.results import (
-    READABLE_SCHEMAS,
     NOT_JSON,
+    READABLE_SCHEMAS,
     SCHEMA,
     numbered_lines,
     point_key,
@@ -18,7 +18,6 @@ from llm_attn.harness.results import (
     upgrade_row,
     validate_row,
 )
-
 
 STOCK_ORDER = ("sdpa", "eager", "flash_attention_2")
 
