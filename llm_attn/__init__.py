@@ -5,22 +5,43 @@ time-to-first-token and decode speed.
 Importing this package never needs the compiled extension; the CUDA kernel is loaded on first use.
 """
 
-from llm_attn._ext import KernelNotBuiltError, kernel_available, kernel_backend, kernel_build
 from llm_attn._version import __version__  # noqa: F401
-from llm_attn.ops import flash_attn_func
-from llm_attn.reference import attention_naive, attention_tiled
-from llm_attn.registry import AttentionImpl, load_plugin, register_attention
 
-_PATCH_API = ("patch_model", "unpatch_model", "patched")
+# Public name -> the module that defines it. Imported on first access (PEP 562), so that `import llm_attn` and
+# `python -m llm_attn.<cli>` do not import torch before the command line is parsed (fast --help, and a Ctrl-C in
+# the first second is handled by the CLI, not a traceback from the middle of an import).
+_LAZY = {
+    "KernelNotBuiltError": "llm_attn._ext",
+    "kernel_available": "llm_attn._ext",
+    "kernel_backend": "llm_attn._ext",
+    "kernel_build": "llm_attn._ext",
+    "flash_attn_func": "llm_attn.ops",
+    "attention_naive": "llm_attn.reference",
+    "attention_tiled": "llm_attn.reference",
+    "AttentionImpl": "llm_attn.registry",
+    "load_plugin": "llm_attn.registry",
+    "register_attention": "llm_attn.registry",
+    # llm_attn.patch_model & co. without importing transformers on `import llm_attn`.
+    "patch_model": "llm_attn.patches",
+    "unpatch_model": "llm_attn.patches",
+    "patched": "llm_attn.patches",
+}
 
 
 def __getattr__(name):
-    # llm_attn.patch_model & co. without importing transformers on `import llm_attn`.
-    if name in _PATCH_API:
-        from llm_attn import patches
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llm_attn' has no attribute {name!r}")
+    import importlib  # noqa: PLC0415
 
-        return getattr(patches, name)
-    raise AttributeError(f"module 'llm_attn' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AttentionImpl",

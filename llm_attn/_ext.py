@@ -59,6 +59,27 @@ def _requested() -> str:
     return name
 
 
+def forced_build_problem() -> str | None:
+    """Why the build forced by LLM_ATTN_BUILD / LLM_ATTN_BACKEND cannot be honoured here, as one sentence; None when
+    nothing is forced or the forced build is available. A misspelt value and a forced build that is missing are
+    both errors: the command lines check this before loading anything and exit 2 (an explicit request that
+    cannot be met must not silently run something else, e.g. the PyTorch reference)."""
+    try:
+        req = _requested()
+    except ValueError as e:
+        return str(e)
+    if req == "auto" or _forced is not None:
+        return None
+    var = "LLM_ATTN_BUILD" if os.environ.get("LLM_ATTN_BUILD", "").strip() else "LLM_ATTN_BACKEND"
+    mod, why = _load(req)
+    if mod is not None:
+        return None
+    what = {"aot": "the compiled extension llm_attn._C is not importable",
+            "nvrtc": "the NVRTC build cannot run here"}[req]
+    return (f"{var}={req}: {what} ({why}); unset {var} to run whatever is available (the PyTorch reference on "
+            "CPU), or see README.md 'Building the kernel'")
+
+
 def set_backend(name: str | None) -> str | None:
     """Force a backend for this process ('aot', 'nvrtc'; None: back to LLM_ATTN_BACKEND / automatic). Returns the
     previous forced one. For tests and benchmarks."""

@@ -37,27 +37,49 @@ import json
 import sys
 from contextlib import nullcontext
 
-import torch
-from tabulate import tabulate
+# Only the standard library at import (torch and the harness are imported in main(): fast --help, and a Ctrl-C during
+# those imports exits 130 without a traceback). bench_point & co. are re-exported lazily below.
+_REEXPORTED = ("BENCH_IMPLS", "DTYPES", "_table_row", "bench_point")
 
-from llm_attn import registry
-from llm_attn.envinfo import environment
-from llm_attn.harness.kernel_bench import BENCH_IMPLS, DTYPES, _table_row, bench_point  # noqa: F401 (re-exported)
-from llm_attn.harness.cli_args import add_plugin_argument, load_plugins
+
+def __getattr__(name):
+    if name in _REEXPORTED:
+        from llm_attn.harness import kernel_bench  # noqa: PLC0415
+
+        return getattr(kernel_bench, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def main(argv=None):
+    from llm_attn import registry  # noqa: PLC0415
+    from llm_attn._ext import forced_build_problem  # noqa: PLC0415
+    from llm_attn.harness.cli_args import (  # noqa: PLC0415
+        add_plugin_argument,
+        fail,
+        load_plugins,
+        non_negative_int,
+        positive_int,
+    )
+    from llm_attn.harness.kernel_bench import (  # noqa: PLC0415
+        BENCH_IMPLS,
+        DTYPES,
+        _table_row,
+        bench_point,
+    )
+
     load_plugins(argv, "python -m llm_attn.bench")
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m llm_attn.bench", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plugin_argument(p)
     p.add_argument("--mode", choices=["prefill", "decode", "backward", "host"], default="prefill")
-    p.add_argument("--seqs", type=int, nargs="+", default=None,
+    p.add_argument("--seqs", type=positive_int, nargs="+", default=None,
                    help="prefill: q_len = kv_len = S (default 512 .. 16384; host mode: 2048)")
-    p.add_argument("--kv", type=int, nargs="+", default=None,
+    p.add_argument("--kv", type=positive_int, nargs="+", default=None,
                    help="decode: KV cache lengths (default 512 2048 8192 32768; host mode: 4096)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1])
+    p.add_argument("--heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
     p.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
@@ -67,38 +89,48 @@ def main(argv=None):
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
                         "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
                         f"function ({', '.join(entries)}; --plugin adds more)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=non_negative_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,
                    help="1: time replays of a captured CUDA graph (kernel time without Python/launch overhead); "
                         "0: plain calls (default: prefill 1, decode 0 and 1)")
-    p.add_argument("--calls", dest="repeats_host", type=int, default=300,
+    p.add_argument("--calls", dest="repeats_host", type=positive_int, default=300,
                    help="host mode: back-to-back calls timed per path and shape (default 300)")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
     host = args.mode == "host"
-    if args.repeats_host < 1:
-        p.error(f"--calls must be >= 1, got {args.repeats_host}")
     if args.seqs is None:
         args.seqs = [2048] if host else [512, 1024, 2048, 4096, 8192, 16384]
     if args.kv is None:
         args.kv = [4096] if host else [512, 2048, 8192, 32768]
-    for name in ("seqs", "kv", "batch"):
-        if any(x <= 0 for x in getattr(args, name)):
-            p.error(f"--{name} values must be positive")
     if args.heads % args.kv_heads:
-        p.error("--heads must be a multiple of --kv-heads")
-    try:  # --out is opened before anything is measured: a bad path is an argument error
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
+    if problem:
+        fail(p, problem)
+    from llm_attn.harness.results import output_file_problem  # noqa: PLC0415
+
+    if args.out and output_file_problem(args.out):
+        p.error(f"--out {args.out}: {output_file_problem(args.out)}")
+    import torch  # noqa: PLC0415
+
+    if not host and not torch.cuda.is_available():
+        p.error("the kernel benchmark needs a CUDA GPU")
+    # --out is opened last, after every check: a rejected command leaves no file behind, and a bad path is an
+    # argument error before anything is measured.
+    try:
         out = open(args.out, "a") if args.out else nullcontext()  # noqa: SIM115 (closed by the with below)
     except OSError as e:
         p.error(f"--out {args.out}: {e.strerror or e}")
-    if host:  # -- --mode host --
+    if host:  # -- --mode host: runs on CPU too (where it says the numbers include compute) --
         with out as f:
             return _host_mode(p, args, f, argv)
-    if not torch.cuda.is_available():
-        p.error("the kernel benchmark needs a CUDA GPU")
     graphs = args.graph if args.graph is not None else {"decode": [0, 1], "prefill": [1], "backward": [0]}[args.mode]
     phases = ["fwd+bwd", "bwd"] if args.mode == "backward" else [None]
+
+    from tabulate import tabulate  # noqa: PLC0415
+
+    from llm_attn.envinfo import environment  # noqa: PLC0415
 
     env = environment()
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -134,7 +166,11 @@ def main(argv=None):
 def _host_mode(p, args, f, argv) -> int:
     """--mode host: µs per call of ours / ours through the patch / transformers' sdpa / torch SDPA
     (harness/hostcost.py), per shape and dtype; rows to --out."""
+    import torch  # noqa: PLC0415
+
+    from llm_attn.envinfo import environment  # noqa: PLC0415
     from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost  # noqa: PLC0415
+    from llm_attn.harness.kernel_bench import DTYPES  # noqa: PLC0415
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -170,4 +206,6 @@ def _fmt_last(table):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_attn._cli import run_cli
+
+    run_cli(main)  # Ctrl-C, also during main()'s imports: exit 130 and one line, no traceback

@@ -20,20 +20,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm_attn.envinfo import capture_env
-from llm_attn.harness import session
-from llm_attn.harness.cli_args import add_plugin_argument, load_plugins, run_session
-from llm_attn.harness.experiments import (  # noqa: F401 (ExperimentDef, load_experiment: re-exported for callers)
-    DEFAULT_RESULTS,
-    ExperimentDef,
-    TOMLDecodeError,
-    load_experiment,
-    results_path,
-)
-from llm_attn.harness.results import iter_rows, output_file_problem
+# Only the standard library at import (torch and the harness are imported in main(): fast --help, and a Ctrl-C during
+# those imports exits 130 without a traceback). ExperimentDef and load_experiment are re-exported lazily below.
+_REEXPORTED = ("DEFAULT_RESULTS", "ExperimentDef", "TOMLDecodeError", "load_experiment", "results_path")
+
+
+def __getattr__(name):
+    if name in _REEXPORTED:
+        from llm_attn.harness import experiments  # noqa: PLC0415
+
+        return getattr(experiments, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llm_attn.harness.cli_args import add_plugin_argument  # noqa: PLC0415
+    from llm_attn.harness.experiments import DEFAULT_RESULTS  # noqa: PLC0415
+
     p = argparse.ArgumentParser(prog="python -m llm_attn.experiment", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,13 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llm_attn._ext import forced_build_problem  # noqa: PLC0415
+    from llm_attn.envinfo import capture_env  # noqa: PLC0415
+    from llm_attn.harness import session  # noqa: PLC0415
+    from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
+    from llm_attn.harness.experiments import (  # noqa: PLC0415
+        TOMLDecodeError,
+        load_experiment,
+        results_path,
+    )
+    from llm_attn.harness.results import (  # noqa: PLC0415
+        iter_rows,
+        output_file_problem,
+        results_file_problem,
+    )
+
     load_plugins(argv, "python -m llm_attn.experiment")
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
+    if problem:
+        fail(parser, problem)
     try:
         exp = load_experiment(args.definition)
     except FileNotFoundError:
-        parser.error(f"no such experiment file: {args.definition}")
+        fail(parser, f"no such experiment file: {args.definition}")
+    except IsADirectoryError:
+        fail(parser, f"{args.definition} is a directory; give an experiment TOML file, e.g. experiments/default.toml")
+    except OSError as e:
+        fail(parser, f"{args.definition}: cannot read it: {e.strerror or e}")
+    except UnicodeDecodeError:
+        fail(parser, f"{args.definition}: not a text (TOML) file")
     except (ValueError, TypeError, TOMLDecodeError) as e:
         parser.error(f"{args.definition}: {e}")
     try:
@@ -75,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "llm_attn.experiment", *(sys.argv[1:] if argv is None else argv)]
     if output_file_problem(out):
         parser.error(f"--results-dir {args.results_dir}: {out}: {output_file_problem(out)}")
+    if results_file_problem(out):  # before any model loads: never append after (or resume from) garbage
+        fail(parser, results_file_problem(out))
 
     if args.dry_run:
         n = sum(len(c.impls) * len(c.batches) * len(c.seqs) for c in configs)
@@ -94,8 +123,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                                  for c_ in c.batches))
         except PromptsError as e:
             parser.error(f"{args.definition}: {e}")
+    for cfg in configs:
+        problem = session.resource_problem(cfg.model_spec, device, cfg.dtype)
+        if problem:
+            fail(parser, f"model {cfg.model_spec}: {problem}")
+
     status = 0
     for cfg in configs:
+        note = session.resolve_model_spec(cfg.model_spec, device)[1]  # 'auto' on a GPU without gptqmodel: fp16
+        if note:
+            print(note, file=sys.stderr, flush=True)
         print(f"loading model {cfg.model_spec!r} on {device} ({cfg.dtype}) ...", file=sys.stderr, flush=True)
         try:
             model, info, _ = session.load_checked(cfg.model_spec, device, cfg.dtype, cfg.allow_dequant_fallback,
@@ -128,4 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_attn._cli import run_cli
+
+    run_cli(main)  # Ctrl-C, also during main()'s imports: exit 130 and one line, no traceback

@@ -26,9 +26,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm_attn.reporting import write_report
-
 __all__ = ["main", "write_report"]
+
+
+def __getattr__(name):  # write_report, re-exported without importing the report library (and torch) at import
+    if name == "write_report":
+        from llm_attn.reporting import write_report  # noqa: PLC0415
+
+        return write_report
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project", nargs="+", default=None, metavar="SLUG",
                    help="project only these table devices (default: every table device without results)")
     p.add_argument("--no-projection", action="store_true", help="no roofline projections")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 2) when a line of a results file is skipped (not JSON, not an object, or a row "
+                        "that fails validation) instead of warning about it")
     args = p.parse_args(argv)
+    from llm_attn.reporting import load_rows, write_report  # noqa: PLC0415 (heavy: keep --help fast)
+
+    try:
+        _, notes = load_rows(args.results, args.experiment)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    except OSError as e:  # a results file that cannot be read
+        p.error(f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}")
+    for note in notes:
+        print(f"{p.prog}: {note}", file=sys.stderr)
+    if args.strict and any(n.startswith("warning:") for n in notes):
+        p.error("--strict: results files have lines that were skipped (see the warnings above)")
     try:
         report = write_report(args.results, args.out, args.devices, args.experiment, args.project,
                               args.no_projection)
@@ -56,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_attn._cli import run_cli
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)  # Ctrl-C, also during main()'s imports: exit 130 and one line, no traceback

@@ -32,31 +32,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from llm_attn import registry
-from llm_attn.harness import session
-from llm_attn.harness.cli_args import (
-    add_plugin_argument,
-    at_least_two,
-    load_plugins,
-    non_negative_int,
-    positive_int,
-    run_session,
-)
-from llm_attn.harness.devices import DEFAULT_TABLE
-from llm_attn.harness.impls import available_impls, unavailable_reason
-from llm_attn.harness.results import output_file_problem
-from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPES, SweepConfig
+# Only the standard library at import: torch, transformers and the harness are imported in build_parser() and
+# main(), so that --help is fast and a Ctrl-C during those imports exits 130 without a traceback (see the end).
 
 DEFAULT_OUT = "ttft-results.jsonl"
 
 
 def seq_length(text: str) -> int | str:
     """A --seq value: a positive token count, or 'dataset' (the --prompts dataset's own lengths)."""
+    from llm_attn.harness.cli_args import positive_int  # noqa: PLC0415
+
     return "dataset" if text == "dataset" else positive_int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llm_attn import registry  # noqa: PLC0415
+    from llm_attn.harness.cli_args import (  # noqa: PLC0415
+        add_plugin_argument,
+        at_least_two,
+        non_negative_int,
+        positive_int,
+    )
+    from llm_attn.harness.devices import DEFAULT_TABLE  # noqa: PLC0415
+    from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPES  # noqa: PLC0415
+
     p = argparse.ArgumentParser(prog="python -m llm_attn.ttft", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,9 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from llm_attn._ext import forced_build_problem  # noqa: PLC0415
+    from llm_attn.harness import session  # noqa: PLC0415
+    from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
+    from llm_attn.harness.impls import available_impls, unavailable_reason  # noqa: PLC0415
+    from llm_attn.harness.results import output_file_problem, results_file_problem  # noqa: PLC0415
+    from llm_attn.harness.sweep import DEFAULT_MEASUREMENTS, SweepConfig  # noqa: PLC0415
+
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
+    if problem:
+        fail(parser, problem)
     if args.tp is not None and (args.prompts or (args.seq and "dataset" in args.seq)):  # -- prompts --
         parser.error("--prompts and --seq dataset are not supported with --tp yet")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
@@ -134,11 +145,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--impl {impl}: {reason}")
     if len(set(impls)) != len(impls):
         parser.error(f"--impl lists an implementation twice: {impls}")
-    dtype = args.dtype if args.dtype != "auto" else session.default_dtype(args.model, device)
     if session.model_spec_problem(args.model):
         parser.error(f"--model {args.model}: {session.model_spec_problem(args.model)}")
+    try:
+        spec, fallback_note = session.resolve_model_spec(args.model, device)
+    except session.SetupError as e:
+        parser.error(str(e))
+    if fallback_note:
+        print(fallback_note, file=sys.stderr, flush=True)
+    dtype = args.dtype if args.dtype != "auto" else session.default_dtype(spec, device)
     if output_file_problem(args.out):
         parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
+    if results_file_problem(args.out):  # before the model loads: never append after (or resume from) garbage
+        fail(parser, f"--out: {results_file_problem(args.out)}")
+    problem = session.resource_problem(spec, device, dtype)
+    if problem:
+        fail(parser, f"--model {args.model}: {problem}")
 
     # -- prompts from a dataset: checked before the model loads --
     dataset_seq = args.seq is not None and "dataset" in args.seq
@@ -162,15 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         except PromptsError as e:
             parser.error(str(e))
     # -- end prompts --
-    print(f"loading model {args.model!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    print(f"loading model {spec!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
     try:
-        model, info, seqs = session.load_checked(args.model, device, dtype, args.allow_dequant_fallback,
-                                                 None if dataset_seq else args.seq, args.new_tokens,
-                                                 args.measure)
+        model, info, seqs = session.load_checked(spec, device, dtype, args.allow_dequant_fallback,
+                                                 None if dataset_seq else args.seq, args.new_tokens, args.measure)
     except KeyboardInterrupt:
+        print("\ninterrupted while loading the model", file=sys.stderr)
         return 130
     except session.SetupError as e:
         parser.error(str(e))
+    print(f"model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     print(session.describe_model(info, device, args.model), flush=True)
     prompts = None
     if texts is not None:  # -- prompts from a dataset --
@@ -189,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                       plugins=plugins)
     if dataset_seq:  # -- --seq dataset --
         return _run_dataset(parser, args, cfg, model, info, prompts, argv)
+    t0 = time.perf_counter()
+    print(f"measuring {len(impls)} implementation(s) x {len(args.batch)} batch size(s) x {len(seqs)} length(s) "
+          f"({', '.join(args.measure)}), rows appended to {args.out} ...", file=sys.stderr, flush=True)
     written, status = run_session(parser, cfg, model, info, args.out, resume=args.resume, devices_path=args.devices,
                                   progress=not args.no_progress, argv=[sys.executable, "-m", "llm_attn.ttft",
                                                                        *(sys.argv[1:] if argv is None else argv)],
@@ -196,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                   resumed="--resume", prompts=prompts)
     if status is not None:
         return status
+    print(f"measured in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     if written:
         print(session.rows_tables(written))
     line, status = session.rows_summary(written, args.out)
@@ -205,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_dataset(parser, args, cfg, model, info, prompts, argv) -> int:
     """--seq dataset: TTFT p50/p90 over the --prompts dataset's own lengths (session.run_dataset)."""
+    from llm_attn.harness import session  # noqa: PLC0415
     from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
     from llm_attn.harness.results import OutputWriteError  # noqa: PLC0415
     from llm_attn.models import max_seq_len  # noqa: PLC0415
@@ -229,4 +258,6 @@ def _run_dataset(parser, args, cfg, model, info, prompts, argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_attn._cli import run_cli
+
+    run_cli(main)  # Ctrl-C, also during main()'s imports: exit 130 and one line, no traceback

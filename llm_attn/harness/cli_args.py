@@ -38,6 +38,12 @@ def at_least_two(text: str) -> int:
     return value
 
 
+def fail(parser: argparse.ArgumentParser, message: str):
+    """Exit 2 with one line, ``<prog>: error: <message>``: for problems that are not about the command line's syntax
+    (the environment, a file's content, the machine's resources), where argparse's usage block would only bury it."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def add_plugin_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE[:ATTR]",
                    help="load an attention plugin that registers implementations with "

@@ -212,6 +212,23 @@ def iter_rows(path: str | os.PathLike, strict: bool = False) -> Iterator[dict]:
             yield row
 
 
+def numbered_lines(path: str | os.PathLike) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON value) of every non-blank line of a JSONL file; the value is ``NOT_JSON`` for a line
+    that does not parse. For readers that report which lines they skip."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError:
+                yield lineno, NOT_JSON
+
+
+NOT_JSON = object()
+
+
 def result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """The .jsonl files named, or found recursively under the folders named, sorted for a stable order."""
     files = []
@@ -223,6 +240,46 @@ def result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
         else:
             raise FileNotFoundError(f"no such results file or folder: {p}")
     return files
+
+
+def results_file_problem(path: str | os.PathLike) -> str | None:
+    """Why an existing file cannot be appended to or resumed from as a results file, naming the file and line;
+    None when it does not exist, is empty, or every line is a row of a readable schema with the fields resume reads
+    (``point_key``). Checked before the model loads: a run must not append after garbage, and --resume must not fail
+    half-way on a row it cannot read. A last line cut by a crash (no newline, not JSON) is allowed: the writer
+    terminates it and only that row is lost."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        return f"{p}: cannot read it: {e.strerror or e}"
+    lines = data.split(b"\n")
+    rows = 0
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        cut = lineno == len(lines) and not data.endswith(b"\n")
+        try:
+            row = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if cut and rows:
+                continue
+            if not rows:
+                return f"{p}:{lineno}: not a results file (the line is not JSON); give another --out"
+            return f"{p}:{lineno}: not a JSON row; remove or fix that line"
+        if not isinstance(row, dict):
+            return f"{p}:{lineno}: not a results row (a JSON {type(row).__name__}, not an object)"
+        if row.get("schema") not in READABLE_SCHEMAS:
+            return (f"{p}:{lineno}: not a {SCHEMA} row (schema {row.get('schema')!r}); give another --out for this "
+                    "run's results")
+        missing = [f for f in ("measurement", "status") if f not in row]
+        if missing or row["measurement"] not in MEASUREMENTS:
+            return f"{p}:{lineno}: a broken row (" + (f"no {', '.join(missing)}" if missing else
+                                                        f"unknown measurement {row['measurement']!r}") + ")"
+        rows += 1
+    return None
 
 
 def finished_keys(path: str | os.PathLike) -> set[tuple]:

@@ -9,6 +9,7 @@ into one ``error:`` line and exit status 2.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +48,24 @@ def model_spec_problem(spec: str) -> str | None:
     if spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or spec.endswith((".safetensors", ".json")):
         return "no such file or directory"
     return None
+
+
+def resolve_model_spec(spec: str, device: str) -> tuple[str, str | None]:
+    """'auto' -> the preset it means on ``device`` (``llm_attn.models.auto_spec``: on a GPU without an AWQ int4
+    backend, the 8B model in fp16) and a line to print about that choice; any other spec as it is."""
+    if spec != "auto":
+        return spec, None
+    from llm_attn.models import auto_spec  # noqa: PLC0415
+
+    return auto_spec(device)
+
+
+def resource_problem(spec: str, device: str, dtype: str) -> str | None:
+    """Whether the model fits the device's free memory and the cache's free disk (``llm_attn.models.
+    resource_problem``), checked before anything is generated or loaded."""
+    from llm_attn.models import resource_problem as problem  # noqa: PLC0415
+
+    return problem(spec, device, DTYPES[dtype])
 
 
 def describe_model(info, device: str, spec: str = "auto") -> str:
@@ -112,7 +131,10 @@ def run(cfg: SweepConfig, model, info, out: str | Path, resume: bool, devices_pa
     entry = _device_entry(env, devices_path)
     done = finished_keys(out) if resume else set()
     with ResultWriter(out) as writer:
-        sweep = Sweep(cfg, model, info, env, writer, entry, done=done, progress=progress, argv=argv,
+        # Progress bars draw only on a terminal; elsewhere (``cmd > log 2>&1``, CI) a plain line per finished
+        # measurement keeps the log moving.
+        logged = _LineLogger(writer) if not (progress and sys.stderr.isatty()) else writer
+        sweep = Sweep(cfg, model, info, env, logged, entry, done=done, progress=progress, argv=argv,
                       prompts=prompts.batch if prompts is not None else None,
                       row_extra=prompts.row_extra() if prompts is not None else None)
         rows = sweep.run()
@@ -249,6 +271,27 @@ def dataset_table(rows: list[dict], tablefmt: str = "github") -> str:
     return "TTFT over the dataset's own prompt lengths (--seq dataset)\n" + tabulate(
         table, headers=["model", "impl", "prompts", "n", "tokens p50 / p90", "TTFT p50 ms", "TTFT p90 ms",
                         *[f"vs {s}" for s in stocks], "notes"], tablefmt=tablefmt, disable_numparse=True)
+
+
+class _LineLogger:
+    """A ResultWriter that also prints one line per row written to stderr: what was measured, its outcome, and
+    the time since the session started."""
+
+    def __init__(self, writer: ResultWriter):
+        self.writer, self.t0 = writer, time.perf_counter()
+
+    def write(self, row: dict) -> None:
+        self.writer.write(row)
+        stats = row.get("stats") if isinstance(row.get("stats"), dict) else {}
+        what = f"p50 {stats['p50']:.2f} ms" if stats.get("p50") is not None else row.get("status")
+        if row.get("status") not in ("ok", None):
+            what = f"{row.get('status')}: {str((row.get('error') or {}).get('message', ''))[:100]}" \
+                if isinstance(row.get("error"), dict) else row.get("status")
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {row.get('measurement')} {row.get('impl')} "
+              f"b={row.get('batch')} s={row.get('seq')}: {what}", file=sys.stderr, flush=True)
+
+    def __getattr__(self, name):  # rows_written, path, close, ...
+        return getattr(self.writer, name)
 
 
 def rows_tables(rows: list[dict]) -> str:

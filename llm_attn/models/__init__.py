@@ -28,8 +28,10 @@ from llm_attn.models.loading import (  # noqa: F401
     _import_gptqmodel,
     _load_awq_dequantized,
     _read_config,
+    auto_spec,
     detect_awq_backends,
     load_model,
+    resource_problem,
     max_seq_len,
 )
 from llm_attn.models.presets import (  # noqa: F401
@@ -55,6 +57,6 @@ from llm_attn.models.synthetic import (
 
 __all__ = [
     "AWQ_INSTALL_HINT", "AWQ_LINEARS", "DISK_HEADROOM", "MARKER_FILE", "NotEnoughDiskError", "PRESETS", "PROVENANCE_FILE", "SYNTHETIC_FORMAT_VERSION",
-    "AwqBackendMissingError", "ModelInfo", "ModelPreset", "cached_checkpoint", "check_free_disk", "detect_awq_backends", "estimated_checkpoint_bytes", "get_preset",
+    "AwqBackendMissingError", "ModelInfo", "auto_spec", "resource_problem", "ModelPreset", "cached_checkpoint", "check_free_disk", "detect_awq_backends", "estimated_checkpoint_bytes", "get_preset",
     "llama_config", "load_model", "max_seq_len", "synthetic_awq_linear", "write_synthetic_checkpoint",
 ]

@@ -8,13 +8,13 @@ import logging
 import sys
 import time
 
-from llm_attn.models import __doc__ as _DOC
-from llm_attn.models.loading import detect_awq_backends, load_model
-from llm_attn.models.presets import PRESETS
-from llm_attn.models.synthetic import cached_checkpoint
-
 
 def main(argv=None) -> int:
+    from llm_attn.models import __doc__ as _DOC  # noqa: PLC0415 (torch: imported inside main, see llm_attn._cli)
+    from llm_attn.models.loading import detect_awq_backends, load_model  # noqa: PLC0415
+    from llm_attn.models.presets import PRESETS  # noqa: PLC0415
+    from llm_attn.models.synthetic import cached_checkpoint  # noqa: PLC0415
+
     ap = argparse.ArgumentParser(prog="python -m llm_attn.models", description=_DOC.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate (or reuse) a cached synthetic checkpoint and print its path")
@@ -36,6 +36,16 @@ def main(argv=None) -> int:
         path = cached_checkpoint(args.preset, args.quant, cache_dir=args.cache_dir, seed=args.seed)
         print(f"{path}  ({time.perf_counter() - t0:.1f}s)")
     elif args.cmd == "load":
+        import torch  # noqa: PLC0415
+
+        from llm_attn.models.loading import resource_problem  # noqa: PLC0415
+
+        try:
+            problem = resource_problem(args.spec, args.device or "auto", torch.float16, cache_dir=args.cache_dir)
+        except (RuntimeError, ValueError) as e:  # e.g. --device cuda without a GPU
+            problem = str(e)
+        if problem:
+            ap.exit(2, f"{ap.prog}: error: {args.spec}: {problem}\n")
         t0 = time.perf_counter()
         _, info = load_model(args.spec, device=args.device, cache_dir=args.cache_dir, awq_backend=args.awq_backend,
                              allow_dequant_fallback=args.allow_dequant_fallback)
@@ -46,4 +56,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_attn._cli import run_cli
+
+    run_cli(main)  # Ctrl-C: exit 130 and one line, no traceback

@@ -21,7 +21,16 @@ from llm_attn import awq as awq_format
 logger = logging.getLogger("llm_attn.models")
 
 from llm_attn.models.presets import PRESETS
-from llm_attn.models.synthetic import PROVENANCE_FILE, cached_checkpoint
+from llm_attn.models.synthetic import (
+    MARKER_FILE,
+    PROVENANCE_FILE,
+    SYNTHETIC_FORMAT_VERSION,
+    NotEnoughDiskError,
+    _cache_root,
+    cached_checkpoint,
+    check_free_disk,
+    estimated_checkpoint_bytes,
+)
 
 
 class AwqBackendMissingError(ImportError):
@@ -125,16 +134,104 @@ def _resolve_device(device) -> torch.device:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+def auto_spec(device: str | torch.device) -> tuple[str, str | None]:
+    """What ``--model auto`` means on ``device``: (preset spec, a one-line note or None).
+
+    CUDA: the synthetic Llama 3 8B AWQ int4 checkpoint when an AWQ int4 backend (gptqmodel) is installed, otherwise
+    the same geometry in fp16 (real fp16 weights: ModelInfo.quant and every row say 'fp16'), with a note saying how
+    to get the int4 default. CPU: the tiny fp16 model."""
+    if torch.device(device).type != "cuda":
+        return "tiny:fp16", None
+    if _gptqmodel_available():
+        return "llama-3-8b:awq", None
+    return "llama-3-8b:fp16", (
+        "no AWQ int4 backend (gptqmodel) is installed: model 'auto' is the synthetic Llama 3 8B in fp16 (real fp16 "
+        "weights, ~16 GB); for the int4 default install gptqmodel as README.md 'Models' shows: "
+        "python -m pip install --no-deps --no-build-isolation gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 "
+        "tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl requests")
+
+
+# Memory over the weights' bytes: activations and KV cache of a short prompt, allocator slack, CUDA context.
+MEMORY_MARGIN = 1.15
+_DTYPE_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8}
+
+
+def _available_memory(dev: torch.device) -> tuple[int, str]:
+    """(bytes the model's weights can use on ``dev``, where that number comes from)."""
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), f"free on {torch.cuda.get_device_name(dev)}"
+    try:
+        import psutil  # noqa: PLC0415
+
+        return int(psutil.virtual_memory().available), "RAM available"
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "RAM available"
+    except OSError:
+        pass
+    return 0, ""
+
+
+def _preset_memory_bytes(preset: str, quant: str, dtype: torch.dtype) -> int:
+    """Bytes the loaded weights of a synthetic preset take: the checkpoint's (fp16, or int4 + fp16 scales) at the
+    activation dtype's width for fp16 checkpoints."""
+    stored = estimated_checkpoint_bytes(preset, quant)
+    if quant == "fp16":
+        return stored * _DTYPE_BYTES.get(dtype, 2) // 2
+    return stored
+
+
+def resource_problem(spec: str, device: str | torch.device, dtype: torch.dtype, cache_dir=None) -> str | None:
+    """Why ``spec`` would not fit here, said before anything is written or loaded; None when it fits (or cannot
+    be estimated: only the synthetic presets are). Two checks: the weights' bytes (MEMORY_MARGIN over them) against
+    the free memory of ``device`` (MemAvailable on CPU, ``torch.cuda.mem_get_info`` on a GPU), and, for a synthetic
+    checkpoint not cached yet, its size against the free disk of the cache (``check_free_disk``). The message says
+    what is needed, what is free, and which presets fit."""
+    dev = _resolve_device(device)
+    if spec == "auto":
+        spec = auto_spec(dev)[0]
+    name, _, quant = spec.partition(":")
+    if name not in PRESETS:
+        return None
+    quant = quant or ("awq" if dev.type == "cuda" else "fp16")
+    if quant not in ("awq", "fp16"):
+        return None  # load_model's own error names the accepted suffixes
+    need = int(_preset_memory_bytes(name, quant, dtype) * MEMORY_MARGIN)
+    avail, where = _available_memory(dev)
+    if where and need > avail:
+        sizes = {f"{n}:{q}": _preset_memory_bytes(n, q, dtype) * MEMORY_MARGIN for n in PRESETS for q in ("fp16", "awq")}
+        fits = sorted((k for k, v in sizes.items() if v <= avail), key=sizes.get)
+        dt = str(dtype).replace("torch.", "")
+        return (f"needs ~{need / 1e9:.1f} GB of {'GPU ' if dev.type == 'cuda' else ''}memory for the {name} {quant} "
+                f"weights in {dt} (with {MEMORY_MARGIN - 1:.0%} margin), {avail / 1e9:.1f} GB {where}; "
+                f"models that fit: {', '.join(fits) or 'none'}" + (f" (e.g. --model {fits[0].partition(':')[0]})" if fits else ""))
+    root = _cache_root(cache_dir)
+    suffix = "-g128" if quant == "awq" else ""
+    if not (root / f"{name}-{quant}{suffix}-seed0-v{SYNTHETIC_FORMAT_VERSION}" / MARKER_FILE).is_file():
+        try:
+            check_free_disk(root, name, quant)
+        except NotEnoughDiskError as e:
+            return str(e)
+    return None
+
+
 def _resolve_spec(spec: str, dev: torch.device, cache_dir) -> tuple[Path, str, str, list[str]]:
     """spec -> (checkpoint dir, ModelInfo.name, source, notes)."""
     notes: list[str] = []
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
     if spec == "auto":
-        preset, quant = ("llama-3-8b", "awq") if dev.type == "cuda" else ("tiny", "fp16")
+        (preset, _, quant), fallback = auto_spec(dev)[0].partition(":"), auto_spec(dev)[1]
         msg = f"model 'auto' on {dev.type}: synthetic {preset} {quant} checkpoint"
         logger.info(msg)
         notes.append(msg)
+        if fallback:
+            notes.append(fallback)
         return cached_checkpoint(preset, quant, cache_dir=cache_dir), preset, "synthetic", notes
     name, _, quant = spec.partition(":")
     if name in PRESETS:

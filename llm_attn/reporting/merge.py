@@ -9,15 +9,15 @@ from pathlib import Path
 from llm_attn.harness import flops
 from llm_attn.harness.devices import Device, find_device
 from llm_attn.harness.results import (
+    NOT_JSON,
     READABLE_SCHEMAS,
     SCHEMA,
-    iter_rows,
+    numbered_lines,
     point_key,
     result_files,
     upgrade_row,
     validate_row,
 )
-
 
 STOCK_ORDER = ("sdpa", "eager", "flash_attention_2")
 
@@ -42,14 +42,23 @@ def _is_stock(row: dict) -> bool:
     return bool(info["stock"]) if "stock" in info else row["impl"] in STOCK_ORDER
 
 
+def _line_list(f, linenos: list[int]) -> str:
+    shown = ", ".join(f"{f}:{n}" for n in linenos[:10])
+    return shown + (f" and {len(linenos) - 10} more" if len(linenos) > 10 else "")
+
+
 def load_rows(paths: list[str | Path], experiment: str | None = None) -> tuple[list[dict], list[str]]:
     """Valid rows of every result file (newest per device and point), and notes about what was left out. Rows of
-    other formats (e.g. the kernel benchmark's, which share experiments/results/) are ignored; rows of this
-    format that fail validation are reported."""
+    other formats (e.g. the kernel benchmark's, which share experiments/results/) are ignored with a ``note:``;
+    lines that are not JSON objects, and rows of this format that fail validation, are skipped with a
+    ``warning:`` naming them (file:line)."""
     latest, notes = {}, []
     for f in result_files(paths):
-        bad = foreign = 0
-        for row in iter_rows(f):
+        corrupt, bad, foreign = [], [], 0
+        for lineno, row in numbered_lines(f):
+            if row is NOT_JSON or not isinstance(row, dict):
+                corrupt.append(lineno)
+                continue
             if row.get("schema") not in READABLE_SCHEMAS:
                 foreign += 1
                 continue
@@ -57,15 +66,17 @@ def load_rows(paths: list[str | Path], experiment: str | None = None) -> tuple[l
             try:
                 validate_row(row)
             except ValueError:
-                bad += 1
+                bad.append(lineno)
                 continue
             if experiment is not None and row["experiment"] != experiment:
                 continue
             key = (row["device"],) + point_key(row)
             if key not in latest or row["time"] >= latest[key]["time"]:
                 latest[key] = row
+        if corrupt:
+            notes.append(f"warning: {len(corrupt)} lines skipped (not a JSON object): {_line_list(f, corrupt)}")
         if bad:
-            notes.append(f"warning: {f}: {bad} {SCHEMA} rows skipped (they fail validation)")
+            notes.append(f"warning: {len(bad)} {SCHEMA} rows skipped (they fail validation): {_line_list(f, bad)}")
         if foreign:
             notes.append(f"note: {f}: {foreign} rows of another format ignored")
     return list(latest.values()), notes

@@ -1,0 +1,259 @@
+"""Bad input to the command lines ends in one clear line and exit status 2 (130 for Ctrl-C), never a traceback or
+silence: the table "Bad input that still ends in a traceback or silence" of issue 22, one test (or more) per row.
+
+Every command runs as users start it, ``python -m llm_attn.<cli>`` in a subprocess (``--device cpu`` where a
+model would load), and every test asserts the exit status and that stderr has no traceback.
+
+    pytest tests/test_cli_errors.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "results"
+
+
+def cli(*args, env: dict | None = None, cwd=REPO, timeout=300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    for var in ("LLM_ATTN_BUILD", "LLM_ATTN_BACKEND"):
+        if env is None or var not in env:
+            full_env.pop(var, None)  # the build the test environment forces, if any, is not what these test
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+
+
+def error_lines(proc) -> list[str]:
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+def one_error_line(proc, *needles: str) -> str:
+    """The only line on stderr, an ``error:`` line holding every needle."""
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert ": error: " in lines[0] and all(n in lines[0] for n in needles), lines[0]
+    return lines[0]
+
+
+# -- row 1: a model too big for this machine is refused before anything is written ---------------------------------
+def test_ttft_refuses_a_model_that_does_not_fit_in_ram(tmp_path):
+    from llm_attn.models import loading
+
+    need = loading._preset_memory_bytes("llama-3-8b", "fp16", torch.float32) * loading.MEMORY_MARGIN
+    avail, _ = loading._available_memory(torch.device("cpu"))
+    if need <= avail:
+        pytest.skip(f"this machine has {avail / 1e9:.0f} GB available: the fp32 8B model ({need / 1e9:.0f} GB) fits")
+    cache, out = tmp_path / "cache", tmp_path / "rows.jsonl"
+    proc = cli("llm_attn.ttft", "--model", "llama-3-8b", "--seq", "16", "--device", "cpu", "--out", str(out),
+               env={"LLM_ATTN_CACHE": str(cache)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = one_error_line(proc, "--model llama-3-8b", "needs ~", "GB", "RAM available", "--model tiny")
+    assert f"{need / 1e9:.1f} GB" in line
+    assert not out.exists() and not (cache.exists() and any(cache.iterdir()))  # nothing written
+
+
+def test_resource_problem_names_the_disk_when_the_checkpoint_would_not_fit(tmp_path, monkeypatch):
+    """The free-disk half of the check (the memory half above): the disk's free bytes are the input replaced."""
+    from llm_attn.models import loading, synthetic
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda p: real(p)._replace(free=10**9))
+    problem = loading.resource_problem("llama-3-8b:awq", "cpu", torch.float16, cache_dir=tmp_path)
+    assert problem is not None and "not enough free disk" in problem and "tiny:fp16" in problem, problem
+    assert loading.resource_problem("tiny:fp16", "cpu", torch.float32, cache_dir=tmp_path) is None
+
+
+# -- the 'auto' model on a GPU without an AWQ backend ---------------------------------------------------------------
+def test_auto_falls_back_to_fp16_8b_without_an_awq_backend(monkeypatch):
+    from llm_attn.harness import session
+    from llm_attn.models import loading
+
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: False)
+    spec, note = loading.auto_spec("cuda")
+    assert spec == "llama-3-8b:fp16"
+    assert "gptqmodel" in note and "pip install" in note and "fp16" in note
+    assert session.resolve_model_spec("auto", "cuda") == (spec, note)
+    assert session.default_dtype(spec, "cuda") == "float16"
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: True)
+    assert loading.auto_spec("cuda") == ("llama-3-8b:awq", None)
+    assert loading.auto_spec("cpu") == ("tiny:fp16", None)
+    assert session.resolve_model_spec("tiny", "cuda") == ("tiny", None)
+
+
+def test_explicit_awq_without_a_backend_still_fails_with_the_install_hint(monkeypatch, tmp_path):
+    from llm_attn.models import loading
+
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: False)
+    with pytest.raises(loading.AwqBackendMissingError, match="gptqmodel"):
+        loading.load_model("tiny:awq", device="cpu", cache_dir=tmp_path)
+
+
+# -- rows 2-4: an --out that is not a results file is refused before the model loads -------------------------------
+BAD_FILES = {
+    "a JSON list": ("[1,2]\n", "not a results row"),
+    "a row without its fields": ('{"schema":"llm_attn.ttft/1","status":"ok"}\n', "a broken row (no measurement)"),
+    "plain text": ("these are my notes\nnot results\n", "not a results file"),
+}
+
+
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "append"])
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_ttft_refuses_an_out_file_that_is_not_results(kind, resume, tmp_path):
+    text, message = BAD_FILES[kind]
+    out = tmp_path / "f.jsonl"
+    out.write_text(text)
+    proc = cli("llm_attn.ttft", "--device", "cpu", "--seq", "16", "--out", str(out), *(["--resume"] if resume else []))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    one_error_line(proc, f"{out}:1:", message)
+    assert "loading model" not in proc.stderr  # refused before the model loads
+    assert out.read_text() == text  # nothing appended after it
+
+
+def test_out_check_accepts_real_rows_and_a_row_cut_by_a_crash(tmp_path):
+    from llm_attn.harness.results import results_file_problem
+
+    good = (FIXTURES / "rtx-4060-ti" / "default.jsonl").read_text()
+    f = tmp_path / "rows.jsonl"
+    f.write_text(good)
+    assert results_file_problem(f) is None
+    f.write_text(good + '{"schema": "llm_attn.ttft/2", "kind": "tt')  # the writer terminates it and goes on
+    assert results_file_problem(f) is None
+    f.write_text(good + "garbage\n" + good)
+    n = good.count("\n") + 1
+    assert results_file_problem(f) == f"{f}:{n}: not a JSON row; remove or fix that line"
+    assert results_file_problem(tmp_path / "absent.jsonl") is None
+
+
+# -- rows 5-6: the report skips corrupt lines with a warning naming them; --strict fails ----------------------------
+def test_report_warns_about_skipped_lines_and_strict_fails(tmp_path):
+    good = (FIXTURES / "rtx-4060-ti" / "default.jsonl").read_text().splitlines()
+    f = tmp_path / "f.jsonl"
+    f.write_text("\n".join([good[0], "{cut by a crash", *good[1:3], "[1,2]", *good[3:]]) + "\n")
+    proc = cli("llm_attn.report", str(f), "--out", str(tmp_path / "r"), "--no-projection")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [line for line in error_lines(proc) if "warning" in line]
+    assert len(warnings) == 1 and f"{f}:2" in warnings[0] and f"{f}:5" in warnings[0], proc.stderr
+    assert (tmp_path / "r" / "report.md").is_file()
+
+    proc = cli("llm_attn.report", str(f), "--out", str(tmp_path / "r2"), "--strict")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--strict" in error_lines(proc)[-1] and f"{f}:5" in proc.stderr
+    assert not (tmp_path / "r2").exists()
+
+
+# -- rows 7-8: LLM_ATTN_BUILD / LLM_ATTN_BACKEND -------------------------------------------------------------------
+@pytest.mark.parametrize("var", ["LLM_ATTN_BACKEND", "LLM_ATTN_BUILD"])
+@pytest.mark.parametrize("cli_args", [("llm_attn.ttft", "--seq", "16"), ("llm_attn.experiment",
+                                                                          "experiments/smoke.toml", "--dry-run")],
+                         ids=["ttft", "experiment"])
+def test_misspelt_build_variable_is_one_line_before_loading(var, cli_args, tmp_path):
+    proc = cli(*cli_args, env={var: "bogus"}, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    one_error_line(proc, f"{var} must be 'aot', 'nvrtc' or unset, got 'bogus'")
+
+
+@pytest.mark.parametrize("build", ["aot", "nvrtc"])
+def test_forcing_a_missing_build_is_an_error(build, tmp_path):
+    from llm_attn import _ext
+
+    why = _ext.backend_status()[build]
+    if why == "available":
+        pytest.skip(f"the {build} build is available here")
+    proc = cli("llm_attn.ttft", "--device", "cpu", "--seq", "16", "--out", str(tmp_path / "o.jsonl"),
+               env={"LLM_ATTN_BUILD": build})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    one_error_line(proc, f"LLM_ATTN_BUILD={build}:", why, "unset LLM_ATTN_BUILD")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+# -- rows 9-10: the kernel benchmark's arguments --------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--kv-heads", "0"], "argument --kv-heads: must be a positive integer, got 0"),
+    (["--heads", "32", "--kv-heads", "5"], "--heads 32 must be a multiple of --kv-heads 5"),
+    (["--repeats", "0"], "argument --repeats: must be a positive integer, got 0"),
+    (["--seqs", "-4"], "argument --seqs: must be a positive integer"),
+    (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
+])
+def test_bench_arguments_are_checked_before_the_out_file_is_touched(args, message, tmp_path):
+    out = tmp_path / "f"
+    proc = cli("llm_attn.bench", *args, "--out", str(out))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in error_lines(proc)[-1], proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_without_a_gpu_creates_no_file(tmp_path):
+    proc = cli("llm_attn.bench", "--out", str(tmp_path / "f"))
+    assert proc.returncode == 2 and "needs a CUDA GPU" in error_lines(proc)[-1]
+    assert not (tmp_path / "f").exists()
+
+
+# -- row 11: an experiment definition that is a directory ----------------------------------------------------------
+def test_experiment_on_a_directory(tmp_path):
+    proc = cli("llm_attn.experiment", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    one_error_line(proc, f"{tmp_path} is a directory")
+
+
+# -- row 12: Ctrl-C in the first second ----------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [0.3, 1.0])
+@pytest.mark.parametrize("name", ["ttft", "experiment", "bench", "report"])
+def test_ctrl_c_early_exits_130_without_a_traceback(name, delay, tmp_path):
+    args = {"ttft": ["--device", "cpu", "--seq", "16", "--out", str(tmp_path / "o.jsonl")],
+            "experiment": ["experiments/smoke.toml", "--device", "cpu", "--results-dir", str(tmp_path)],
+            "bench": ["--out", str(tmp_path / "b.jsonl")],
+            "report": [str(FIXTURES), "--out", str(tmp_path / "r")]}[name]
+    env = {k: v for k, v in os.environ.items() if k not in ("LLM_ATTN_BUILD", "LLM_ATTN_BACKEND")}
+    proc = subprocess.Popen([sys.executable, "-m", f"llm_attn.{name}", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode in (0, 2) and name in ("bench", "report"):
+        pytest.skip(f"{name} finished before the signal ({delay} s)")
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_package_import_is_light_and_lazy():
+    code = ("import sys, llm_attn; assert 'torch' not in sys.modules, 'torch imported'; "
+            "import llm_attn.ttft, llm_attn.bench, llm_attn.experiment, llm_attn.report; "
+            "assert 'torch' not in sys.modules, 'a CLI module imports torch at import'; "
+            "from llm_attn import flash_attn_func, patch_model, kernel_build, KernelNotBuiltError; "
+            "assert all(hasattr(llm_attn, n) for n in llm_attn.__all__); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# -- row 13: usage names the command users type --------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ttft", "bench", "experiment", "report", "models"])
+def test_help_says_python_m(name):
+    proc = cli(f"llm_attn.{name}", "--help")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert proc.stdout.startswith(f"usage: python -m llm_attn.{name} "), proc.stdout[:200]
+
+
+# -- quieter first run: phases with their times, progress lines in a log ------------------------------------------
+def test_ttft_log_has_phases_and_a_line_per_measurement(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    proc = cli("llm_attn.ttft", "--device", "cpu", "--seq", "16", "--impl", "sdpa", "--measure", "ttft",
+               "--repeats", "2", "--warmup", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = "\n".join(error_lines(proc))
+    assert "loading model" in err and "model loaded in" in err and "measuring" in err and "measured in" in err
+    assert "ttft sdpa b=1 s=16: p50" in err  # stderr is a pipe here: a plain line per measurement, no bars
+    assert proc.stdout.strip().splitlines()[-1] == f"1 rows appended to {out}"
+    assert json.loads(out.read_text().splitlines()[0])["impl"] == "sdpa"
