@@ -115,7 +115,7 @@ def test_bench_host_mode_on_cpu(tmp_path, capsys):
 def test_bench_host_bad_calls_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--mode", "host", "--calls", "0"])
-    assert e.value.code == 2 and "--calls must be >= 1" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --calls: must be a positive integer" in capsys.readouterr().err
 
 
 def _stability():
