@@ -32,6 +32,10 @@ class KernelNotBuiltError(RuntimeError):
 @functools.lru_cache(maxsize=1)
 def _load_aot():
     try:
+        # torch first: the extension links against libtorch/libc10, which only `import torch` loads (since
+        # `import llm_attn` is lazy, nothing else guarantees torch is in the process when this runs).
+        import torch  # noqa: F401, PLC0415
+
         from llm_attn import _C  # noqa: PLC0415  (import on first use keeps `import llm_attn` build-free)
     except ImportError as e:  # not built, or built against another torch
         return None, str(e)
