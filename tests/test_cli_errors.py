@@ -20,9 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_check_here
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "results"
+
+
+@pytest.fixture(autouse=True)
+def _cpu_side(request):
+    """Each test starts a Python process (~2-5 s); the handling is the same on every machine, so a GPU machine's
+    default run leaves these to CI and to ``-m full``."""
+    cpu_check_here(request, "command-line error handling")
 
 
 def cli(*args, env: dict | None = None, cwd=REPO, timeout=300) -> subprocess.CompletedProcess:

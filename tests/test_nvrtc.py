@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import full_grid_requested
+from conftest import cpu_check_here
 
 from llm_attn import _plan
 
@@ -48,17 +48,9 @@ def _nvrtc_or_skip():
     return _nvrtc
 
 
-def _every_arch_compile_runs_here(request) -> None:
-    """The every-arch NVRTC compiles are a CPU check (CI runs them, LLM_ATTN_REQUIRE_NVRTC=1): on a GPU machine the
-    README's default test run skips them (its GPU tests compile what they launch, for that GPU) and ``-m full`` runs
-    them, so that the default run there stays within its time budget."""
-    if torch.cuda.is_available() and not full_grid_requested(request.config):
-        pytest.skip("every-arch NVRTC compile: CI's CPU check; on a GPU machine it runs with -m full")
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_instantiation_compiles_without_local_memory(arch, request):
-    _every_arch_compile_runs_here(request)
+    cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.all_kernels()
     cubin, lowered, log = nvrtc.compile_cubin(arch, kernels)
@@ -88,7 +80,7 @@ BWD_KERNELS = [
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backward_kernels_compile_without_local_memory(arch, request):
-    _every_arch_compile_runs_here(request)
+    cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
     cubin, lowered, log = nvrtc.compile_cubin(arch, BWD_KERNELS)
     assert cubin[:4] == b"\x7fELF" and set(lowered) == set(BWD_KERNELS)
