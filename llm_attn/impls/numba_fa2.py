@@ -39,7 +39,7 @@ def simulator() -> bool:
 
 def _missing() -> str | None:
     if importlib.util.find_spec("numba") is None or importlib.util.find_spec("numba.cuda") is None:
-        return "numba needs numba-cuda (pip install numba-cuda), which is not installed"
+        return "numba needs numba-cuda (python -m pip install numba-cuda), which is not installed"
     return None
 
 

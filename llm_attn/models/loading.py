@@ -40,7 +40,7 @@ class AwqBackendMissingError(ImportError):
 AWQ_INSTALL_HINT = (
     "transformers loads AWQ checkpoints through gptqmodel. Install it and the packages it imports without letting "
     "pip replace torch:\n"
-    "  pip install --no-deps --no-build-isolation gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 "
+    "  python -m pip install --no-deps --no-build-isolation gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 "
     "tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl requests\n"
     "or pass allow_dequant_fallback=True (CLI: --allow-dequant-fallback) to run the same checkpoint dequantised "
     "to fp16.")
