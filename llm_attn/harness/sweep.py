@@ -55,6 +55,13 @@ def _int_at_least(name: str, val, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {val!r}")
 
 
+def _failure(e: Exception) -> tuple[str, str, str, str]:
+    """(row status, type, message, traceback) of a failed measurement: out of memory, a path that cannot be
+    measured that way (e.g. captured in a CUDA graph), or any other error. Called inside the except block."""
+    status = "oom" if isinstance(e, _OOM) else "unsupported" if isinstance(e, GraphCaptureUnsupported) else "error"
+    return status, type(e).__name__, str(e), traceback.format_exc()
+
+
 @dataclass(kw_only=True)
 class SweepParams:
     """What a sweep measures at every point, shared by ``SweepConfig`` (one model at one dtype, as
@@ -221,14 +228,10 @@ class Sweep:
         env_start = hostenv.snapshot(self.device)
         try:
             fields = fn()
-        except _OOM as e:
-            failure = ("oom", type(e).__name__, str(e), traceback.format_exc())
-        except GraphCaptureUnsupported as e:
-            failure = ("unsupported", type(e).__name__, str(e), traceback.format_exc())
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
-            failure = ("error", type(e).__name__, str(e), traceback.format_exc())
+            failure = _failure(e)
         env = hostenv.span(env_start, hostenv.snapshot(self.device))
         if failure is None:
             self._emit({**base, **fields, "host_env": env})
@@ -362,12 +365,10 @@ class Sweep:
         try:
             got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
                                       seed=cfg.seed, on_repeat=inner.update)
-        except _OOM as e:
-            failure = ("oom", type(e).__name__, str(e), traceback.format_exc())
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
-            failure = ("error", type(e).__name__, str(e), traceback.format_exc())
+            failure = _failure(e)
         env = hostenv.span(env_start, hostenv.snapshot(self.device))
         del prompt
         stocks = [i for i in ok if is_stock(i)]
