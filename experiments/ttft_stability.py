@@ -22,17 +22,9 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from llm_attn.harness.cli_args import positive_int
+
 TOLERANCE = 0.02
-
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
 
 
 def run_command(i: int, args, extra: list[str]) -> list[str]:
