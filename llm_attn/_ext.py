@@ -15,11 +15,13 @@ BACKENDS = BUILDS  # the old name
 
 BUILD_HELP = (
     "The llm_attn CUDA kernel is not available. Either backend works:\n"
-    "  - runtime-compiled (no build step): python -m pip install 'llm-attn[nvrtc]' (CUDA 13 torch) or 'llm-attn[nvrtc-cu12]' "
+    "  - runtime-compiled (no build step): python -m pip install 'llm-attn[nvrtc]' (CUDA 13 torch) or "
+    "'llm-attn[nvrtc-cu12]' "
     "(CUDA 12 torch); the kernel is compiled with NVRTC for your GPU at first use;\n"
-    "  - compiled at install (needs nvcc): python -m pip install --no-build-isolation -e .   (or: python setup.py build_ext "
+    "  - compiled at install (needs nvcc): python -m pip install --no-build-isolation -e .   "
+    "(or: python setup.py build_ext "
     "--inplace), with LLM_ATTN_CUDA_ARCHS e.g. 8.9 for an RTX 4060 Ti, 8.7 for Jetson Orin, 9.0 for H100 "
-    "(default: 8.0;8.6;8.7;8.9;9.0).\n"
+    "(default: the visible GPU's, else 8.0;8.6;8.7;8.9;9.0).\n"
     "See README.md, 'Building the kernel'. Without either, flash_attn_func(..., path='reference') runs the "
     "pure-PyTorch path."
 )

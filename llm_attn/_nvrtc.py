@@ -1,7 +1,8 @@
 """The runtime-compiled kernel backend: the kernels/ headers compiled with NVRTC for the GPU that is present, at
 first use, one instantiation at a time, cached on disk, and launched through the CUDA driver API on torch's
 current stream. Needs NVIDIA's cuda-python (``cuda-bindings``), NVRTC and the CUDA runtime headers
-(``python -m pip install "llm-attn[nvrtc]"``; a CUDA build of torch usually brings the last two); no nvcc, no host compiler,
+(``python -m pip install "llm-attn[nvrtc]"``; a CUDA build of torch usually brings the last two); no nvcc, no host
+compiler,
 no torch headers.
 
 It is a drop-in for the compiled extension: ``mha_fwd``, ``num_splits`` and ``set_tile`` behave as in
@@ -88,7 +89,8 @@ def _cuda_include_dir() -> Path:
     for c in candidates:
         if (c / "cuda_fp16.h").is_file():
             return c
-    raise NvrtcUnavailableError("the CUDA headers (cuda_fp16.h) were not found: python -m pip install nvidia-cuda-runtime "
+    raise NvrtcUnavailableError("the CUDA headers (cuda_fp16.h) were not found: "
+                                "python -m pip install nvidia-cuda-runtime "
                                 "(CUDA 13; nvidia-cuda-runtime-cu12 for CUDA 12) or set CUDA_HOME")
 
 
@@ -96,7 +98,8 @@ def _nvrtc():
     try:
         from cuda.bindings import nvrtc  # noqa: PLC0415
     except ImportError as e:
-        raise NvrtcUnavailableError(f"cuda-python is not installed ({e}): python -m pip install 'llm-attn[nvrtc]' (CUDA 13) or "
+        raise NvrtcUnavailableError(f"cuda-python is not installed ({e}): "
+                                    "python -m pip install 'llm-attn[nvrtc]' (CUDA 13) or "
                                     f"'llm-attn[nvrtc-cu12]' (CUDA 12)") from None
     return nvrtc
 
@@ -341,7 +344,8 @@ def _function(index: int, kernel: str, smem: int):
             drv = _drv_check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
             raise RuntimeError(f"{e}: a cubin from NVRTC {'.'.join(map(str, nvrtc_version()))} for {arch} did not "
                                f"load on a driver for CUDA {drv // 1000}.{drv % 1000 // 10}; use an NVRTC no newer "
-                               f"than the driver (python -m pip install 'nvidia-cuda-nvrtc-cu12' for CUDA 12)") from None
+                               f"than the driver (python -m pip install 'nvidia-cuda-nvrtc-cu12' "
+                               f"for CUDA 12)") from None
         fn = _drv_check(driver.cuModuleGetFunction(module, lowered.encode()), "cuModuleGetFunction")
         if smem > 48 * 1024:
             _drv_check(driver.cuFuncSetAttribute(

@@ -15,7 +15,8 @@ from llm_attn.kernel_contract import KERNEL_DTYPES, kernel_problem, reference_pr
 from llm_attn.ops import flash_attn_func
 from llm_attn.registry import register_attention
 
-NOT_BUILT = "the llm_attn CUDA extension is not built (python -m pip install --no-build-isolation -e . on a machine with nvcc)"
+NOT_BUILT = ("the llm_attn CUDA extension is not built (python -m pip install --no-build-isolation -e . on a machine "
+             "with nvcc)")
 # The registry's variant names -> flash_attn_func's path.
 PATH_OF_VARIANT = {"cuda": "kernel", "reference": "reference", "auto": "auto"}
 

@@ -55,7 +55,8 @@ def sdpa(q, k, v, *, causal, scale, seqused_k=None):
 
 def _flash_attn_missing() -> str | None:
     if importlib.util.find_spec("flash_attn") is None:
-        return "flash_attention_2 needs the flash_attn package, which is not installed (python -m pip install flash-attn)"
+        return ("flash_attention_2 needs the flash_attn package, which is not installed "
+                "(python -m pip install flash-attn)")
     return None
 
 

@@ -204,12 +204,14 @@ def resource_problem(spec: str, device: str | torch.device, dtype: torch.dtype, 
     need = int(_preset_memory_bytes(name, quant, dtype) * MEMORY_MARGIN)
     avail, where = _available_memory(dev)
     if where and need > avail:
-        sizes = {f"{n}:{q}": _preset_memory_bytes(n, q, dtype) * MEMORY_MARGIN for n in PRESETS for q in ("fp16", "awq")}
+        sizes = {f"{n}:{q}": _preset_memory_bytes(n, q, dtype) * MEMORY_MARGIN
+                 for n in PRESETS for q in ("fp16", "awq")}
         fits = sorted((k for k, v in sizes.items() if v <= avail), key=sizes.get)
         dt = str(dtype).replace("torch.", "")
         return (f"needs ~{need / 1e9:.1f} GB of {'GPU ' if dev.type == 'cuda' else ''}memory for the {name} {quant} "
                 f"weights in {dt} (with {MEMORY_MARGIN - 1:.0%} margin), {avail / 1e9:.1f} GB {where}; "
-                f"models that fit: {', '.join(fits) or 'none'}" + (f" (e.g. --model {fits[0].partition(':')[0]})" if fits else ""))
+                f"models that fit: {', '.join(fits) or 'none'}"
+                + (f" (e.g. --model {fits[0].partition(':')[0]})" if fits else ""))
     root = _cache_root(cache_dir)
     suffix = "-g128" if quant == "awq" else ""
     if not (root / f"{name}-{quant}{suffix}-seed0-v{SYNTHETIC_FORMAT_VERSION}" / MARKER_FILE).is_file():
