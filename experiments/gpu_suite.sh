@@ -3,6 +3,10 @@
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [full] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
+#                                              [host] [verdicts] [lora]
+# host: host µs per call (bench --mode host); verdicts: issue 18's targets on the default model (five fresh paired
+# TTFT runs at 2048, graph vs eager TTFT with the kernels named, and the harness against experiments/ttft_probe.py);
+# lora: examples/finetune_lora.py on the 8B-shaped model (needs datasets: carried in .whl/, installed by awq).
 # test runs the whole kernel grid (pytest -m full) of ${PYTEST_ARGS:-tests/test_kernel_gpu.py}; full runs the whole
 # suite with the whole grid (python -m pytest -q -m full tests), timed; readme runs the README's default (a subset).
 # readme runs the README's two commands, read from README.md, in a clean copy of the tree, as a new user would
@@ -125,4 +129,17 @@ if has profile; then
 fi
 if has decode; then
   python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40
+fi
+if has host; then
+  python3 -m llm_attn.bench --mode host --dtypes fp16 bf16 --out "$OUT/host.jsonl" 2>&1 | tee "$OUT/host.log" | tail -14
+fi
+if has verdicts; then  # issue 18: stable verdicts, graph TTFT explained, agreement with an independent probe
+  python3 experiments/ttft_stability.py --runs 5 --seq 2048 --out-dir "$OUT/stability" 2>&1 | tail -10
+  python3 -m llm_attn.ttft --seq 2048 8192 16384 --impl sdpa llm_attn --measure ttft ttft_graph ttft_graph_static \
+    --out "$OUT/graph.jsonl" --no-progress 2>&1 | grep -v -E "Warning|warn" | tail -20
+  python3 experiments/ttft_probe.py --seq 2048 8192 --repeats 20 2>&1 | tail -5
+fi
+if has lora; then  # issue 21: LoRA through the patch, 8B-shaped model at 2048 tokens, 20 steps, bf16
+  python3 examples/finetune_lora.py --model llama-3-8b --seq 2048 --steps 20 --dtype bf16 \
+    --json "$OUT/finetune_lora.json" --fail-above 1e-2 2>&1 | tail -8
 fi
