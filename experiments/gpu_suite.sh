@@ -13,7 +13,8 @@
 # (after awq when both are given, so that the default ttft model can load). awq installs gptqmodel and its
 # source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
 # PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 tokenicer==0.0.14
-# device-smi==0.5.7 defuser==0.0.28`, then `pip wheel --no-deps --no-build-isolation -w .whl` each sdist but pypcre's
+# device-smi==0.5.7 defuser==0.0.28` (for the lora and --prompts steps also `datasets==5.2.0 dill==0.4.1
+# multiprocess==0.70.19 optimum==2.3.0`: peft refuses LoRA layers with gptqmodel but no optimum), then `pip wheel --no-deps --no-build-isolation -w .whl` each sdist but pypcre's
 # (it compiles on the GPU machine) and delete those sdists; ttft runs `python -m llm_attn.ttft` with the defaults;
 # sweep runs experiments/default.toml into experiments/results/ (copied to $OUT; make the report from it anywhere: it
 # needs no GPU).
