@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=non_negative_int, default=3,
                    help="untimed TTFT runs at the exact shape before timing (default 3); decode gets one "
                         "untimed generate when > 0")
-    p.add_argument("--repeats", type=positive_int, default=10, help="timed TTFT runs (default 10)")
+    p.add_argument("--repeats", type=positive_int, default=20,
+                   help="timed TTFT runs per implementation, paired (default 20)")
     p.add_argument("--decode-repeats", type=positive_int, default=3, help="timed decode runs (default 3)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "

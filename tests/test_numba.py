@@ -58,7 +58,8 @@ CODE = textwrap.dedent('''
 
 
 def test_numba_kernel_in_the_cuda_simulator():
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=900,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

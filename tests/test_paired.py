@@ -220,3 +220,26 @@ def test_host_cost_runs_every_path_and_the_patch_path_is_native():
     assert all(r["attention_calls"] == {"impl": 6, "stock_fallback": 0} for r in patch)
     table = host_cost_table(rows)
     assert "prefill 32: host µs/call" in table and "x SDPA" in table
+
+
+def test_python_gc_is_off_while_timing_and_restored_after():
+    """A garbage collection inside one implementation's timed prefill would read as a kernel difference."""
+    import contextlib
+    import gc
+
+    from llm_attn.harness.paired import measure_ttft_paired
+
+    model = models.load_model("tiny", device="cpu", dtype=torch.float32)[0]
+    seen = []
+
+    @contextlib.contextmanager
+    def switch(m, impl):
+        seen.append(gc.isenabled())
+        yield None
+
+    assert gc.isenabled()
+    got = measure_ttft_paired(model, torch.randint(0, 100, (1, 16)), ["sdpa", "eager"], warmup=1, repeats=3,
+                              switch=switch)
+    assert seen and not any(seen), seen
+    assert gc.isenabled()
+    assert got["sdpa"]["paired"]["python_gc"] == "off while timing" and len(got["eager"]["samples_ms"]) == 3

@@ -34,7 +34,9 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 def _env(tmp: Path) -> dict:
     # CUDA hidden: transformers builds its TP mesh on the machine's accelerator, and these tests are the CPU ones.
-    return {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+    # The caller's PYTHONPATH stays after the repository (an install of gptqmodel made with --target, say).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
             "LLM_ATTN_CACHE": str(tmp / "cache")}
 
 

@@ -19,7 +19,9 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import inspect
 import re
 import time
@@ -42,6 +44,25 @@ class GraphCaptureUnsupported(RuntimeError):
     """The model's attention path cannot be captured in a CUDA graph (a limitation of that path, not a failure of
     the measurement). Stock transformers' eager attention is one: its mask builder copies a host tensor to the GPU
     on every call, which CUDA-graph capture refuses."""
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic garbage collector off while timing (as timeit and pyperf do), one full collection first.
+
+    A forward of a transformers model allocates thousands of Python objects; the collections they trigger pause
+    the host for milliseconds at random points. Where the prefill is host-bound (the 8B model at 2048 tokens on an
+    H100), such a pause lands in one implementation's sample and reads as a kernel difference. Reference cycles made
+    while timing are collected when the block ends."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()
 
 
 def _sync(device: torch.device) -> None:
@@ -108,7 +129,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
     device = input_ids.device
     cuda = device.type == "cuda"
     samples, wall = [], []
-    with torch.inference_mode():
+    with torch.inference_mode(), no_gc():
         for _ in range(warmup):
             prefill_first_token(model, input_ids)
         _sync(device)
@@ -182,7 +203,7 @@ def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, run
     device = input_ids.device
     kwargs = _generate_kwargs(model, input_ids, new_tokens)
     steps, totals, first_token_ms, tokens = [], [], [], None
-    with torch.inference_mode():
+    with torch.inference_mode(), no_gc():
         # Warm-up runs cover the decode shapes too: the first generate after a shape change is much slower.
         for _ in range(warmup_runs):
             model.generate(input_ids, **kwargs)

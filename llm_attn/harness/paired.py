@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from llm_attn.harness.measure import _peak, _reset_peak, _sync, prefill_first_token
+from llm_attn.harness.measure import _peak, _reset_peak, _sync, no_gc, prefill_first_token
 from llm_attn.harness.results import jsonable
 from llm_attn.harness.stats import paired_ratio_interval, summarize
 
@@ -161,7 +161,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         patch_report[impl] = rep
 
     stock_calls = dict.fromkeys(impls)
-    with torch.inference_mode():
+    with torch.inference_mode(), no_gc():
         for _ in range(warmup):
             for impl in impls:
                 with switch(model, impl) as rep, stock_call_counter(impl) as counter:
@@ -188,7 +188,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
             if on_repeat:
                 on_repeat()
     record = {"impls": impls, "seed": seed, "order": order, "samples_ms": dev, "enqueue_ms": enq,
-              "wall_ms": wall}
+              "wall_ms": wall, "python_gc": "off while timing"}
     out = {}
     for impl in impls:
         fields = {

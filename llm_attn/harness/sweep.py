@@ -72,7 +72,7 @@ class SweepParams:
     batches: list[int] = field(default_factory=lambda: [1])
     new_tokens: int = 32
     warmup: int = 3
-    repeats: int = 10
+    repeats: int = 20
     decode_repeats: int = 3
     measurements: list[str] = field(default_factory=lambda: list(DEFAULT_MEASUREMENTS))
     seed: int = 0
