@@ -380,13 +380,21 @@ GRAPH_CACHES = ("dynamic", "static")
 ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|attn|sdpa|mha_|_mha|softmax", re.IGNORECASE)
 
 
+def _device_activity(events):
+    """The device-side events of a profile (kernels, copies, memsets), without the profiler's annotations."""
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            continue
+        if "annotation" in str(getattr(e, "activity_type", "") or ""):
+            continue
+        yield e
+
+
 def attention_kernels_of(events) -> list[dict]:
     """The attention kernels in a profile (``prof.events()``): name, launches and total ms, by total time."""
     agg: dict[str, list] = {}
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CPU or not ATTENTION_KERNEL.search(e.name):
-            continue
-        if "annotation" in str(getattr(e, "activity_type", "") or ""):
+    for e in _device_activity(events):
+        if not ATTENTION_KERNEL.search(e.name):
             continue
         a = agg.setdefault(e.name, [0, 0.0])
         a[0] += 1
@@ -394,14 +402,49 @@ def attention_kernels_of(events) -> list[dict]:
     return [{"name": n, "launches": c, "ms": ms} for n, (c, ms) in sorted(agg.items(), key=lambda x: -x[1][1])]
 
 
-def profile_kernels(run: Callable[[], None], device: torch.device) -> list[dict]:
-    """Run ``run`` once under torch.profiler (CUDA activity) and return the attention kernels that ran
-    (``attention_kernels_of``)."""
+def device_busy_ms(events) -> float:
+    """Summed duration of every device-side event (one stream: the time the GPU was busy)."""
+    return sum((e.time_range.end - e.time_range.start) / 1e3 for e in _device_activity(events))
+
+
+def profile_device(run: Callable[[], None], device: torch.device) -> dict:
+    """Run ``run`` once under torch.profiler (CUDA activity): ``attention_kernels`` (``attention_kernels_of``),
+    ``attention_ms`` (their sum) and ``busy_ms`` (every device event: kernels, copies, memsets)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize(device)
-    return attention_kernels_of(prof.events())
+    events = prof.events()
+    kernels = attention_kernels_of(events)
+    return {"attention_kernels": kernels, "attention_ms": sum(k["ms"] for k in kernels),
+            "busy_ms": device_busy_ms(events)}
+
+
+def profile_kernels(run: Callable[[], None], device: torch.device) -> list[dict]:
+    """Run ``run`` once under torch.profiler (CUDA activity) and return the attention kernels that ran
+    (``attention_kernels_of``)."""
+    return profile_device(run, device)["attention_kernels"]
+
+
+def graph_vs_eager_account(graph_row: dict, eager_row: dict) -> dict | None:
+    """Where graph TTFT differs from eager TTFT (same implementation and point), split the difference into its
+    causes from the profiles the graph row carries (one profiled replay, one profiled eager prefill):
+
+        graph - eager = attention kernels' change + other device work's change - host time removed
+
+    ``host_removed_ms`` = the GPU's idle time in eager TTFT (eager p50 minus its busy time) minus the idle time left
+    in the replay; ``other_ms`` = the change of everything but attention. The account is an identity; what it
+    tells is *where* the difference sits: ``unexplained_pct`` is ``other_ms`` as a share of eager TTFT (the issue's
+    bound: 2 %), the part neither the host nor attention accounts for. None without both profiles."""
+    g, e = graph_row.get("profile"), graph_row.get("eager_profile")
+    if not g or not e or eager_row.get("status") != "ok" or graph_row.get("status") != "ok":
+        return None
+    eager_ms, graph_ms = eager_row["stats"]["p50"], graph_row["stats"]["p50"]
+    attention = g["attention_ms"] - e["attention_ms"]
+    other = (g["busy_ms"] - g["attention_ms"]) - (e["busy_ms"] - e["attention_ms"])
+    host = (eager_ms - e["busy_ms"]) - (graph_ms - g["busy_ms"])
+    return {"delta_ms": graph_ms - eager_ms, "attention_ms": attention, "other_ms": other, "host_removed_ms": host,
+            "unexplained_pct": 100.0 * abs(other) / eager_ms}
 
 
 def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int, cache: str = "dynamic",
@@ -475,13 +518,20 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
             if on_repeat:
                 on_repeat()
         first_tokens = token.tolist()
-        kernels = None
+        kernels = prof = eager_prof = None
         if profile:
             reset()
             torch.cuda.synchronize(device)
-            kernels = profile_kernels(graph.replay, device)
+            prof = profile_device(graph.replay, device)
+            kernels = prof["attention_kernels"]
         peak = _peak(device)
         del graph
+        if profile:
+            # The same prefill, eager (a fresh dynamic cache, as the eager TTFT measurement runs it): which attention
+            # kernels that path runs and how long the GPU is busy, for graph_vs_eager_account.
+            prefill_first_token(model, input_ids)
+            torch.cuda.synchronize(device)
+            eager_prof = profile_device(lambda: prefill_first_token(model, input_ids), device)
     return {
         "timer": "cuda_event",
         "mode": f"cuda_graph_{cache}_cache",
@@ -492,5 +542,7 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
         "repeats": repeats,
         "first_tokens": first_tokens,
         "attention_kernels": kernels,
+        "profile": prof,
+        "eager_profile": eager_prof,
         "peak_mem_bytes": peak,
     }

@@ -28,6 +28,7 @@ from llm_attn.harness.devices import Device
 from llm_attn.harness.impls import BASE_IMPL, impl_info, is_stock, use_impl
 from llm_attn.harness.measure import (
     GraphCaptureUnsupported,
+    graph_vs_eager_account,
     measure_correctness,
     measure_decode_generate,
     measure_decode_static,
@@ -495,6 +496,9 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
             notes += [n for n in row_notes(x) if n not in notes]
         kernels = next((x.get("attention_kernels") for x in (tg, tgs) if x and x.get("status") == "ok"
                         and x.get("attention_kernels")), None)
+        account = graph_vs_eager_account(tg, t) if tg and t else None
+        if account and account["unexplained_pct"] > 2.0:
+            notes.append(f"graph vs eager: {account['unexplained_pct']:.1f}% of TTFT not from attention or host")
         peak = next((x.get("peak_mem_bytes") for x in (t, dg, dgr) if x and x.get("peak_mem_bytes")), None)
         table.append([k[0], k[1], k[5], k[3], k[4],
                       cell(t, lambda r: f"{r['stats']['p50']:.2f}"),
@@ -507,21 +511,33 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                       cell(dgr, lambda r: f"{100 * r['bw_fraction']:.0f}%" if r.get("bw_fraction") else ""),
                       f"{peak / 2**30:.2f}" if peak else "",
                       *([cell(tg, lambda r: f"{r['stats']['p50']:.2f}"), cell(tgs, lambda r: f"{r['stats']['p50']:.2f}"),
-                         ", ".join(k_["name"][:40] for k_ in kernels[:2]) if kernels else ""]
+                         ", ".join(f"{k_['name'][:40]} ({k_['ms']:.1f} ms)" for k_ in kernels[:2]) if kernels else "",
+                         account_cell(account)]
                         if graph_cols else []),
                       "; ".join(notes)])
     headers = ["model", "quant", "impl", "batch", "seq", "TTFT p50 ms", "p90 ms", "stdev %",
                *[f"vs {s}" for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
                "graph % of BW bound", "peak GiB",
-               *(["TTFT graph ms (dynamic cache)", "TTFT graph ms (static cache)", "attention kernels (graph)"]
-                 if graph_cols else []), "notes"]
+               *(["TTFT graph ms (dynamic cache)", "TTFT graph ms (static cache)", "attention kernels (graph)",
+                  "graph - eager ms"] if graph_cols else []), "notes"]
     out = tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
     if any(r.get("vs") for r in latest if r.get("status") == "ok"):
         out += ("\n(vs columns: ratio of TTFT medians, stock / this row, with its 95 % paired-bootstrap interval "
                 "over repeats in which every implementation ran once, in shuffled order)")
     if "static_cache_loop_no_graph" in modes:
         out += "\n(graph column: static-cache loop without CUDA graph — no GPU here)"
+    if graph_cols:
+        out += ("\n(graph - eager: dynamic-cache graph TTFT minus eager TTFT = the attention kernels' change + the "
+                "rest of the GPU work's change - the host time the graph removes, from one profiled replay and one "
+                "profiled eager prefill; the % is the rest's share of eager TTFT)")
     return out
+
+
+def account_cell(account: dict | None) -> str:
+    if not account:
+        return ""
+    return (f"{account['delta_ms']:+.1f} = attn {account['attention_ms']:+.1f}, host {-account['host_removed_ms']:+.1f}"
+            f", rest {account['other_ms']:+.1f} ({account['unexplained_pct']:.1f}%)")
 
 
 def correctness_table(rows: list[dict], tablefmt: str = "github") -> str:
