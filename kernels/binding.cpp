@@ -270,6 +270,20 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_bwd: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// ---- Decode tuning overrides (llm_attn.ops.force_decode, experiments/decode_splits.py) ----------------------------
+// Force the decode kernel's KV split count (0 = automatic; clamped to the 64-key tiles) or its DecodeConfigId
+// (0 = automatic, kernels/kernel_tiles.h); each returns the previous value, or -1 (nothing changed) when out of range.
+// mha_fwd sizes the split workspace from flash_fwd_num_splits, which reads the forced count.
+int64_t set_decode_splits(int64_t splits) {
+    if (splits < 0 || splits > 4096) return -1;
+    return llm_attn::flash_decode_force_splits(static_cast<int>(splits));
+}
+
+int64_t set_decode_config(int64_t config) {
+    if (config < 0 || config > 1000) return -1;
+    return llm_attn::flash_decode_force_config(static_cast<int>(config));  // -1 for an unknown id
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -285,4 +299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
     m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");
+    m.def("set_decode_splits", &set_decode_splits, "Force the decode kernel's KV splits (0 auto); returns the previous");
+    m.def("set_decode_config", &set_decode_config,
+          "Force the decode kernel's DecodeConfigId (0 auto, kernel_tiles.h); returns the previous");
 }

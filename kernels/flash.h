@@ -66,6 +66,14 @@ bool flash_fwd_sm90_built_();
 // True when the current device is compute capability 9.0 and the Hopper kernel's sm_90a code is in this build.
 bool flash_fwd_sm90_available();
 
+// Decode tuning overrides (llm_attn.ops.force_decode, experiments/decode_splits.py), process-wide, 0 = automatic.
+// Forced splits are clamped to the number of 64-key tiles; a forced DecodeConfigId (kernel_tiles.h) whose row tiles
+// cannot hold (query heads per KV head) x q_len is ignored. Each setter returns the previous value (an unknown
+// config id: -1, nothing changed).
+int flash_decode_force_splits(int splits);
+int flash_decode_force_config(int config);
+int flash_decode_forced_config();
+
 // Device facts, cached per device (no synchronisation).
 int num_sms_current_device();
 int max_smem_per_block_current_device();

@@ -277,10 +277,10 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
 
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_decode_kernel(const FlashFwdParams params) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // An sm_90 block always has shared memory for 3 stages, so run_flash_decode_ never launches the 2-stage
-    // one-row-tile variant (meant for sm_86/sm_89) there, and it is not compiled for it.
-    if constexpr (Traits::kMTiles == 1 && Traits::kStages < 3) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890)
+    // sm_86/sm_89 blocks have at most 99 KB of shared memory: a larger variant (head_dim 128 with 3 or 4 stages)
+    // cannot be launched there (its opt-in fails first), so it is not compiled for them.
+    if constexpr (Traits::kSmemBytes > 99 * 1024) {
         __trap();
     } else
 #endif

@@ -25,6 +25,15 @@ template <typename T, int kHeadDim>
 cudaError_t run_flash_decode_(FlashFwdParams& params, cudaStream_t stream) {
     const int rows = params.num_heads / params.num_kv_heads * params.seqlen_q;
     using Config = DecodeConfig<kHeadDim>;  // kernel_tiles.h (generated)
+    // A forced configuration (tuning: llm_attn.ops.force_decode) whose row tiles hold the rows; else the automatic
+    // choice below. Forcing one that needs more shared memory than the device has fails at the opt-in.
+    switch (flash_decode_forced_config()) {
+        case kDecodeTwoTiles: return launch_decode<T, typename Config::TwoTiles>(params, stream);
+        case kDecodeDeep: if (rows <= 16) return launch_decode<T, typename Config::Deep>(params, stream); break;
+        case kDecodeShallow: if (rows <= 16) return launch_decode<T, typename Config::Shallow>(params, stream); break;
+        case kDecodeDeep4: if (rows <= 16) return launch_decode<T, typename Config::Deep4>(params, stream); break;
+        default: break;
+    }
     if (rows > 16) return launch_decode<T, typename Config::TwoTiles>(params, stream);
     const bool deep = max_smem_per_block_current_device() >= Config::Deep::kSmemBytes;
     return deep ? launch_decode<T, typename Config::Deep>(params, stream)

@@ -45,10 +45,27 @@ static bool use_sm90(const FlashFwdParams& p) {
     return p.tile == kTileHopper || (p.tile == kTileAuto && p.num_splits == 1 && flash_fwd_sm90_available());
 }
 
+// Decode tuning overrides (flash.h): plain ints like the binding's tile override; set between calls, not during.
+static int g_decode_splits = 0;
+static int g_decode_config = kDecodeAuto;
+int flash_decode_force_splits(int splits) {
+    const int prev = g_decode_splits;
+    g_decode_splits = splits > 0 ? splits : 0;
+    return prev;
+}
+int flash_decode_force_config(int config) {
+    if (config < kDecodeAuto || config >= kDecodeConfigCount) return -1;
+    const int prev = g_decode_config;
+    g_decode_config = config;
+    return prev;
+}
+int flash_decode_forced_config() { return g_decode_config; }
+
 // Decode: enough (batch, KV head, split) blocks for ~2 per SM, each split keeping at least one 64-key tile.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
     const long blocks = static_cast<long>(p.batch) * p.num_kv_heads;
     const int n_tiles = (p.seqlen_k + 63) / 64;
+    if (g_decode_splits > 0) return g_decode_splits < n_tiles ? g_decode_splits : n_tiles;
     long splits = (2L * num_sms + blocks - 1) / blocks;
     splits = splits < n_tiles ? splits : n_tiles;
     splits = splits < 128 ? splits : 128;

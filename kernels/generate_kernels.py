@@ -56,8 +56,11 @@ FWD_CONFIGS = {
 }
 # The decode kernel packs (query heads per KV head) x q_len rows into at most this many rows (two m16 tiles).
 DECODE_MAX_ROWS = 32
-# DecodeTraits<D, kMTiles, kStages> the decode launch chooses from (flash_decode_launch.cuh), in this order.
-DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2))
+# DecodeTraits<D, kMTiles, kStages> the decode launch chooses from (flash_decode_launch.cuh), in this order. Their
+# position + 1 is their number in DecodeConfigId (kernel_tiles.h), which llm_attn.ops.force_decode forces (tuning;
+# 0 = automatic). Deep4 (4 stages: 132 KB for head_dim 128, one block per SM) is never chosen automatically: it is
+# there to be measured against Deep (experiments/decode_splits.py).
+DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2), ("Deep4", 1, 4))
 # The backward: BwdTraits<D, kBlockM, kBlockN, kNWarps, kSplitDp> (flash_bwd_launch.cuh).
 BWD_TILES = {128: dict(block_m=32, block_n=64, n_warps=4, split_dp=1),
              64: dict(block_m=64, block_n=64, n_warps=4, split_dp=1)}
@@ -131,7 +134,10 @@ def tiles_header() -> str:
     out += ["", f"constexpr int kDecodeMaxRows = {DECODE_MAX_ROWS};", "",
             "template <int kHeadDim>", "struct DecodeConfig {"]
     out += [f"    using {name} = DecodeTraits<kHeadDim, {mt}, {st}>;" for name, mt, st in DECODE_TRAITS]
-    out += ["};", "", "template <int kHeadDim>", "struct BwdTile;"]
+    out += ["};", "", "// DecodeConfig<D>'s entries by number: what llm_attn.ops.force_decode forces (0 = automatic).",
+            "enum DecodeConfigId : int { kDecodeAuto = 0, "
+            + ", ".join(f"kDecode{name} = {i + 1}" for i, (name, _, _) in enumerate(DECODE_TRAITS)) + " };",
+            f"constexpr int kDecodeConfigCount = {len(DECODE_TRAITS) + 1};  // with kDecodeAuto", "", "template <int kHeadDim>", "struct BwdTile;"]
     for d, b in BWD_TILES.items():
         out += ["template <>", f"struct BwdTile<{d}> {{",
                 f"    static constexpr int kBlockM = {b['block_m']}, kBlockN = {b['block_n']}, kNWarps = {b['n_warps']}, "

@@ -42,7 +42,12 @@ struct DecodeConfig {
     using TwoTiles = DecodeTraits<kHeadDim, 2, 2>;
     using Deep = DecodeTraits<kHeadDim, 1, 3>;
     using Shallow = DecodeTraits<kHeadDim, 1, 2>;
+    using Deep4 = DecodeTraits<kHeadDim, 1, 4>;
 };
+
+// DecodeConfig<D>'s entries by number: what llm_attn.ops.force_decode forces (0 = automatic).
+enum DecodeConfigId : int { kDecodeAuto = 0, kDecodeTwoTiles = 1, kDecodeDeep = 2, kDecodeShallow = 3, kDecodeDeep4 = 4 };
+constexpr int kDecodeConfigCount = 5;  // with kDecodeAuto
 
 template <int kHeadDim>
 struct BwdTile;

@@ -22,7 +22,7 @@ FWD_CONFIGS = {
 }
 DECODE_MAX_ROWS = 32
 # (name, m_tiles, stages) of DecodeConfig<D>, in the launch's order
-DECODE_TRAITS = (('TwoTiles', 2, 2), ('Deep', 1, 3), ('Shallow', 1, 2))
+DECODE_TRAITS = (('TwoTiles', 2, 2), ('Deep', 1, 3), ('Shallow', 1, 2), ('Deep4', 1, 4))
 # per head_dim: BwdTile<D> (query rows per step, keys per block, warps, dP slices)
 BWD_TILES = {
     128: {'block_m': 32, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},

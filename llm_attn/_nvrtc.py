@@ -400,6 +400,30 @@ def set_tile(tile: int) -> int:
     return prev
 
 
+_decode_splits = 0
+_decode_config = 0
+
+
+def set_decode_splits(splits: int) -> int:
+    """Force the decode kernel's KV splits (0 = automatic; clamped to the 64-key tiles); returns the previous count,
+    -1 (nothing changed) when out of range. As binding.cpp's set_decode_splits."""
+    global _decode_splits
+    if not 0 <= int(splits) <= 4096:
+        return -1
+    prev, _decode_splits = _decode_splits, int(splits)
+    return prev
+
+
+def set_decode_config(config: int) -> int:
+    """Force the decode kernel's DecodeConfigId (0 = automatic; _plan.DECODE_CONFIG_IDS); returns the previous one,
+    -1 (nothing changed) for an unknown id. As binding.cpp's set_decode_config."""
+    global _decode_config
+    if not 0 <= int(config) <= len(_plan.DECODE_CONFIG_IDS):
+        return -1
+    prev, _decode_config = _decode_config, int(config)
+    return prev
+
+
 def sm90_available() -> bool:
     """Whether the current device runs the Hopper prefill kernel here: compute capability 9.0 and an NVRTC that
     compiles sm_90a (the extension's flash_fwd_sm90_available, with NVRTC in place of the built-in code)."""
@@ -410,7 +434,8 @@ def sm90_available() -> bool:
 
 def num_splits(batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                num_sms: int) -> int:
-    return _plan.num_splits(_plan.Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim), num_sms)
+    return _plan.num_splits(_plan.Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim,
+                                        decode_splits=_decode_splits, decode_config=_decode_config), num_sms)
 
 
 def _fail(*parts) -> None:
@@ -443,7 +468,7 @@ def _prepared_key(q, k, v, out, lse, seqused_k, scale, causal):
         return None
     index = q.device.index
     return (_operand_key(q), _operand_key(k), _operand_key(v), _operand_key(out), lse.shape, lse.stride(),
-            lse.dtype, lse.device, sk, type(scale), scale, type(causal), causal, _tile,
+            lse.dtype, lse.device, sk, type(scale), scale, type(causal), causal, _tile, _decode_splits, _decode_config,
             torch.cuda.current_device() if index is None else index)
 
 
@@ -459,7 +484,7 @@ def _prepare(q, k, v, out, lse, seqused_k, scale, causal):
     is_bf16 = q.dtype == torch.bfloat16
     try:
         plan = _plan_for(index, batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, bool(causal), is_bf16,
-                         _tile)
+                         _tile, _decode_splits, _decode_config)
     except ValueError as e:  # tile 'hopper' forced off a device that runs it: run_flash_fwd's error, as a RuntimeError
         _fail("kernel launch failed: ", e)
 

@@ -111,6 +111,8 @@ def _fwd_config(c: dict) -> FwdConfig:
 CONFIGS = {d: _fwd_config(c) for d, c in _table.FWD_CONFIGS.items()}
 # DecodeConfig<D>: name -> (m_tiles, stages), in the order the launch tries them.
 DECODE_CONFIGS = {name: (mt, st) for name, mt, st in _table.DECODE_TRAITS}
+# DecodeConfigId (kernel_tiles.h): name -> the number llm_attn.ops.force_decode forces (0 = automatic).
+DECODE_CONFIG_IDS = {name: i + 1 for i, (name, _, _) in enumerate(_table.DECODE_TRAITS)}
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,9 @@ class Shape:
     causal: bool = False
     is_bf16: bool = False
     tile: int = TILE_AUTO
+    # The decode tuning overrides (flash_decode_force_splits / _config, kernels/flash.h): 0 = automatic.
+    decode_splits: int = 0
+    decode_config: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,8 @@ def use_small_tiles(s: Shape, num_sms: int) -> bool:
 
 
 def decode_num_splits(s: Shape, num_sms: int) -> int:
+    if s.decode_splits > 0:  # forced: clamped to the 64-key tiles
+        return min(s.decode_splits, _cdiv(s.seqlen_k, 64))
     blocks = s.batch * s.num_kv_heads
     splits = min(_cdiv(2 * num_sms, blocks), _cdiv(s.seqlen_k, 64), 128)
     return splits if splits > 1 else 1
@@ -252,8 +259,12 @@ def _fwd_launches(s: Shape, traits: FwdTraits, split: bool, splits: int) -> tupl
 
 
 def decode_traits(s: Shape, smem_per_block_optin: int) -> DecodeTraits:
-    """run_flash_decode_."""
-    if s.num_heads // s.num_kv_heads * s.seqlen_q > 16:
+    """run_flash_decode_: a forced DecodeConfigId whose row tiles hold the rows, else the automatic choice."""
+    rows = s.num_heads // s.num_kv_heads * s.seqlen_q
+    forced = {i: name for name, i in DECODE_CONFIG_IDS.items()}.get(s.decode_config)
+    if forced is not None and (forced == "TwoTiles" or rows <= 16):
+        return DecodeTraits(s.head_dim, *DECODE_CONFIGS[forced])
+    if rows > 16:
         return DecodeTraits(s.head_dim, *DECODE_CONFIGS["TwoTiles"])
     deep = DecodeTraits(s.head_dim, *DECODE_CONFIGS["Deep"])
     return deep if smem_per_block_optin >= deep.smem_bytes else DecodeTraits(s.head_dim, *DECODE_CONFIGS["Shallow"])

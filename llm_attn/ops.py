@@ -203,3 +203,37 @@ def force_tile(tile: str):
     finally:
         ext.set_tile(prev)
 
+
+
+@contextlib.contextmanager
+def force_decode(splits: int = 0, config: str = "auto"):
+    """Force the split-KV decode kernel's choices inside the block (tuning: experiments/decode_splits.py; tests).
+
+    ``splits``: KV splits per (batch, KV head), clamped to the number of 64-key tiles; 0 = automatic
+    (kernels/flash_fwd.cu's decode_num_splits). ``config``: a ``DecodeConfig`` entry of kernels/generate_kernels.py
+    (``Deep``: 3 cp.async stages, ``Shallow``: 2, ``Deep4``: 4, ``TwoTiles``: two m16 row tiles) or ``auto``; one
+    whose row tiles cannot hold (query heads per KV head) x q_len is ignored, and one that needs more shared memory
+    than the device's per-block limit fails at launch. Shapes that do not take the decode kernel are not affected.
+    The choice is made when a call is issued: a CUDA graph captured inside the block keeps it. Process-wide: not for
+    concurrent use from threads.
+    """
+    from llm_attn import _plan  # noqa: PLC0415
+
+    if not isinstance(splits, int) or splits < 0:
+        raise ValueError(f"splits must be an int >= 0, got {splits!r}")
+    ids = {"auto": 0, **_plan.DECODE_CONFIG_IDS}
+    if config not in ids:
+        raise ValueError(f"config must be one of {sorted(ids)}, got {config!r}")
+    ext = get_ext()
+    prev_splits = ext.set_decode_splits(splits)
+    if prev_splits < 0:
+        raise ValueError(f"splits {splits} out of range")
+    prev_config = ext.set_decode_config(ids[config])
+    if prev_config < 0:  # an extension built from other kernel tables (stale build)
+        ext.set_decode_splits(prev_splits)
+        raise ValueError(f"the kernel build does not know decode config {config!r}: rebuild the extension")
+    try:
+        yield
+    finally:
+        ext.set_decode_splits(prev_splits)
+        ext.set_decode_config(prev_config)

@@ -201,6 +201,35 @@ def test_hopper_seqused_k_garbage_slots(cuda_ext, causal, sq):
     assert err <= 2 * pt_err + 1e-4, f"max err {err:.3e} > 2 x PyTorch's {pt_err:.3e}"
 
 
+@pytest.mark.parametrize("config", ["auto", "Deep", "Shallow", "Deep4"])
+@pytest.mark.parametrize("splits", [0, 1, 3, 7, 1000])
+@pytest.mark.parametrize("d", [64, 128])
+def test_forced_decode_splits_and_configs(cuda_ext, d, splits, config):
+    """Every decode tile and split count that experiments/decode_splits.py forces (llm_attn.ops.force_decode through
+    this backend's setters) gives the right output: one split (no combine), uneven splits, empty splits (7 of 16 tiles
+    each: the last gets 2), a count above the tiles (clamped), with q_len 1 and 3 and a short seqused_k."""
+    from llm_attn import _plan
+
+    smem = (16 * d + 2 * _plan.DECODE_CONFIGS.get(config, (1, 3))[1] * 64 * d) * 2
+    if smem > torch.cuda.get_device_properties(0).shared_memory_per_block_optin:
+        pytest.skip(f"{config} needs {smem} bytes of shared memory per block")
+    ids = {"auto": 0, **_plan.DECODE_CONFIG_IDS}
+    prev = cuda_ext.set_decode_splits(splits), cuda_ext.set_decode_config(ids[config])
+    try:
+        for sq, used in ((1, None), (3, None), (1, [1000, 130])):
+            torch.manual_seed(zlib.crc32(repr((d, splits, config, sq)).encode()))
+            q = torch.randn(2, 32, sq, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(2, 8, 1000, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(2, 8, 1000, d, device="cuda", dtype=torch.bfloat16)
+            seqused = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
+            check(cuda_ext, q, k, v, True, seqused_k=seqused)
+            if splits:
+                assert cuda_ext.num_splits(2, 32, 8, sq, 1000, d, 132) == min(splits, 16)
+    finally:
+        cuda_ext.set_decode_splits(prev[0])
+        cuda_ext.set_decode_config(prev[1])
+
+
 def test_force_tile_rejects_unknown(cuda_ext):
     from llm_attn.ops import force_tile
 

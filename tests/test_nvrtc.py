@@ -10,6 +10,7 @@ Set LLM_ATTN_REQUIRE_NVRTC=1 (CI does) to fail instead of skipping when they are
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import os
 import re
@@ -217,9 +218,11 @@ def test_every_planned_kernel_is_in_the_compiled_set():
             assert all(0 < g for g in launch.grid) and launch.grid[1] <= 65535 and launch.grid[2] <= 65535
             seen.add(launch.kernel)
         assert (len(p.launches) == 2) == (p.num_splits > 1 and not p.decode)
-    # Only the 2-stage head_dim-64 decode tile is never chosen here: 3 stages (50 KB) fit every GPU listed.
+    # Only the 2-stage head_dim-64 decode tile is never chosen here: 3 stages (50 KB) fit every GPU listed; the
+    # 4-stage decode tile only when forced (llm_attn.ops.force_decode, test_decode_overrides_in_the_plan).
     # The 176-key Hopper tile runs only with LLM_ATTN_SM90_BLOCKN=176 (test_plan_selects_the_hopper_kernel_...).
     never = {_plan.decode_kernel_name(bf16, _plan.DecodeTraits(64, 1, 2)) for bf16 in (False, True)}
+    never |= {_plan.decode_kernel_name(bf16, _plan.DecodeTraits(d, 1, 4)) for bf16 in (False, True) for d in (64, 128)}
     never |= {_plan.sm90_kernel_name(bf16, _plan.Sm90Traits(128, 176), False) for bf16 in (False, True)}
     assert known - seen == never, known - seen
 
@@ -245,6 +248,48 @@ def test_plan_known_cases():
     p = _plan.plan(_plan.Shape(1, 8, 8, 64, 8192, 128, False, False), H100)
     assert p.num_splits > 1 and p.launches[1].kernel == _plan.combine_kernel_name(False, 128)
     assert p.launches[1].grid == (_plan._cdiv(8 * 64, 4), 1, 1)
+
+
+def test_decode_overrides_in_the_plan():
+    """The decode tuning overrides (flash_decode_force_splits / _config in kernels/flash_fwd.cu and
+    flash_decode_launch.cuh, mirrored by Shape.decode_splits / decode_config): a forced split count is clamped to
+    the 64-key tiles; a forced config is taken where its row tiles hold the rows; prefill shapes are unaffected."""
+    ids = _plan.DECODE_CONFIG_IDS
+    assert list(ids) == [name for name, _, _ in _plan._table.DECODE_TRAITS] and sorted(ids.values()) == [1, 2, 3, 4]
+    for line in ("if (g_decode_splits > 0) return g_decode_splits < n_tiles ? g_decode_splits : n_tiles;",
+                 "case kDecodeDeep4: if (rows <= 16) return launch_decode<T, typename Config::Deep4>(params, stream); "
+                 "break;"):
+        assert line in _kernels_text("flash_fwd.cu") + _kernels_text("flash_decode_launch.cuh"), line
+    assert f"kDecodeConfigCount = {len(ids) + 1};" in _kernels_text("kernel_tiles.h")
+    s = _plan.Shape(1, 32, 8, 1, 8192, 128, False, True)
+    assert _plan.plan(s, H100).num_splits == 33
+    for forced, want in ((1, 1), (16, 16), (500, 128)):
+        p = _plan.plan(dataclasses.replace(s, decode_splits=forced), H100)
+        assert p.num_splits == want and p.launches[0].grid == (want, 8, 1)
+    deep4 = _plan.plan(dataclasses.replace(s, decode_config=ids["Deep4"]), H100).launches[0]
+    assert deep4.kernel.endswith("DecodeTraits<128, 1, 4>>") and deep4.smem == (16 * 128 + 2 * 4 * 64 * 128) * 2
+    shallow = _plan.plan(dataclasses.replace(s, decode_config=ids["Shallow"]), H100).launches[0]
+    assert shallow.kernel.endswith("DecodeTraits<128, 1, 2>>")
+    # 8 query heads per KV head x q_len 4 = 32 rows: only TwoTiles holds them, a one-tile config is ignored.
+    wide = _plan.Shape(1, 32, 4, 4, 8192, 128, False, True, decode_config=ids["Deep4"])
+    assert _plan.plan(wide, H100).launches[0].kernel.endswith("DecodeTraits<128, 2, 2>>")
+    prefill = _plan.Shape(1, 32, 8, 2048, 2048, 128, True, True)
+    assert _plan.plan(dataclasses.replace(prefill, decode_splits=7, decode_config=3), H100) == _plan.plan(prefill, H100)
+
+
+def test_nvrtc_decode_override_setters():
+    """_nvrtc's set_decode_splits / set_decode_config behave as binding.cpp's (previous value; -1 out of range) and
+    num_splits reads them."""
+    nvrtc = _nvrtc_or_skip()
+    try:
+        assert nvrtc.set_decode_splits(5) == 0 and nvrtc.set_decode_splits(-1) == -1
+        assert nvrtc.num_splits(1, 32, 8, 1, 8192, 128, 132) == 5
+        assert nvrtc.set_decode_config(4) == 0 and nvrtc.set_decode_config(99) == -1
+        assert nvrtc.set_decode_config(0) == 4
+    finally:
+        nvrtc.set_decode_splits(0)
+        nvrtc.set_decode_config(0)
+    assert nvrtc.num_splits(1, 32, 8, 1, 8192, 128, 132) == 33
 
 
 def _kernels_text(name: str) -> str:
