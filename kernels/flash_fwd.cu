@@ -61,15 +61,18 @@ int flash_decode_force_config(int config) {
 }
 int flash_decode_forced_config() { return g_decode_config; }
 
-// Decode: enough (batch, KV head, split) blocks for ~2 per SM, each split keeping at least one 64-key tile.
+// Decode: at most one (batch, KV head, split) block per SM, each split keeping at least 256 keys, and no split at
+// all where that gives fewer than 3 (a 2-way split does not repay its combine pass). Fitted on the H100 grid of
+// experiments/decode_splits.py (kernels/NOTES.md, "decode split rule v2"); llm_attn/_plan.py mirrors it.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
     const long blocks = static_cast<long>(p.batch) * p.num_kv_heads;
     const int n_tiles = (p.seqlen_k + 63) / 64;
     if (g_decode_splits > 0) return g_decode_splits < n_tiles ? g_decode_splits : n_tiles;
-    long splits = (2L * num_sms + blocks - 1) / blocks;
-    splits = splits < n_tiles ? splits : n_tiles;
+    long splits = num_sms / blocks;
+    const long by_keys = (p.seqlen_k + 255) / 256;
+    splits = splits < by_keys ? splits : by_keys;
     splits = splits < 128 ? splits : 128;
-    return splits > 1 ? static_cast<int>(splits) : 1;
+    return splits >= 3 ? static_cast<int>(splits) : 1;
 }
 
 bool flash_fwd_uses_decode_kernel(const FlashFwdParams& p) { return use_decode_kernel(p); }

@@ -178,8 +178,8 @@ def decode_num_splits(s: Shape, num_sms: int) -> int:
     if s.decode_splits > 0:  # forced: clamped to the 64-key tiles
         return min(s.decode_splits, _cdiv(s.seqlen_k, 64))
     blocks = s.batch * s.num_kv_heads
-    splits = min(_cdiv(2 * num_sms, blocks), _cdiv(s.seqlen_k, 64), 128)
-    return splits if splits > 1 else 1
+    splits = min(num_sms // blocks, _cdiv(s.seqlen_k, 256), 128)
+    return splits if splits >= 3 else 1
 
 
 def num_splits(s: Shape, num_sms: int) -> int:

@@ -228,10 +228,14 @@ def test_every_planned_kernel_is_in_the_compiled_set():
 
 
 def test_plan_known_cases():
-    # Llama 3 8B decode on an H100: 8 (batch x KV head) blocks, 2 x 132 / 8 = 33 splits, fused combine.
+    # Llama 3 8B decode on an H100: 8 (batch x KV head) blocks, 132 // 8 = 16 splits (one block per SM), fused combine.
     p = _plan.plan(_plan.Shape(1, 32, 8, 1, 32768, 128, True, True), H100)
-    assert (p.num_splits, p.decode, len(p.launches)) == (33, True, 1)
-    assert p.launches[0].grid == (33, 8, 1) and p.launches[0].kernel.endswith("DecodeTraits<128, 1, 3>>")
+    assert (p.num_splits, p.decode, len(p.launches)) == (16, True, 1)
+    assert p.launches[0].grid == (16, 8, 1) and p.launches[0].kernel.endswith("DecodeTraits<128, 1, 3>>")
+    # Batch 16: 128 blocks already fill the SMs, no split; 512 keys at batch 1: 2 splits would not repay the combine.
+    assert _plan.plan(_plan.Shape(16, 32, 8, 1, 32768, 128, True, True), H100).num_splits == 1
+    assert _plan.plan(_plan.Shape(1, 32, 8, 1, 512, 128, True, True), H100).num_splits == 1
+    assert _plan.plan(_plan.Shape(4, 32, 8, 1, 2048, 128, True, True), H100).num_splits == 4
     # RTX 4060 Ti: 99 KB per block; the 3-stage decode tile needs (16 x 128 + 2 x 3 x 64 x 128) x 2 B = 100 KB.
     dt = _plan.decode_traits(_plan.Shape(1, 32, 8, 1, 4096, 128), RTX4060TI.smem_per_block_optin)
     assert (dt.stages, dt.smem_bytes) == (2, 69632)
@@ -262,7 +266,7 @@ def test_decode_overrides_in_the_plan():
         assert line in _kernels_text("flash_fwd.cu") + _kernels_text("flash_decode_launch.cuh"), line
     assert f"kDecodeConfigCount = {len(ids) + 1};" in _kernels_text("kernel_tiles.h")
     s = _plan.Shape(1, 32, 8, 1, 8192, 128, False, True)
-    assert _plan.plan(s, H100).num_splits == 33
+    assert _plan.plan(s, H100).num_splits == 16
     for forced, want in ((1, 1), (16, 16), (500, 128)):
         p = _plan.plan(dataclasses.replace(s, decode_splits=forced), H100)
         assert p.num_splits == want and p.launches[0].grid == (want, 8, 1)
@@ -289,7 +293,7 @@ def test_nvrtc_decode_override_setters():
     finally:
         nvrtc.set_decode_splits(0)
         nvrtc.set_decode_config(0)
-    assert nvrtc.num_splits(1, 32, 8, 1, 8192, 128, 132) == 33
+    assert nvrtc.num_splits(1, 32, 8, 1, 8192, 128, 132) == 16
 
 
 def _kernels_text(name: str) -> str:
