@@ -267,5 +267,13 @@ def test_graph_vs_eager_account_splits_the_difference():
              "eager_profile": {"attention_ms": 4.0, "busy_ms": 68.0}}
     a = graph_vs_eager_account(graph, eager)
     assert a["host_removed_ms"] == pytest.approx(11.5) and a["unexplained_pct"] == pytest.approx(100 * 0.5 / 80)
+    assert a["other_changes"] == []  # the profiles name no other kernel
+    # The rest, itemised by kernel name: a mask the capture builds, a GEMM that did not change.
+    graph["profile"]["other_kernels"] = [{"name": "gemm", "launches": 224, "ms": 60.0},
+                                         {"name": "fill_mask", "launches": 32, "ms": 0.4}]
+    graph["eager_profile"]["other_kernels"] = [{"name": "gemm", "launches": 224, "ms": 60.01}]
+    a = graph_vs_eager_account(graph, eager)
+    assert [c["name"] for c in a["other_changes"]] == ["fill_mask"]
+    assert a["other_changes"][0]["delta_ms"] == pytest.approx(0.4) and a["other_changes"][0]["launches"] == (0, 32)
     assert graph_vs_eager_account({**graph, "eager_profile": None}, eager) is None
     assert graph_vs_eager_account(graph, {"status": "oom"}) is None

@@ -390,11 +390,12 @@ def _device_activity(events):
         yield e
 
 
-def attention_kernels_of(events) -> list[dict]:
-    """The attention kernels in a profile (``prof.events()``): name, launches and total ms, by total time."""
+def device_kernels_of(events, match: Callable[[str], bool] = lambda name: True) -> list[dict]:
+    """The device events of a profile (``prof.events()``) whose name ``match``es: name, launches and total ms, by
+    total time."""
     agg: dict[str, list] = {}
     for e in _device_activity(events):
-        if not ATTENTION_KERNEL.search(e.name):
+        if not match(e.name):
             continue
         a = agg.setdefault(e.name, [0, 0.0])
         a[0] += 1
@@ -402,9 +403,17 @@ def attention_kernels_of(events) -> list[dict]:
     return [{"name": n, "launches": c, "ms": ms} for n, (c, ms) in sorted(agg.items(), key=lambda x: -x[1][1])]
 
 
+def attention_kernels_of(events) -> list[dict]:
+    """The attention kernels in a profile (``prof.events()``): name, launches and total ms, by total time."""
+    return device_kernels_of(events, lambda name: bool(ATTENTION_KERNEL.search(name)))
+
+
 def device_busy_ms(events) -> float:
     """Summed duration of every device-side event (one stream: the time the GPU was busy)."""
     return sum((e.time_range.end - e.time_range.start) / 1e3 for e in _device_activity(events))
+
+
+OTHER_KERNELS_KEPT = 60  # an 8B Llama prefill runs ~20 distinct kernel names; the rest of a long tail is dropped
 
 
 def profile_device(run: Callable[[], None], device: torch.device) -> dict:
@@ -416,8 +425,11 @@ def profile_device(run: Callable[[], None], device: torch.device) -> dict:
         torch.cuda.synchronize(device)
     events = prof.events()
     kernels = attention_kernels_of(events)
+    rest = device_kernels_of(events, lambda name: not ATTENTION_KERNEL.search(name))
     return {"attention_kernels": kernels, "attention_ms": sum(k["ms"] for k in kernels),
-            "busy_ms": device_busy_ms(events)}
+            "busy_ms": device_busy_ms(events),
+            # Everything else by name (names cut to 160 characters), for graph_vs_eager_account's itemised rest.
+            "other_kernels": [{**k, "name": k["name"][:160]} for k in rest[:OTHER_KERNELS_KEPT]]}
 
 
 def profile_kernels(run: Callable[[], None], device: torch.device) -> list[dict]:
@@ -444,7 +456,23 @@ def graph_vs_eager_account(graph_row: dict, eager_row: dict) -> dict | None:
     other = (g["busy_ms"] - g["attention_ms"]) - (e["busy_ms"] - e["attention_ms"])
     host = (eager_ms - e["busy_ms"]) - (graph_ms - g["busy_ms"])
     return {"delta_ms": graph_ms - eager_ms, "attention_ms": attention, "other_ms": other, "host_removed_ms": host,
-            "unexplained_pct": 100.0 * abs(other) / eager_ms}
+            "unexplained_pct": 100.0 * abs(other) / eager_ms,
+            "other_changes": _kernel_changes(e.get("other_kernels") or [], g.get("other_kernels") or [])}
+
+
+def _kernel_changes(before: list[dict], after: list[dict], keep: int = 3, min_ms: float = 0.05) -> list[dict]:
+    """The non-attention kernels whose total time changed most between two profiles (by name): where the 'rest' of
+    graph_vs_eager_account sits, e.g. the mask a capture makes transformers build for SDPA."""
+    b = {k["name"]: k for k in before}
+    a = {k["name"]: k for k in after}
+    out = []
+    for name in set(a) | set(b):
+        ka, kb = a.get(name, {}), b.get(name, {})
+        d = ka.get("ms", 0.0) - kb.get("ms", 0.0)
+        if abs(d) >= min_ms:
+            out.append({"name": name, "delta_ms": d,
+                        "launches": (kb.get("launches", 0), ka.get("launches", 0))})
+    return sorted(out, key=lambda x: -abs(x["delta_ms"]))[:keep]
 
 
 def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int, cache: str = "dynamic",

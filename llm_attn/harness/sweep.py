@@ -498,7 +498,10 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                         and x.get("attention_kernels")), None)
         account = graph_vs_eager_account(tg, t) if tg and t else None
         if account and account["unexplained_pct"] > 2.0:
-            notes.append(f"graph vs eager: {account['unexplained_pct']:.1f}% of TTFT not from attention or host")
+            top = account.get("other_changes") or []
+            where = "; most: " + ", ".join(f"{c['name'][:40]} {c['delta_ms']:+.1f} ms ({c['launches'][0]}->"
+                                           f"{c['launches'][1]} launches)" for c in top[:2]) if top else ""
+            notes.append(f"graph vs eager: {account['unexplained_pct']:.1f}% of TTFT not from attention or host{where}")
         peak = next((x.get("peak_mem_bytes") for x in (t, dg, dgr) if x and x.get("peak_mem_bytes")), None)
         table.append([k[0], k[1], k[5], k[3], k[4],
                       cell(t, lambda r: f"{r['stats']['p50']:.2f}"),
