@@ -277,3 +277,20 @@ def test_graph_vs_eager_account_splits_the_difference():
     assert a["other_changes"][0]["delta_ms"] == pytest.approx(0.4) and a["other_changes"][0]["launches"] == (0, 32)
     assert graph_vs_eager_account({**graph, "eager_profile": None}, eager) is None
     assert graph_vs_eager_account(graph, {"status": "oom"}) is None
+
+
+def test_profile_sums_skip_annotation_ranges():
+    """torch 2.11 puts record_function ranges (the registry's 'llm_attn.attention:...') on the GPU timeline as events
+    that span their kernels and flags them only with is_user_annotation: counted, they doubled our eager attention."""
+    import types
+
+    from llm_attn.harness import measure
+
+    def event(name, ms, annotation=False):
+        return types.SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
+                                     time_range=types.SimpleNamespace(start=0, end=ms * 1e3))
+
+    events = [event("llm_attn.attention:llm_attn", 2.0, annotation=True), event("flash_fwd_sm90_kernel", 2.0),
+              event("gemm", 5.0)]
+    assert measure.attention_kernels_of(events) == [{"name": "flash_fwd_sm90_kernel", "launches": 1, "ms": 2.0}]
+    assert measure.device_busy_ms(events) == pytest.approx(7.0)
