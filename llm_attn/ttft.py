@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=20,
                    help="timed TTFT runs per implementation, paired (default 20)")
     p.add_argument("--decode-repeats", type=positive_int, default=3, help="timed decode runs (default 3)")
+    p.add_argument("--context", type=positive_int, default=None, metavar="N",
+                   help="decode_graph decodes with N tokens in the KV cache (the prompt's keys and values repeated "
+                        "after its prefill): decode at 8k or 32k context without a long prefill (default: the "
+                        "prompt's length)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "
                         f"{' '.join(DEFAULT_MEASUREMENTS)})")
@@ -131,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         fail(parser, problem)
     if args.tp is not None and (args.prompts or (args.seq and "dataset" in args.seq)):  # -- prompts --
         parser.error("--prompts and --seq dataset are not supported with --tp yet")
+    if args.context is not None:  # -- decode context: checked before anything loads --
+        if args.tp is not None or (args.seq and "dataset" in args.seq):
+            parser.error("--context is not supported with --tp or --seq dataset")
+        if "decode_graph" not in args.measure:
+            parser.error("--context sets decode_graph's KV length: add decode_graph to --measure")
+        longest = max((s for s in (args.seq or []) if isinstance(s, int)), default=0)
+        if args.context < longest:
+            parser.error(f"--context {args.context} is shorter than the longest prompt (--seq {longest})")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 
@@ -196,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     except session.SetupError as e:
         parser.error(str(e))
     print(f"model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    if args.context is not None:  # the default lengths and the model's positions are known now
+        problem = session.length_problem(model, [args.context], args.new_tokens, ["decode_graph"],
+                                         names=("--context", "--new-tokens"))
+        if args.context < max(seqs):
+            problem = f"--context {args.context} is shorter than the longest prompt ({max(seqs)} tokens)"
+        if problem:
+            parser.error(problem)
     print(session.describe_model(info, device, args.model), flush=True)
     prompts = None
     if texts is not None:  # -- prompts from a dataset --
@@ -210,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
-                      allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device,
+                      context=args.context, allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device,
                       plugins=plugins)
     if dataset_seq:  # -- --seq dataset --
         return _run_dataset(parser, args, cfg, model, info, prompts, argv)

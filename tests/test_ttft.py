@@ -256,6 +256,11 @@ def test_writer_survives_a_row_cut_by_a_crash(tmp_path):
     (["--new-tokens", "1"], "--new-tokens: must be >= 2"),
     (["--dtype", "int8"], "--dtype: invalid choice"),
     (["--measure", "everything"], "--measure: invalid choice"),
+    (["--context", "0"], "--context: must be a positive integer"),
+    (["--context", "4096", "--measure", "ttft"], "--context sets decode_graph's KV length"),
+    (["--context", "16", "--seq", "32", "--measure", "decode_graph"], "--context 16 is shorter than the longest prompt"),
+    (["--model", "tiny", "--device", "cpu", "--seq", "16", "--context", "100000", "--measure", "decode_graph"],
+     "--context 100000: longer than the model allows"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -426,3 +431,30 @@ def test_report_full_disk(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         report.main([str(REPO / "tests" / "fixtures"), "--out", str(tmp_path / "r")])
     assert e.value.code == 2 and "No space left on device" in capsys.readouterr().err
+
+
+def test_decode_graph_at_a_longer_context(tmp_path, capsys):
+    """--context: decode_graph with the cache filled to N tokens after a short prompt. Ours and stock sdpa decode the
+    same tokens over the same cache, ours natively; the KV length is in the row, the table and the resume key."""
+    out = tmp_path / "ctx.jsonl"
+    args = ["--model", "tiny", "--impl", "sdpa", "llm_attn", "--seq", "16", "--context", "150", "--measure",
+            "decode_graph", "--new-tokens", "6", "--decode-repeats", "2", *CPU, "--out", str(out), "--no-progress"]
+    assert ttft.main(args) == 0
+    assert "decode_graph at KV 150" in capsys.readouterr().out
+    rows = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["context"] == 150 and r["kv_len"] == 150 and r["context_filled"]
+        assert "--context 150" in r["command"]
+    assert rows["llm_attn"]["tokens"] == rows["sdpa"]["tokens"]
+    assert rows["llm_attn"]["attention_calls"]["stock_fallback"] == 0
+    # Bytes per step count the 150-token cache, not the 16-token prompt.
+    short = tmp_path / "short.jsonl"
+    assert ttft.main([a for a in args if a not in ("--context", "150")][:-3] + ["--out", str(short),
+                                                                                 "--no-progress"]) == 0
+    base = json.loads(short.read_text().splitlines()[0])
+    assert rows["sdpa"]["bytes_per_token"]["kv_cache"] > 5 * base["bytes_per_token"]["kv_cache"]
+    # Resuming finds the point; another context is another point.
+    assert ttft.main(args + ["--resume"]) == 0
+    assert len(out.read_text().splitlines()) == 2
+    assert ttft.main([*args[:8], "300", *args[9:], "--resume"]) == 0
+    assert len(out.read_text().splitlines()) == 4

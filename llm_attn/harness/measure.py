@@ -236,12 +236,29 @@ def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, run
     }
 
 
+def _extend_static_cache(cache, seq: int, context: int) -> None:
+    """Fill positions seq..context of every StaticCache layer with its first ``seq`` keys/values, repeated, and
+    move the layer's position counter to ``context`` (measure_decode_static's ``context``)."""
+    for layer in cache.layers:
+        for buf in (layer.keys, layer.values):
+            filled = buf[:, :, :seq]
+            reps = -(-(context - seq) // seq)
+            buf[:, :, seq:context] = filled.repeat(1, 1, reps, 1)[:, :, :context - seq]
+        layer.cumulative_length.fill_(context)
+
+
 def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs: int, use_graph: bool,
-                          on_run: Callable[[], None] | None = None) -> dict:
+                          on_run: Callable[[], None] | None = None, context: int | None = None) -> dict:
     """Kernel-limited decode: StaticCache, one greedy decode step per token, replayed from a CUDA graph when
     ``use_graph`` (CUDA only). Each step reads the previous token from a static buffer and writes the next one
     into it, so the replayed graph feeds itself. The cache's position counters are tensors that the step advances
-    in place; they are reset to the prompt length before every run, so all runs decode the same tokens."""
+    in place; they are reset to the prompt length before every run, so all runs decode the same tokens.
+
+    ``context``: decode as if the cache held ``context`` tokens (longer than the prompt). After the prompt's
+    prefill, cache positions ``seq..context`` are filled with the prompt's own keys and values, repeated, and the
+    position counters set to ``context``: each step then attends over ``context`` + step keys, as at the end of a
+    long conversation, without the cost of a long prefill. The tokens are then not the model's continuation of any
+    real text (the repeated keys carry their first positions' rotary phases); what is measured is the step time."""
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device
@@ -249,8 +266,11 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     if use_graph and not cuda:
         raise ValueError("CUDA-graph decode needs a CUDA device")
     batch, seq = input_ids.shape
+    if context is not None and context < seq:
+        raise ValueError(f"context ({context}) must be at least the prompt length ({seq})")
+    kv_len = seq if context is None else context
     n_steps = new_tokens - 1
-    cache = StaticCache(config=model.config, max_cache_len=seq + max(new_tokens, GRAPH_WARMUP_STEPS + 1))
+    cache = StaticCache(config=model.config, max_cache_len=kv_len + max(new_tokens, GRAPH_WARMUP_STEPS + 1))
     with torch.inference_mode():
         _reset_peak(device)
         first, _ = prefill_first_token(model, input_ids, cache=cache)
@@ -260,6 +280,8 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
             if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
                 raise RuntimeError(f"cache layer {type(layer).__name__} keeps no position tensor; the static decode "
                                    f"loop supports full-attention StaticCache layers only")
+        if kv_len > seq:
+            _extend_static_cache(cache, seq, kv_len)
         saved = [layer.cumulative_length.clone() for layer in cache.layers]
 
         def step():
@@ -329,6 +351,8 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
         "timer": "cuda_event" if cuda else "perf_counter",
         "mode": "cuda_graph" if use_graph else "static_cache_loop_no_graph",
         "runs": runs,
+        "kv_len": kv_len,  # the cache length the first decode step attends over
+        "context_filled": kv_len > seq,
         "tokens": tokens,
         "peak_mem_bytes": peak,
     }

@@ -77,6 +77,8 @@ class SweepParams:
     decode_repeats: int = 3
     measurements: list[str] = field(default_factory=lambda: list(DEFAULT_MEASUREMENTS))
     seed: int = 0
+    # decode_graph at this KV length after the prompt (measure_decode_static's context); None: the prompt's length.
+    context: int | None = None
     allow_dequant_fallback: bool = False
     # --plugin specs (a .py path or module[:attr]) that register implementations named in impls.
     plugins: list[str] = field(default_factory=list)
@@ -96,6 +98,11 @@ class SweepParams:
             raise ValueError(f"measurements: unknown {bad}; choose from {', '.join(ALL_MEASUREMENTS)}")
         for key, low in (("new_tokens", 2), ("warmup", 0), ("repeats", 1), ("decode_repeats", 1), ("seed", 0)):
             _int_at_least(key, getattr(self, key), low)
+        if self.context is not None:
+            _int_at_least("context", self.context, 1)
+            if self.context < max(self.seqs):
+                raise ValueError(f"context ({self.context}) must be at least every prompt length (largest: "
+                                 f"{max(self.seqs)})")
         if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
             raise ValueError(f"plugins must be a list of plugin specs (file.py or module[:attr]), got "
                              f"{self.plugins!r}")
@@ -131,6 +138,8 @@ class SweepConfig(SweepParams):
                  "--warmup", str(self.warmup), "--repeats", str(self.repeats),
                  "--decode-repeats", str(self.decode_repeats), "--measure", *measurements,
                  "--seed", str(self.seed), "--device", self.device]
+        if self.context is not None:
+            args += ["--context", str(self.context)]
         if self.allow_dequant_fallback:
             args.append("--allow-dequant-fallback")
         return shlex.join(args)
@@ -205,6 +214,7 @@ class Sweep:
             "device": self.env["device_slug"], "model_spec": self.cfg.model_spec, "model": self.info,
             "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq,
             "new_tokens": self.cfg.new_tokens,
+            **({"context": self.cfg.context} if measurement == "decode_graph" and self.cfg.context else {}),
             "env": self.env, "command": command,
             "argv": shlex.join(self.argv),
         }
@@ -212,7 +222,9 @@ class Sweep:
     def _key(self, measurement: str, impl: str, batch: int, seq: int) -> tuple:
         return point_key({"experiment": self.cfg.experiment, "model_spec": self.cfg.model_spec,
                           "dtype": self.cfg.dtype, "impl": impl, "batch": batch, "seq": seq,
-                          "new_tokens": self.cfg.new_tokens, "measurement": measurement})
+                          "new_tokens": self.cfg.new_tokens, "measurement": measurement,
+                          **({"context": self.cfg.context} if measurement == "decode_graph" and self.cfg.context
+                             else {})})
 
     def _emit(self, row: dict) -> None:
         self.writer.write(row)
@@ -249,7 +261,8 @@ class Sweep:
     # -- measurements -----------------------------------------------------------------------------------------------
     def _decode_extras(self, fields: dict, batch: int, seq: int) -> dict:
         dtype_bytes = torch.empty((), dtype=DTYPES[self.cfg.dtype]).element_size()
-        kv = flops.kv_bytes_per_token(self.geometry, batch, seq + self.cfg.new_tokens / 2, dtype_bytes)
+        kv = flops.kv_bytes_per_token(self.geometry, batch, fields.get("kv_len", seq) + self.cfg.new_tokens / 2,
+                                      dtype_bytes)
         per_step = {"weights": self.weight_bytes, "kv_cache": kv, "total": self.weight_bytes + kv}
         extras = {"bytes_per_token": per_step, "tok_s_all_sequences": fields["tok_s"] * batch}
         if self.device_entry is not None:
@@ -283,7 +296,8 @@ class Sweep:
                                              warmup_runs=1 if cfg.warmup > 0 else 0, on_run=inner.update)
         elif measurement == "decode_graph":
             fields = measure_decode_static(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
-                                           use_graph=self.device.type == "cuda", on_run=inner.update)
+                                           use_graph=self.device.type == "cuda", on_run=inner.update,
+                                           context=cfg.context)
         else:
             raise ValueError(f"unknown measurement {measurement!r}")
         return {**fields, **self._decode_extras(fields, batch, seq)}
@@ -451,6 +465,8 @@ def row_notes(row: dict | None) -> list[str]:
         n = calls["stock_fallback"] + (calls.get("impl") or 0)
         notes.append(f"FALLBACK {100 * calls['stock_fallback'] / n:.0f}% of attention calls to stock "
                      f"({calls['stock_fallback']}/{n})")
+    if row.get("context_filled"):
+        notes.append(f"decode_graph at KV {row['kv_len']} (cache filled after the prompt)")
     env = row.get("host_env") or {}
     if env.get("sm_clock_moved"):
         notes.append(f"SM clock moved {env['sm_clock_change_pct']:.0f}%")
