@@ -3,7 +3,7 @@
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [full] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
-#                                              [host] [verdicts] [lora] [decode_splits]
+#                                              [host] [verdicts] [lora] [decode_splits] [decode_context]
 # host: host µs per call (bench --mode host); verdicts: issue 18's targets on the default model (five fresh paired
 # TTFT runs at 2048, graph vs eager TTFT with the kernels named, and the harness against experiments/ttft_probe.py);
 # lora: examples/finetune_lora.py on the 8B-shaped model (needs datasets: carried in .whl/, installed by awq).
@@ -136,6 +136,12 @@ fi
 if has decode_splits; then  # issue 19: every forced (tile, split count) per (B, KV) against cuDNN/flash; its heur column is the shipped rule
   timeout 300 python3 experiments/decode_splits.py --out "$OUT/decode_splits.json" >"$OUT/decode_splits.txt" 2>&1
   echo "decode_splits exit $?"; tail -22 "$OUT/decode_splits.txt"
+fi
+if has decode_context; then  # issue 19: decode tok/s (graph) of the default model with 2k, 8k and 32k tokens in the cache
+  for ctx in 2048 8192 32768; do
+    python3 -m llm_attn.ttft --seq 512 --impl sdpa llm_attn --measure decode_graph --context $ctx \
+      --out "$OUT/decode_context_$ctx.jsonl" --no-progress 2>&1 | grep -E "^\| llama" | cut -c1-40,180-260
+  done
 fi
 if has host; then
   python3 -m llm_attn.bench --mode host --dtypes fp16 bf16 --out "$OUT/host.jsonl" 2>&1 | tee "$OUT/host.log" | tail -14
