@@ -140,7 +140,7 @@ fi
 if has decode_context; then  # issue 19: decode tok/s (graph) of the default model with 2k, 8k and 32k tokens in the cache
   for ctx in 2048 8192 32768; do
     python3 -m llm_attn.ttft --seq 512 --impl sdpa llm_attn --measure decode_graph --context $ctx \
-      --out "$OUT/decode_context_$ctx.jsonl" --no-progress 2>&1 | grep -E "^\| llama" | cut -c1-40,180-260
+      --out "$OUT/decode_context_$ctx.jsonl" --no-progress 2>&1 | grep -E "^\| llama"
   done
 fi
 if has host; then
