@@ -409,7 +409,7 @@ def _device_activity(events):
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CPU:
             continue
-        # record_function ranges (a custom op's own, e.g. 'llm_attn::flash_fwd') also appear on the GPU timeline as
+        # record_function ranges (the registry's, e.g. 'llm_attn.attention:llm_attn') also appear on the GPU timeline as
         # annotations spanning their kernels: counted, they doubled our eager attention time on the H100. torch 2.13
         # says so in activity_type; 2.11 has no such attribute but flags is_user_annotation.
         if "annotation" in str(getattr(e, "activity_type", "") or "") or getattr(e, "is_user_annotation", False):
