@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
-                      context=args.context, allow_dequant_fallback=args.allow_dequant_fallback, experiment=args.experiment, device=device,
+                      context=args.context, allow_dequant_fallback=args.allow_dequant_fallback,
+                      experiment=args.experiment, device=device,
                       plugins=plugins)
     if dataset_seq:  # -- --seq dataset --
         return _run_dataset(parser, args, cfg, model, info, prompts, argv)

@@ -287,7 +287,8 @@ def test_profile_sums_skip_annotation_ranges():
     from llm_attn.harness import measure
 
     def event(name, ms, annotation=False):
-        return types.SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
+        return types.SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                                     is_user_annotation=annotation,
                                      time_range=types.SimpleNamespace(start=0, end=ms * 1e3))
 
     events = [event("llm_attn.attention:llm_attn", 2.0, annotation=True), event("flash_fwd_sm90_kernel", 2.0),

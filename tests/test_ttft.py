@@ -258,7 +258,8 @@ def test_writer_survives_a_row_cut_by_a_crash(tmp_path):
     (["--measure", "everything"], "--measure: invalid choice"),
     (["--context", "0"], "--context: must be a positive integer"),
     (["--context", "4096", "--measure", "ttft"], "--context sets decode_graph's KV length"),
-    (["--context", "16", "--seq", "32", "--measure", "decode_graph"], "--context 16 is shorter than the longest prompt"),
+    (["--context", "16", "--seq", "32", "--measure", "decode_graph"],
+     "--context 16 is shorter than the longest prompt"),
     (["--model", "tiny", "--device", "cpu", "--seq", "16", "--context", "100000", "--measure", "decode_graph"],
      "--context 100000: longer than the model allows"),
 ])
