@@ -134,7 +134,7 @@ if has decode; then
   python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40
 fi
 if has decode_splits; then  # issue 19: every forced (tile, split count) per (B, KV) against cuDNN/flash; its heur column is the shipped rule
-  timeout 300 python3 experiments/decode_splits.py --out "$OUT/decode_splits.json" >"$OUT/decode_splits.txt" 2>&1
+  timeout 300 python3 experiments/decode_splits.py --dtypes bf16 fp16 --out "$OUT/decode_splits.json" >"$OUT/decode_splits.txt" 2>&1
   echo "decode_splits exit $?"; tail -22 "$OUT/decode_splits.txt"
 fi
 if has decode_context; then  # issue 19: decode tok/s (graph) of the default model with 2k, 8k and 32k tokens in the cache
