@@ -214,7 +214,7 @@ class Sweep:
             "device": self.env["device_slug"], "model_spec": self.cfg.model_spec, "model": self.info,
             "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq,
             "new_tokens": self.cfg.new_tokens,
-            **({"context": self.cfg.context} if measurement == "decode_graph" and self.cfg.context else {}),
+            **self._context_field(measurement),
             "env": self.env, "command": command,
             "argv": shlex.join(self.argv),
         }
@@ -223,8 +223,11 @@ class Sweep:
         return point_key({"experiment": self.cfg.experiment, "model_spec": self.cfg.model_spec,
                           "dtype": self.cfg.dtype, "impl": impl, "batch": batch, "seq": seq,
                           "new_tokens": self.cfg.new_tokens, "measurement": measurement,
-                          **({"context": self.cfg.context} if measurement == "decode_graph" and self.cfg.context
-                             else {})})
+                          **self._context_field(measurement)})
+
+    def _context_field(self, measurement: str) -> dict:
+        """--context belongs to decode_graph's rows (and resume keys) only."""
+        return {"context": self.cfg.context} if measurement == "decode_graph" and self.cfg.context else {}
 
     def _emit(self, row: dict) -> None:
         self.writer.write(row)
