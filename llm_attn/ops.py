@@ -204,7 +204,6 @@ def force_tile(tile: str):
         ext.set_tile(prev)
 
 
-
 @contextlib.contextmanager
 def force_decode(splits: int = 0, config: str = "auto"):
     """Force the split-KV decode kernel's choices inside the block (tuning: experiments/decode_splits.py; tests).
