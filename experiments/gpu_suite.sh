@@ -3,7 +3,7 @@
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [full] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
-#                                              [host] [verdicts] [lora] [decode_splits] [decode_context]
+#                                              [host] [verdicts] [lora] [decode_splits] [decode_context] [durations]
 # host: host µs per call (bench --mode host); verdicts: issue 18's targets on the default model (five fresh paired
 # TTFT runs at 2048, graph vs eager TTFT with the kernels named, and the harness against experiments/ttft_probe.py);
 # lora: examples/finetune_lora.py on the 8B-shaped model (needs datasets: carried in .whl/, installed by awq).
@@ -33,6 +33,12 @@ stamp=$(LC_ALL=C; cat kernels/*.cu kernels/*.cuh kernels/*.h kernels/*.cpp setup
 # it when installed); a git-ignored link gives the same module path here.
 [ -e llm_attn/patches ] || ln -s ../patches llm_attn/patches
 if has build; then
+  # An extension carried from an earlier call (`carry: [".carry"]`, .carry/_C.so.gz + .carry/_C.stamp) is used when
+  # its stamp matches the sources.
+  if [ -f .carry/_C.so.gz ] && [ "$(cat .carry/_C.stamp 2>/dev/null)" = "$stamp" ] && ! ls llm_attn/_C*.so >/dev/null 2>&1; then
+    gunzip -c .carry/_C.so.gz > "llm_attn/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+    cp .carry/_C.stamp llm_attn/_C.stamp
+  fi
   if [ "$(cat llm_attn/_C.stamp 2>/dev/null)" != "$stamp" ] || ! ls llm_attn/_C*.so >/dev/null 2>&1; then
     rm -f llm_attn/_C*.so
     start=$(date +%s)
@@ -72,11 +78,17 @@ if has readme; then
    if ls llm_attn/_C*.so >/dev/null 2>&1; then gzip -1 -c llm_attn/_C*.so > "$OUT/_C.so.gz"; echo "$stamp" > "$OUT/_C.stamp"; fi
    echo "README command 2: $cmd2"
    start=$(date +%s)
-   PYTEST_ADDOPTS="--durations=15 -rfE" LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | tail -20
+   PYTEST_ADDOPTS="--durations=25 -rfE -v" LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | grep -v -E "PASSED|SKIPPED|^$" | tail -45
    echo "README command 2: $(( $(date +%s) - start )) s (must stay under 600)")
 fi
 if has test; then
   python3 -m pytest -q -p no:cacheprovider -m full ${PYTEST_ARGS:-tests/test_kernel_gpu.py} 2>&1 | tee "$OUT/pytest.log" | tail -25
+fi
+if has durations; then  # the README's test command in this tree, timed per test (what makes it slow on a GPU)
+  start=$(date +%s)
+  timeout -s INT ${DURATIONS_LIMIT:-420} python3 -m pytest -q -p no:cacheprovider --durations=60 -rfE tests 2>&1 \
+    | tee "$OUT/pytest_durations.log" | grep -v -E "^\s*$" | tail -80
+  echo "README test command in this tree: $(( $(date +%s) - start )) s"
 fi
 if has full; then
   start=$(date +%s)
@@ -128,7 +140,7 @@ if has ncu; then  # what limits the kernels (clocks left as they are); one repor
   grep -E "#####|Duration|Compute \(SM\) Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|Shared Memory Throughput|Waves Per SM" "$OUT/ncu.txt"
 fi
 if has profile; then
-  python3 experiments/profile_decode.py ${PROFILE_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/profile.log" | grep -A14 "=="
+  python3 experiments/profile_decode.py ${PROFILE_ARGS:-} 2>&1 | grep -v -E "Warning|warn" | tee "$OUT/profile.log" | grep -A45 "=="
 fi
 if has decode; then
   python3 -m llm_attn.bench --mode decode ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/bench_decode.log" | grep -v "^dtype=" | tail -40
