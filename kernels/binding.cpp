@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <tuple>
 #include <vector>
 
 #include "flash.h"
@@ -76,14 +77,16 @@ void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k, cons
     p.is_bf16 = q.scalar_type() == at::kBFloat16;
 }
 
-void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-             const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+// Every check of the forward's inputs, in the order (and words) of llm_attn/kernel_contract.py's launcher_problem.
+// out/lse are checked where given (mha_fwd); mha_fwd_alloc makes them itself.
+void check_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* out,
+               const at::Tensor* lse, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
     CHECK_INPUT(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                 "only float16 and bfloat16 are supported, got ", q.scalar_type());
     check_operand(q, "q", q);
     check_operand(k, "k", q);
     check_operand(v, "v", q);
-    check_operand(out, "out", q);
+    if (out) check_operand(*out, "out", q);
     const int64_t batch = q.size(0), num_heads = q.size(1), seqlen_q = q.size(2), head_dim = q.size(3);
     const int64_t num_kv_heads = k.size(1), seqlen_k = k.size(2);
     CHECK_INPUT(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", num(head_dim));
@@ -98,10 +101,13 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
     CHECK_INPUT(num_heads <= 65535 && batch <= 65535, "at most 65535 heads and batch 65535, got ", num(num_heads), " and ",
                 num(batch));
     CHECK_INPUT(!causal || seqlen_q <= 65535 * 64, "causal q_len must be <= ", num(65535 * 64), ", got ", num(seqlen_q));
-    CHECK_INPUT(out.sizes() == q.sizes(), "out ", shape(out.sizes()), " must match q ", shape(q.sizes()));
-    CHECK_INPUT(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                    lse.dim() == 3 && lse.size(0) == batch && lse.size(1) == num_heads && lse.size(2) == seqlen_q,
-                "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+    if (out) CHECK_INPUT(out->sizes() == q.sizes(), "out ", shape(out->sizes()), " must match q ", shape(q.sizes()));
+    if (lse) {
+        CHECK_INPUT(lse->is_cuda() && lse->device() == q.device() && lse->scalar_type() == at::kFloat &&
+                        lse->is_contiguous() && lse->dim() == 3 && lse->size(0) == batch && lse->size(1) == num_heads &&
+                        lse->size(2) == seqlen_q,
+                    "lse must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device");
+    }
     CHECK_INPUT(std::isfinite(scale), "scale must be finite");
     // As flash_attn_func (llm_attn/ops.py): with scale < 0 the row max taken before scaling is the wrong one.
     CHECK_INPUT(scale >= 0, "scale must be >= 0 (the kernels' online softmax takes each row's max before scaling), ",
@@ -112,7 +118,11 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
         CHECK_INPUT(s.scalar_type() == at::kInt && s.dim() == 1 && s.size(0) == batch && s.is_contiguous(),
                     "seqused_k must be a contiguous int32 tensor of shape (batch,)");
     }
+}
 
+// Fills FlashFwdParams for checked inputs, allocates the split-KV workspace and launches on the current stream.
+void launch_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                const at::Tensor& lse, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
     const c10::cuda::CUDAGuard guard(q.device());
     llm_attn::FlashFwdParams p{};
     set_shared_params(p, q, k, v, out, lse, seqused_k, scale, causal);
@@ -120,22 +130,46 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     p.num_splits = llm_attn::flash_fwd_num_splits(p, num_sms);
-    at::Tensor o_accum, lse_accum, split_counters;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    at::Tensor workspace;
     if (p.num_splits > 1) {
-        auto opts = q.options().dtype(at::kFloat);
-        o_accum = at::empty({p.num_splits, batch, num_heads, seqlen_q, head_dim}, opts);
-        lse_accum = at::empty({p.num_splits, batch, num_heads, seqlen_q}, opts);
-        p.o_accum = o_accum.data_ptr<float>();
-        p.lse_accum = lse_accum.data_ptr<float>();
-        if (llm_attn::flash_fwd_uses_decode_kernel(p)) {
-            // Zeroed per call (one memset node in a CUDA graph). A persistent buffer would save it, but an
-            // allocation that outlives the call breaks torch.compile's CUDA-graph trees (found on the H100).
-            split_counters = at::zeros({batch * num_kv_heads}, q.options().dtype(at::kInt));
-            p.split_counters = split_counters.data_ptr<int>();
+        // One allocation from torch's caching allocator (safe under CUDA-graph capture) for the partial outputs,
+        // their log-sum-exps and the decode kernel's per-(batch, KV head) arrival counters: o_accum
+        // (splits, B, H, Sq, D) floats, lse_accum (splits, B, H, Sq) floats, then B * Hkv int32 counters, zeroed
+        // per call (one memset node in a CUDA graph). A buffer that outlives the call would save the memset, but
+        // it breaks torch.compile's CUDA-graph trees (found on the H100).
+        const int64_t rows = static_cast<int64_t>(p.num_splits) * p.batch * p.num_heads * p.seqlen_q;
+        const bool counters = llm_attn::flash_fwd_uses_decode_kernel(p);
+        const int64_t n_counters = counters ? static_cast<int64_t>(p.batch) * p.num_kv_heads : 0;
+        workspace = at::empty({rows * (p.head_dim + 1) + n_counters}, q.options().dtype(at::kFloat));
+        p.o_accum = workspace.data_ptr<float>();
+        p.lse_accum = p.o_accum + rows * p.head_dim;
+        if (counters) {
+            p.split_counters = reinterpret_cast<int*>(p.lse_accum + rows);
+            const cudaError_t err = cudaMemsetAsync(p.split_counters, 0, n_counters * sizeof(int), stream);
+            TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd: zeroing the split counters failed: ",
+                        cudaGetErrorString(err));
         }
     }
-    const cudaError_t err = llm_attn::run_flash_fwd(p, at::cuda::getCurrentCUDAStream());
+    const cudaError_t err = llm_attn::run_flash_fwd(p, stream);
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    check_fwd(q, k, v, &out, &lse, seqused_k, scale, causal);
+    launch_fwd(q, k, v, out, lse, seqused_k, scale, causal);
+}
+
+// mha_fwd with its outputs made here (one Python -> C++ crossing per call instead of three): out in (B, Sq, Hq, D)
+// memory order viewed as (B, Hq, Sq, D), so that transformers' layout is a free view, and lse (B, Hq, Sq) float32.
+std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
+    at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+    at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    launch_fwd(q, k, v, out, lse, seqused_k, scale, causal);
+    return {out, lse};
 }
 
 int64_t num_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q, int64_t seqlen_k,
@@ -290,6 +324,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "llm_attn CUDA kernels (FlashAttention-2 forward, Hopper wgmma/TMA forward, split-KV decode)";
     m.def("mha_fwd", &mha_fwd, "FlashAttention forward into preallocated out/lse", py::arg("q"), py::arg("k"),
           py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("mha_fwd_alloc", &mha_fwd_alloc, "FlashAttention forward; returns (out, lse) allocated here",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("num_splits", &num_splits, "KV splits the forward would use for these shapes (1 = none)");
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
     m.def("sm90_available", [] { return llm_attn::flash_fwd_sm90_available(); },

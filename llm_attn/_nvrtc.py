@@ -524,19 +524,19 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     p.lse = lse.data_ptr()
     p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
-    keep = []  # the workspace lives until the launches are queued; torch's allocator orders its reuse by stream
+    workspace = None  # lives until the launches are queued; torch's allocator orders its reuse by stream
     if plan.num_splits > 1:
+        # One allocation, laid out as binding.cpp's launch_fwd lays it out: o_accum (splits, B, H, Sq, D) floats,
+        # lse_accum (splits, B, H, Sq) floats, then the decode kernel's B * Hkv int32 counters, zeroed per call.
         batch, num_heads, seqlen_q, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        o_accum = torch.empty((plan.num_splits, batch, num_heads, seqlen_q, head_dim), dtype=torch.float32,
-                              device=q.device)
-        lse_accum = torch.empty((plan.num_splits, batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
-        p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
-        keep += [o_accum, lse_accum]
-        if plan.decode:  # zeroed per call, as in binding.cpp (one memset node in a CUDA graph)
-            counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
-            p.split_counters = counters.data_ptr()
-            keep.append(counters)
+        rows = plan.num_splits * batch * num_heads * seqlen_q
+        n_counters = batch * k.shape[1] if plan.decode else 0
+        workspace = torch.empty(rows * (head_dim + 1) + n_counters, dtype=torch.float32, device=q.device)
+        base = workspace.data_ptr()
+        p.o_accum, p.lse_accum = base, base + rows * head_dim * 4
+        if plan.decode:
+            p.split_counters = base + rows * (head_dim + 1) * 4
+            workspace[rows * (head_dim + 1):].view(torch.int32).zero_()
     if index == torch.cuda.current_device():
         stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
         for launch in plan.launches:
@@ -546,6 +546,17 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         with torch.cuda.device(index):
             for launch in plan.launches:
                 _launch(index, launch, p, stream)
+
+
+def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mha_fwd`` with its outputs made here, as binding.cpp's ``mha_fwd_alloc``: out in (B, Sq, Hq, D) memory
+    order viewed as (B, Hq, Sq, D), lse (B, Hq, Sq) float32. For inputs that ``flash_attn_func`` has checked."""
+    b, h, s, d = q.shape
+    out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    mha_fwd(q, k, v, out, lse, seqused_k, scale, causal)
+    return out, lse
 
 
 # The current stream's raw handle without building a torch.cuda.Stream (what torch's own generated code calls).

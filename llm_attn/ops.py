@@ -72,11 +72,9 @@ def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
         k = k.contiguous()
     if not _aligned16(v):
         v = v.contiguous()
-    out, lse = _empty_outputs(q)
-    # lse is kept: the kernels write it unconditionally (binding.cpp's mha_fwd requires it), and it is one small
-    # float32 (B, Hq, Sq) allocation from torch's caching allocator.
-    (ext or _current_ext()).mha_fwd(q, k, v, out, lse, seqused_k, float(scale), bool(causal))
-    return out, lse
+    # The build makes out (in _empty_outputs' layout) and lse: one crossing into C++ per call on the host-bound path
+    # (lse is kept: the kernels write it unconditionally, one small float32 (B, Hq, Sq) allocation).
+    return (ext or _current_ext()).mha_fwd_alloc(q, k, v, seqused_k, float(scale), bool(causal))
 
 
 @_flash_fwd.register_fake

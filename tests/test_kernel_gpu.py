@@ -310,15 +310,21 @@ def test_custom_scale_and_large_logits(cuda_ext):
     check(cuda_ext, q, k, v, causal=False, scale=0.3)
 
 
-def test_public_api_matches_raw_and_is_deterministic(cuda_ext):
-    q = torch.randn(2, 32, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1, 8192), (3, 2049)], ids=["prefill", "decode-split", "q3-split"])
+def test_public_api_matches_raw_and_is_deterministic(cuda_ext, sq, sk):
+    """flash_attn_func (the build's mha_fwd_alloc: outputs made by the build, one split workspace with its counters)
+    gives bit for bit what mha_fwd gives into NaN-poisoned outputs, prefill and split decode alike."""
+    q = torch.randn(2, 32, sq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, sk, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 8, sk, 128, device="cuda", dtype=torch.bfloat16)
     out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
     raw, raw_lse = run_raw(cuda_ext, q, k, v, True)
+    assert not raw.isnan().any() and not raw_lse.isnan().any()
     assert torch.equal(out, raw) and torch.equal(lse, raw_lse)
     assert torch.equal(flash_attn_func(q, k, v, causal=True), out)
-    assert out.transpose(1, 2).is_contiguous()
+    alloc, alloc_lse = cuda_ext.mha_fwd_alloc(q, k, v, None, 1 / math.sqrt(128), True)
+    assert torch.equal(alloc, raw) and torch.equal(alloc_lse, raw_lse)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous() and lse.is_contiguous()
 
 
 def test_cuda_graph_capture_and_compile(cuda_ext):
