@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "untimed generate when > 0")
     p.add_argument("--repeats", type=positive_int, default=20,
                    help="timed TTFT runs per implementation, paired (default 20)")
-    p.add_argument("--decode-repeats", type=positive_int, default=3, help="timed decode runs (default 3)")
+    p.add_argument("--decode-repeats", type=positive_int, default=5,
+                   help="timed decode runs per implementation, paired like TTFT (default 5)")
     p.add_argument("--context", type=positive_int, default=None, metavar="N",
                    help="decode_graph decodes with N tokens in the KV cache (the prompt's keys and values repeated "
                         "after its prefill): decode at 8k or 32k context without a long prefill (default: the "

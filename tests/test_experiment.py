@@ -113,20 +113,21 @@ def test_runner_resumes_an_interrupted_sweep_and_feeds_the_report(tmp_path, monk
     monkeypatch.setattr(sweep_mod, "measure_decode_static", interrupted)
     assert experiment.main(args) == 130
     first = list(iter_rows(out, strict=True))
-    # paired TTFT of both impls @16 and @24, then sdpa@16: generate, graph; sdpa@24: generate (then Ctrl-C)
-    assert len(first) == 7
+    # paired TTFT of both impls @16 and @24, paired decode_generate @16 and @24, then Ctrl-C in the second warm-up
+    # run of the paired decode_graph @16
+    assert len(first) == 8
     assert "run the same command again" in capsys.readouterr().err
 
     monkeypatch.setattr(sweep_mod, "measure_decode_static", real)
     assert experiment.main(args) == 0
     rows = list(iter_rows(out, strict=True))
-    assert rows[:7] == first
+    assert rows[:8] == first
     # 2 impls x 2 lengths x 3 measurements + correctness at 2 lengths
     assert len(rows) == 14 and len({point_key(r) for r in rows}) == 14
     for r in rows:
         validate_row(r)
         assert r["experiment"] == "tiny-sweep" and r["status"] == "ok" and r["device"] == "cpu"
-    assert "resumed: 7 measurements" in capsys.readouterr().out
+    assert "resumed: 8 measurements" in capsys.readouterr().out
 
     # A third run finds everything done and adds nothing.
     assert experiment.main(args) == 0

@@ -6,6 +6,8 @@ with raw pairs, ``ttft_graph`` off CUDA, and static-cache decode running nativel
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,13 @@ import torch
 from llm_attn import models, ttft
 from llm_attn.harness import hostenv
 from llm_attn.harness.measure import GraphCaptureUnsupported, measure_decode_static, measure_ttft_graph
-from llm_attn.harness.paired import host_bound_summary, pairing_order, paired_verdicts, switch_cost_ms
+from llm_attn.harness.paired import (
+    host_bound_summary,
+    measure_decode_paired,
+    pairing_order,
+    paired_verdicts,
+    switch_cost_ms,
+)
 from llm_attn.harness.results import iter_rows, validate_row
 from llm_attn.harness.stats import format_ratio_interval, paired_ratio_interval
 from llm_attn.harness.sweep import row_notes, summary_table, verdict_cell
@@ -35,6 +43,40 @@ def test_pairing_order_is_a_seeded_shuffle_per_repeat():
         pairing_order(["a", "a"], 3, 0)
     with pytest.raises(ValueError):
         pairing_order(["a"], 0, 0)
+
+
+# -- paired decode ----------------------------------------------------------------------------------------------------
+def test_decode_is_paired_and_an_implementation_that_cannot_run_is_left_out():
+    """Every repeat runs each implementation once in the seeded order; host drift shared by a repeat cancels in the
+    tok/s verdict; an implementation whose warm-up raises is returned with its error and the others are paired."""
+    ran, current, drift = [], [None], iter(np.linspace(1.0, 2.0, 100))
+    step_ms = {"sdpa": 10.0, "fast": 8.0}
+
+    @contextlib.contextmanager
+    def switch(model, impl):
+        current[0] = impl
+        yield None
+        current[0] = None
+
+    def run_once():
+        impl = current[0]
+        if impl == "broken":
+            raise RuntimeError("cannot be captured")
+        ran.append(impl)
+        t = step_ms[impl] * next(drift)
+        return {"samples_ms": [t, t], "run_tpot_ms": [t], "tokens": [[1, 2, 3]], "peak_mem_bytes": None,
+                "mode": "test"}
+
+    out, failed = measure_decode_paired(None, ["sdpa", "broken", "fast"], 6, switch=switch, run_once=run_once,
+                                        seed=3)
+    assert set(failed) == {"broken"} and "cannot be captured" in str(failed["broken"])
+    order = pairing_order(["sdpa", "fast"], 6, 3)
+    assert ran == ["sdpa", "fast"] + [i for rep in order for i in rep]  # warm-ups, then the paired repeats
+    row = {**out["fast"], "impl": "fast"}
+    assert row["paired"]["order"] == order and len(row["run_tpot_ms"]) == 6 and row["runs"] == 6
+    assert row["tok_s"] == pytest.approx(1e3 / np.median(row["run_tpot_ms"]))
+    iv = paired_verdicts(row, ["sdpa"])["sdpa"]  # fast's tok/s over sdpa's: 10/8, drift or not
+    assert iv["low"] > 1.1 and not iv["contains_one"], iv
 
 
 # -- the interval -----------------------------------------------------------------------------------------------------

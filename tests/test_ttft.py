@@ -135,7 +135,10 @@ def test_row_command_reproduces_the_point(cli_run, tmp_path, capsys):
     assert args[:3] == ["python", "-m", "llm_attn.ttft"]
     again = tmp_path / "again.jsonl"
     assert ttft.main(args[3:] + ["--out", str(again), "--no-progress"]) == 0
-    (new,) = rows_of(again)
+    # A paired point's command re-runs its pairing: one row per implementation paired with this one.
+    new_rows = rows_of(again)
+    assert sorted(r["impl"] for r in new_rows) == sorted(row["paired"]["impls"])
+    new = next(r for r in new_rows if r["impl"] == row["impl"])
     assert point_key(new) == point_key(row)
     assert new["tokens"] == row["tokens"]  # same seeded prompt, same greedy tokens
 
@@ -203,18 +206,19 @@ def test_ctrl_c_keeps_finished_rows_and_resume_completes(tmp_path, monkeypatch, 
 
     def interrupted(*a, **kw):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 8:
             raise KeyboardInterrupt
         return real(*a, **kw)
 
     monkeypatch.setattr(sweep_mod, "measure_decode_generate", interrupted)
     assert ttft.main(args) == 130
     first = rows_of(out)
-    # paired TTFT first (both implementations per length), then sdpa: gen16, gen32; llm_attn: Ctrl-C inside its
-    # first decode
+    # paired TTFT first (both implementations per length), then paired decode @16 (a warm-up run each, then 2
+    # repeats of both: 6 runs); Ctrl-C in the second warm-up run @32
     assert [(r["impl"], r["seq"], r["kind"]) for r in first] == [
         ("sdpa", 16, "ttft"), ("llm_attn", 16, "ttft"), ("sdpa", 32, "ttft"), ("llm_attn", 32, "ttft"),
-        ("sdpa", 16, "decode_generate"), ("sdpa", 32, "decode_generate")]
+        ("sdpa", 16, "decode_generate"), ("llm_attn", 16, "decode_generate")]
+    assert first[-1]["paired"]["impls"] == ["sdpa", "llm_attn"] and len(first[-1]["run_tpot_ms"]) == 2
     monkeypatch.setattr(sweep_mod, "measure_decode_generate", real)
     assert ttft.main(args + ["--resume"]) == 0
     rows = rows_of(out)

@@ -300,3 +300,83 @@ def measure_ttft_over_prompts(model, prompts: Sequence[torch.Tensor], impls: Seq
         if has_calls[i]:
             out[i]["attention_calls"] = {"impl": calls[i]["impl"], "stock_fallback": calls[i]["stock_fallback"]}
     return out
+
+
+def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: Callable,
+                          run_once: Callable[[], dict], seed: int = 0,
+                          on_repeat: Callable[[], None] | None = None) -> tuple[dict[str, dict], dict[str, Exception]]:
+    """Paired decode tok/s (issue 19): as TTFT, every implementation runs once per repeat, in a seeded shuffled
+    order, so host drift hits all of them alike. ``run_once()`` is one run of a decode measurement on the model as
+    switched (``measure_decode_generate`` / ``measure_decode_static`` with ``runs=1``) and returns its fields.
+
+    Each implementation first runs once untimed (the warm-up: decode shapes compile and allocate on first use); one
+    whose warm-up raises (e.g. eager attention inside a CUDA graph) is left out of the pairing and returned in the
+    second dict with its exception, and the others are paired without it.
+
+    Each row holds every run's per-token samples (``samples_ms``), each repeat's time per output token
+    (``run_tpot_ms``), tok/s from their median (``tok_s``), and the ``paired`` record whose ``samples_ms`` are those
+    per-repeat times per output token: ``paired_verdicts`` then gives median(reference tpot) / median(mine), i.e.
+    my tok/s over the reference's, with its paired-bootstrap interval."""
+    failed: dict[str, Exception] = {}
+    with no_gc():
+        for impl in list(impls):
+            try:
+                with switch(model, impl):
+                    run_once()
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 (the caller records it as this implementation's row)
+                failed[impl] = e
+        impls = [i for i in impls if i not in failed]
+        if not impls:
+            return {}, failed
+        order = pairing_order(impls, repeats, seed)
+        runs = {i: [] for i in impls}
+        pos = {i: [] for i in impls}
+        calls = {i: Counter() for i in impls}
+        reasons = {i: Counter() for i in impls}
+        patch_report = dict.fromkeys(impls)
+        for r in range(repeats):
+            for p, impl in enumerate(order[r]):
+                with switch(model, impl) as rep:
+                    if rep is not None:
+                        rep.reset_counters()
+                    runs[impl].append(run_once())
+                    if rep is not None:
+                        calls[impl]["impl"] += rep.num_native_calls
+                        calls[impl]["stock_fallback"] += rep.num_fallback_calls
+                        reasons[impl].update(rep.fallback_calls)
+                        patch_report[impl] = rep
+                pos[impl].append(p)
+            if on_repeat:
+                on_repeat()
+    tpot = {i: [t for f in runs[i] for t in f["run_tpot_ms"]] for i in impls}
+    record = {"impls": impls, "seed": seed, "order": order, "samples_ms": tpot, "python_gc": "off while timing",
+              "unit": "time per output token of each repeat's run (ms); ratios of their medians are tok/s ratios"}
+    out = {}
+    for impl in impls:
+        first = runs[impl][0]
+        samples = [s for f in runs[impl] for s in f["samples_ms"]]
+        med = summarize(tpot[impl])["p50"]
+        peaks = [f["peak_mem_bytes"] for f in runs[impl] if f.get("peak_mem_bytes") is not None]
+        fields = {
+            **first,
+            "samples_ms": samples,
+            "stats": summarize(samples),
+            "run_tpot_ms": tpot[impl],
+            "tpot_ms": med,
+            "tok_s": 1e3 / med,
+            "runs": repeats,
+            "warmup_runs": 1,
+            "peak_mem_bytes": max(peaks) if peaks else None,
+            "paired": {**record, "positions": pos[impl]},
+        }
+        if "generate_first_token_ms" in first:
+            fields["generate_first_token_ms"] = [t for f in runs[impl] for t in f["generate_first_token_ms"]]
+        if patch_report[impl] is not None:
+            # Calls replayed from a CUDA graph run no Python: counted at capture (each repeat captures anew).
+            fields["attention_calls"] = {"impl": calls[impl]["impl"], "stock_fallback": calls[impl]["stock_fallback"],
+                                         "fallback_reasons": dict(reasons[impl]), "counted_over": "repeats"}
+            fields["patch"] = jsonable(patch_report[impl])
+        out[impl] = fields
+    return out, failed

@@ -35,13 +35,14 @@ from llm_attn.harness.measure import (
     measure_ttft,
     measure_ttft_graph,
 )
-from llm_attn.harness.paired import measure_ttft_paired, paired_verdicts
+from llm_attn.harness.paired import measure_decode_paired, measure_ttft_paired, paired_verdicts
 from llm_attn.harness.stats import format_ratio_interval
 from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
 
 PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown", "ttft_graph", "ttft_graph_static")
-# TTFT is measured paired: every implementation once per repeat, in a seeded shuffled order (harness.paired).
-PAIRED = ("ttft",)
+# TTFT and decode tok/s are measured paired: every implementation once per repeat, in a seeded shuffled order
+# (harness.paired).
+PAIRED = ("ttft", "decode_generate", "decode_graph")
 ALL_MEASUREMENTS = PER_POINT + ("correctness",)
 # What runs when nothing is asked for: the profiled breakdown is opt-in (``--measure breakdown``).
 DEFAULT_MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
@@ -60,7 +61,7 @@ def _failure(e: Exception) -> tuple[str, str, str, str]:
     """(row status, type, message, traceback) of a failed measurement: out of memory, a path that cannot be
     measured that way (e.g. captured in a CUDA graph), or any other error. Called inside the except block."""
     status = "oom" if isinstance(e, _OOM) else "unsupported" if isinstance(e, GraphCaptureUnsupported) else "error"
-    return status, type(e).__name__, str(e), traceback.format_exc()
+    return status, type(e).__name__, str(e), "".join(traceback.format_exception(e))
 
 
 @dataclass(kw_only=True)
@@ -74,7 +75,7 @@ class SweepParams:
     new_tokens: int = 32
     warmup: int = 3
     repeats: int = 20
-    decode_repeats: int = 3
+    decode_repeats: int = 5
     measurements: list[str] = field(default_factory=lambda: list(DEFAULT_MEASUREMENTS))
     seed: int = 0
     # decode_graph at this KV length after the prompt (measure_decode_static's context); None: the prompt's length.
@@ -274,6 +275,14 @@ class Sweep:
                            "device_table_entry": self.device_entry.slug})
         return extras
 
+    def _decode_once(self, measurement: str, prompt: torch.Tensor) -> dict:
+        """One run of a decode measurement on the model as it is switched now (a repeat of a paired decode point)."""
+        cfg = self.cfg
+        if measurement == "decode_generate":
+            return measure_decode_generate(self.model, prompt, cfg.new_tokens, 1, warmup_runs=0)
+        return measure_decode_static(self.model, prompt, cfg.new_tokens, 1, use_graph=self.device.type == "cuda",
+                                     context=cfg.context)
+
     def _measure(self, measurement: str, prompt: torch.Tensor, inner: tqdm) -> dict:
         cfg = self.cfg
         batch, seq = prompt.shape
@@ -376,13 +385,20 @@ class Sweep:
             return
         bar.set_postfix_str(f"paired {measurement} {'/'.join(ok)} b={batch} s={seq}")
         prompt = self._prompt(batch, seq)
-        bases = {i: self._base(measurement, i, batch, seq, ok) for i in ok}
-        inner.reset(total=cfg.repeats)
+        bases = {i: {**self._base(measurement, i, batch, seq, ok), **self._context_field(measurement)} for i in ok}
+        decode = measurement != "ttft"
+        inner.reset(total=cfg.decode_repeats if decode else cfg.repeats)
         failure = None
         env_start = hostenv.snapshot(self.device)
         try:
-            got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
-                                      seed=cfg.seed, on_repeat=inner.update)
+            if decode:
+                got, failed = measure_decode_paired(self.model, ok, cfg.decode_repeats, switch=use_impl,
+                                                    run_once=lambda p=prompt: self._decode_once(measurement, p),
+                                                    seed=cfg.seed, on_repeat=inner.update)
+            else:
+                failed = {}
+                got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
+                                          seed=cfg.seed, on_repeat=inner.update)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
@@ -393,9 +409,11 @@ class Sweep:
         for impl in ok:
             if failure is not None:
                 self._emit_error({**bases[impl], "host_env": env}, *failure)
+            elif impl in failed:  # its warm-up failed (e.g. not capturable): the others were paired without it
+                self._emit_error({**bases[impl], "host_env": env}, *_failure(failed[impl]))
             else:
                 row = {**bases[impl], **got[impl], "host_env": env}
-                row.update(self._ttft_extras(row, batch, seq))
+                row.update(self._decode_extras(row, batch, seq) if decode else self._ttft_extras(row, batch, seq))
                 row["vs"] = paired_verdicts(row, stocks, seed=cfg.seed)
                 self._emit(row)
             bar.update()
@@ -528,8 +546,8 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                       cell(t, lambda r: f"{r['stats']['stdev_pct']:.1f}" if r["stats"]["stdev_pct"] is not None
                            else ""),
                       *speed,
-                      cell(dg, lambda r: f"{r['tok_s']:.1f}"),
-                      cell(dgr, lambda r: f"{r['tok_s']:.1f}"),
+                      cell(dg, lambda r: tok_s_cell(r, stocks)),
+                      cell(dgr, lambda r: tok_s_cell(r, stocks)),
                       cell(dgr, lambda r: f"{100 * r['bw_fraction']:.0f}%" if r.get("bw_fraction") else ""),
                       f"{peak / 2**30:.2f}" if peak else "",
                       *([cell(tg, lambda r: f"{r['stats']['p50']:.2f}"), cell(tgs, lambda r: f"{r['stats']['p50']:.2f}"),
@@ -545,7 +563,8 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
     out = tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
     if any(r.get("vs") for r in latest if r.get("status") == "ok"):
         out += ("\n(vs columns: ratio of TTFT medians, stock / this row, with its 95 % paired-bootstrap interval "
-                "over repeats in which every implementation ran once, in shuffled order)")
+                "over repeats in which every implementation ran once, in shuffled order; decode tok/s cells: this "
+                "row's tok/s over the first stock's, paired the same way)")
     if "static_cache_loop_no_graph" in modes:
         out += "\n(graph column: static-cache loop without CUDA graph — no GPU here)"
     if graph_cols:
@@ -553,6 +572,16 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                 "rest of the GPU work's change - the host time the graph removes, from one profiled replay and one "
                 "profiled eager prefill; the % is the rest's share of eager TTFT)")
     return out
+
+
+def tok_s_cell(row: dict, stocks: list[str]) -> str:
+    """A decode tok/s cell: tok/s, and for a row paired with a stock implementation (the first of ``stocks`` it was
+    paired with) its tok/s ratio to that one with the 95 % interval, e.g. ``85.4 (1.13x [1.12, 1.14] faster vs
+    sdpa)``."""
+    text = f"{row['tok_s']:.1f}"
+    vs = row.get("vs") or {}
+    stock = next((s for s in stocks if s in vs and s != row["impl"]), None)
+    return f"{text} ({format_ratio_interval(vs[stock])} vs {stock})" if stock else text
 
 
 def account_cell(account: dict | None) -> str:
