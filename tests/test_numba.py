@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cpu_check_here
+
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("numba") is None
@@ -57,7 +59,8 @@ CODE = textwrap.dedent('''
 ''')
 
 
-def test_numba_kernel_in_the_cuda_simulator():
+def test_numba_kernel_in_the_cuda_simulator(request):
+    cpu_check_here(request, "the numba kernel in Numba's CUDA simulator (the GPU runs it for real)")
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=900,

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import cpu_check_here
 from llm_attn import models
 from llm_attn.harness import tp
 
@@ -30,6 +31,12 @@ REPO = Path(__file__).resolve().parents[1]
 pytest.importorskip("torch.distributed")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_check(request):
+    # About two minutes of gloo processes on a GPU machine: CI runs them on every submission, -m full on a GPU.
+    cpu_check_here(request, "tensor parallelism on CPU (gloo ranks under torchrun)")
 
 
 def _env(tmp: Path) -> dict:
