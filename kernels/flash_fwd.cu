@@ -61,9 +61,10 @@ int flash_decode_force_config(int config) {
 }
 int flash_decode_forced_config() { return g_decode_config; }
 
-// Decode: at most one (batch, KV head, split) block per SM, each split keeping at least 256 keys, and no split at
-// all where that gives fewer than 3 (a 2-way split does not repay its combine pass). Fitted on the H100 grid of
-// experiments/decode_splits.py (kernels/NOTES.md, "decode split rule v2"); llm_attn/_plan.py mirrors it.
+// Decode: at most one (batch, KV head, split) block per SM, each split keeping at least 256 keys. A 2-way split
+// repays its combine pass only on long caches (>= 4096 keys: each block then streams >= 2048 keys); fewer than 2
+// splits means none. Fitted on the H100 and H200 grids of experiments/decode_splits.py (kernels/NOTES.md, "decode
+// split rule v3"); llm_attn/_plan.py mirrors it.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
     const long blocks = static_cast<long>(p.batch) * p.num_kv_heads;
     const int n_tiles = (p.seqlen_k + 63) / 64;
@@ -72,7 +73,8 @@ static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
     const long by_keys = (p.seqlen_k + 255) / 256;
     splits = splits < by_keys ? splits : by_keys;
     splits = splits < 128 ? splits : 128;
-    return splits >= 3 ? static_cast<int>(splits) : 1;
+    if (splits == 2 && p.seqlen_k < 4096) return 1;
+    return splits >= 2 ? static_cast<int>(splits) : 1;
 }
 
 bool flash_fwd_uses_decode_kernel(const FlashFwdParams& p) { return use_decode_kernel(p); }

@@ -179,7 +179,9 @@ def decode_num_splits(s: Shape, num_sms: int) -> int:
         return min(s.decode_splits, _cdiv(s.seqlen_k, 64))
     blocks = s.batch * s.num_kv_heads
     splits = min(num_sms // blocks, _cdiv(s.seqlen_k, 256), 128)
-    return splits if splits >= 3 else 1
+    if splits == 2 and s.seqlen_k < 4096:  # a 2-way split repays its combine only on long caches
+        return 1
+    return max(splits, 1)
 
 
 def num_splits(s: Shape, num_sms: int) -> int:

@@ -236,6 +236,10 @@ def test_plan_known_cases():
     assert _plan.plan(_plan.Shape(16, 32, 8, 1, 32768, 128, True, True), H100).num_splits == 1
     assert _plan.plan(_plan.Shape(1, 32, 8, 1, 512, 128, True, True), H100).num_splits == 1
     assert _plan.plan(_plan.Shape(4, 32, 8, 1, 2048, 128, True, True), H100).num_splits == 4
+    # Batch 8 (64 blocks on 132 SMs): 2 splits from 4096 keys on (the H200 grid: 1.29x at KV 8192, 1.37x at 32768
+    # over no split), none below (KV 2048: the combine costs more than the H100 gains).
+    assert [_plan.plan(_plan.Shape(8, 32, 8, 1, kv, 128, True, True), H100).num_splits
+            for kv in (512, 2048, 4095, 4096, 32768)] == [1, 1, 1, 2, 2]
     # RTX 4060 Ti: 99 KB per block; the 3-stage decode tile needs (16 x 128 + 2 x 3 x 64 x 128) x 2 B = 100 KB.
     dt = _plan.decode_traits(_plan.Shape(1, 32, 8, 1, 4096, 128), RTX4060TI.smem_per_block_optin)
     assert (dt.stages, dt.smem_bytes) == (2, 69632)
