@@ -111,6 +111,17 @@ def _check(result, what: str):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
+def _output(nvrtc, prog, what: str) -> bytes:
+    """NVRTC's `what` output of `prog` ("ProgramLog", "CUBIN" or "PTX"). NVRTC writes into the buffer it is given,
+    so that buffer is a fresh bytearray, never a bytes object: `b" " * size` with size 1 (an empty log, just its NUL)
+    is the interpreter's one shared b" ", and writing the NUL there turned every b" " of the process into b"\\0"
+    (pickling a tensor then failed with "storage has wrong byte size"; tests/test_nvrtc.py checks it)."""
+    size = _check(getattr(nvrtc, f"nvrtcGet{what}Size")(prog), f"nvrtcGet{what}Size")
+    buf = bytearray(size)
+    _check(getattr(nvrtc, f"nvrtcGet{what}")(prog, buf), f"nvrtcGet{what}")
+    return bytes(buf)
+
+
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
     nvrtc = _nvrtc()
@@ -206,15 +217,10 @@ def compile_cubin(arch: str, kernels: list[str]) -> tuple[bytes, dict[str, str],
             _check(nvrtc.nvrtcAddNameExpression(prog, k.encode()), "nvrtcAddNameExpression")
         opts = [o.encode() for o in _options(arch)]
         err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
-        log = log.rstrip(b"\0").decode(errors="replace")
+        log = _output(nvrtc, prog, "ProgramLog").rstrip(b"\0").decode(errors="replace")
         if int(err) != 0:
             raise RuntimeError(f"llm_attn (NVRTC backend): compiling {kernels} for {arch} failed ({err!r}):\n{log}")
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        cubin = _output(nvrtc, prog, "CUBIN")
         lowered = {}
         for k in kernels:
             low = _check(nvrtc.nvrtcGetLoweredName(prog, k.encode()), "nvrtcGetLoweredName")
@@ -579,13 +585,9 @@ def sm90_probe_offsets() -> dict[str, int]:
         opts = [o.encode() for o in _options(_nvrtc_sm90.ARCH) if not o.startswith("--ptxas")]
         err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         if int(err) != 0:
-            size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-            log = b" " * size
-            _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            log = _output(nvrtc, prog, "ProgramLog")
             raise RuntimeError(f"the Sm90Params layout probe did not compile:\n{log.decode(errors='replace')}")
-        size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-        ptx = b" " * size
-        _check(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        ptx = _output(nvrtc, prog, "PTX")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return _nvrtc_sm90.layout_probe(ptx.rstrip(b"\0").decode())

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from conftest import cpu_check_here
 
 from llm_attn import _plan
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ["sm_80", "sm_86", "sm_87", "sm_89", "sm_90"]
 # NVRTC's code differs slightly from nvcc's (it computes shared-memory addresses in 64 bits, nvcc in 32: more
 # registers): these instantiations spill under NVRTC although nvcc compiles them without (kernels/check_ptxas.sh).
@@ -151,6 +153,33 @@ def test_params_struct_layout_matches_cpp(tmp_path):
     r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{tmp_path}", f"-I{nvrtc._kernels_dir()}", "-x",
                         "c++", "-"], input=src, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_nvrtc_outputs_leave_the_interpreters_bytes_alone():
+    """NVRTC writes its log, cubin and PTX into the buffer it is given. Given `b" " * 1` (an empty log is one NUL),
+    it wrote into the interpreter's shared b" " object, and every b" " of the process became b"\\0": on the H200
+    torch's pickling then failed ("storage has wrong byte size") in every later test (tests/test_patches_copy.py).
+    In a new process, so that a regression cannot break the rest of the suite."""
+    _nvrtc_or_skip()
+    code = textwrap.dedent("""
+        import pickle, torch
+        from llm_attn import _nvrtc, _plan
+        nvrtc = _nvrtc._nvrtc()
+        prog = _nvrtc._check(nvrtc.nvrtcCreateProgram(b'extern "C" __global__ void k() {}', b"k.cu", 0, [], []),
+                             "nvrtcCreateProgram")
+        assert int(nvrtc.nvrtcCompileProgram(prog, 1, [b"--gpu-architecture=sm_80"])[0]) == 0
+        assert _nvrtc._output(nvrtc, prog, "ProgramLog") == b"\\0"  # the empty log: the case that hit b" "
+        assert _nvrtc._output(nvrtc, prog, "CUBIN")[:4] == b"\\x7fELF"
+        nvrtc.nvrtcDestroyProgram(prog)
+        _nvrtc.compile_cubin("sm_86", [_plan.combine_kernel_name(False, 64)])
+        assert b" " == bytes([32]) and b" " * 3 == bytes([32] * 3), repr(b" ")
+        x = torch.arange(32.0)
+        assert torch.equal(pickle.loads(pickle.dumps(x)), x)
+        print("intact")
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "intact" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
 
 
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):
