@@ -174,6 +174,32 @@ def test_hopper_kernel_is_the_default_on_sm90(cuda_ext, d, causal):
     assert any("flash_fwd_sm90_kernel" in n for n in names), names
 
 
+def test_hopper_tensor_maps_follow_every_call(cuda_ext):
+    """The Hopper launch caches TMA descriptors by (address, shape, strides, box, dtype). Views of one buffer at
+    the same address with other lengths, head counts and strides, the same shape at another address, and the other
+    dtype on the same bytes each get their own descriptor: every call checked against float64 on poisoned outputs,
+    and a call repeated after others gives the same bits."""
+    if torch.cuda.get_device_capability() != (9, 0) or not cuda_ext.sm90_available():
+        pytest.skip("the Hopper kernel runs on compute capability 9.0 with sm_90a code only")
+    buf = torch.randn(3 * 2 * 32 * 1024 * 128, device="cuda", dtype=torch.bfloat16)
+    first = None
+    for sq, hq, hkv, dtype, offset in ((1024, 32, 8, torch.bfloat16, 0), (640, 32, 8, torch.bfloat16, 0),
+                                       (1024, 16, 4, torch.bfloat16, 0), (1024, 32, 8, torch.float16, 0),
+                                       (1024, 32, 8, torch.bfloat16, 4096), (1024, 32, 8, torch.bfloat16, 0)):
+        flat = buf.view(dtype)[offset:]
+        n_q, n_kv = 2 * hq * sq * 128, 2 * hkv * sq * 128
+        q = flat[:n_q].view(2, sq, hq, 128).transpose(1, 2)  # strided (transformers' layout)
+        k = flat[n_q:n_q + n_kv].view(2, hkv, sq, 128)
+        v = flat[n_q + n_kv:n_q + 2 * n_kv].view(2, hkv, sq, 128)
+        names = launched_kernels(lambda: check(cuda_ext, q, k, v, True))  # noqa: B023
+        assert any("flash_fwd_sm90_kernel" in n for n in names), names
+        out, _ = run_raw(cuda_ext, q, k, v, True)
+        if first is None:
+            first = out.clone()
+        elif (sq, hq, dtype, offset) == (1024, 32, torch.bfloat16, 0):
+            assert torch.equal(out, first)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1, 300])
 def test_hopper_seqused_k_garbage_slots(cuda_ext, causal, sq):
