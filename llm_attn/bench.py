@@ -96,6 +96,8 @@ def main(argv=None):
                         "0: plain calls (default: prefill 1, decode 0 and 1)")
     p.add_argument("--calls", dest="repeats_host", type=positive_int, default=300,
                    help="host mode: back-to-back calls timed per path and shape (default 300)")
+    p.add_argument("--rounds", dest="host_rounds", type=positive_int, default=15,
+                   help="host mode: interleaved rounds, every path once per round in a shuffled order (default 15)")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
     host = args.mode == "host"
@@ -186,7 +188,7 @@ def _host_mode(p, args, f, argv) -> int:
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     for dt in args.dtypes:
         rows = measure_host_cost(device, DTYPES[dt], shapes=tuple(shapes), calls=args.repeats_host,
-                                 warmup=args.warmup)
+                                 warmup=args.warmup, rounds=args.host_rounds)
         for row in rows:
             row.update(mode="host", env=env, command=command)
             if f:
@@ -195,7 +197,9 @@ def _host_mode(p, args, f, argv) -> int:
                     f.flush()
                 except OSError as e:
                     p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
-        print(f"\n{dt} on {device}: host µs per call ({args.repeats_host} back-to-back calls, no sync)")
+        print(f"\n{dt} on {device}: host µs per call, median of {args.host_rounds} interleaved rounds of "
+              f"{args.repeats_host} back-to-back calls (no sync inside); x SDPA = cost ratio to torch SDPA [95 % "
+              f"paired interval]")
         print(host_cost_table(rows))
     return 0
 

@@ -256,12 +256,21 @@ def test_host_cost_runs_every_path_and_the_patch_path_is_native():
     from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost
 
     shapes = (HostShape("prefill 32", 1, 4, 2, 32, 32, 64), HostShape("decode kv 64", 1, 4, 2, 1, 64, 64))
-    rows = measure_host_cost("cpu", torch.float32, shapes=shapes, calls=5, warmup=1)
+    rows = measure_host_cost("cpu", torch.float32, shapes=shapes, calls=5, warmup=1, rounds=3)
     assert len(rows) == 8 and all(r["us_per_call"] and r["us_per_call"] > 0 for r in rows), rows
+    # Interleaved rounds: every path has one sample per round; its number is their median, and every path but the
+    # reference carries its paired cost ratio to torch SDPA.
+    assert all(len(r["samples_us"]) == 3 and r["us_per_call"] == sorted(r["samples_us"])[1] for r in rows)
+    for r in rows:
+        iv = r.get("vs_torch_sdpa")
+        if r["path"] == "torch SDPA":
+            assert iv is None
+        else:
+            assert iv["n"] == 3 and iv["low"] <= iv["ratio"] <= iv["high"]
     patch = [r for r in rows if r["path"] == "llm_attn via the patch"]
-    assert all(r["attention_calls"] == {"impl": 6, "stock_fallback": 0} for r in patch)
+    assert all(r["attention_calls"] == {"impl": 3 * (5 + 1), "stock_fallback": 0} for r in patch)
     table = host_cost_table(rows)
-    assert "prefill 32: host µs/call" in table and "x SDPA" in table
+    assert "prefill 32: host µs/call" in table and "x SDPA [" in table and "(1.00x SDPA)" in table
 
 
 def test_python_gc_is_off_while_timing_and_restored_after():

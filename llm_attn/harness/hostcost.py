@@ -1,30 +1,34 @@
 """Host cost of one attention call (issue 18 item 5): microseconds of CPU time to issue a call, no sync.
 
 The 2048-token prefill of an 8B model is on the CPU/GPU edge: what each attention call costs the host is paid 32
-times per forward on the path that is host-bound. ``measure_host_cost`` times N back-to-back calls (after a
-warm-up, with one sync before and none inside) for each path at each shape:
-
+times per forward on the path that is host-bound. ``measure_host_cost`` times the paths interleaved: ``rounds`` rounds (default 15), each running every path's
+N back-to-back calls (after a warm-up; one sync before each batch and none inside) in a shuffled order, so that
+host drift (another process, a clock change) hits every path alike, as the paired TTFT does. Each path's number is
+the median of its per-round µs per call, and its ratio to torch SDPA comes with a paired bootstrap interval over
+the rounds (harness/stats.py).
 - ``llm_attn.flash_attn_func``: our op called directly;
 - ``llm_attn via the patch``: the transformers attention-interface function (``llm_attn_attention_forward``) with
   a real ``LlamaAttention`` module of a patched model, exactly as a patched model calls it;
 - ``sdpa (transformers)``: stock ``sdpa_attention_forward`` with the same module, what an unpatched model runs;
 - ``torch SDPA``: ``F.scaled_dot_product_attention`` alone (GQA expanded by the op: ``enable_gqa``).
-
 On a GPU the N calls only enqueue kernels (N = 300 stays far below the launch queue's depth, so the host never
 waits for the device); on the CPU every call also computes, so CPU numbers are not host costs.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 CALLS = 300
 WARMUP = 20
+ROUNDS = 15
 
 
 @dataclass(frozen=True)
@@ -78,13 +82,17 @@ def _attention_module(shape: HostShape, device, dtype):
 
 
 def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
-                      shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP) -> list[dict]:
-    """One dict per (shape, path): ``{"shape", "path", "us_per_call", "calls", ...}``; a path that cannot run
-    here gets ``us_per_call: None`` and the reason."""
+                      shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP,
+                      rounds: int = ROUNDS, seed: int = 0) -> list[dict]:
+    """One dict per (shape, path): ``{"shape", "path", "us_per_call" (median over rounds), "samples_us" (one per
+    round, interleaved), "vs_torch_sdpa" (the cost ratio median(path) / median(torch SDPA) with its paired
+    interval: > 1 costs the host more), ...}``; a path that cannot run here gets ``us_per_call: None`` and why."""
+    from llm_attn.harness.stats import paired_ratio_interval  # noqa: PLC0415
     from llm_attn.ops import flash_attn_func  # noqa: PLC0415
     from llm_attn.patches.hf_attention_interface import llm_attn_attention_forward  # noqa: PLC0415
 
     device = torch.device(device)
+    order = random.Random(seed)
     out = []
     with torch.inference_mode():
         for shape in shapes:
@@ -105,15 +113,26 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                 "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c,
                                                                                       enable_gqa=True),
             }
-            for name, fn in paths.items():
-                row = {"shape": shape.name, "path": name, "calls": calls, "device": str(device),
-                       "dtype": str(dtype).replace("torch.", ""), **vars(shape)}
-                report.reset_counters()
-                try:
-                    row["us_per_call"] = host_us_per_call(fn, device, calls, warmup)
-                except Exception as e:  # noqa: BLE001 (a path this device cannot run: recorded, the others go on)
-                    row["us_per_call"] = None
-                    row["why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rows = {name: {"shape": shape.name, "path": name, "calls": calls, "rounds": rounds,
+                           "device": str(device), "dtype": str(dtype).replace("torch.", ""), **vars(shape),
+                           "samples_us": []} for name in paths}
+            report.reset_counters()
+            live = list(paths)
+            for _ in range(rounds):
+                order.shuffle(live)
+                for name in list(live):
+                    try:
+                        rows[name]["samples_us"].append(host_us_per_call(paths[name], device, calls, warmup))
+                    except Exception as e:  # noqa: BLE001 (a path this device cannot run: recorded, the others go on)
+                        rows[name]["why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                        rows[name]["samples_us"] = []
+                        live.remove(name)
+            ref = rows["torch SDPA"]["samples_us"]
+            for name, row in rows.items():
+                samples = row["samples_us"]
+                row["us_per_call"] = float(np.median(samples)) if samples else None
+                if samples and ref and name != "torch SDPA":
+                    row["vs_torch_sdpa"] = paired_ratio_interval(samples, ref)
                 if name == "llm_attn via the patch":
                     row["attention_calls"] = {"impl": report.num_native_calls,
                                               "stock_fallback": report.num_fallback_calls}
@@ -128,12 +147,18 @@ def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     paths = list(dict.fromkeys(r["path"] for r in rows))
     val = {(r["shape"], r["path"]): r["us_per_call"] for r in rows}
+    ivs = {(r["shape"], r["path"]): r.get("vs_torch_sdpa") for r in rows}
     table = []
     for p in paths:
         cells = []
         for s in shapes:
-            v, ref = val.get((s, p)), val.get((s, "torch SDPA"))
-            cells.append("" if v is None else f"{v:.1f}" + (f" ({v / ref:.2f}x SDPA)" if ref else ""))
+            v, iv = val.get((s, p)), ivs.get((s, p))
+            cell = "" if v is None else f"{v:.1f}"
+            if iv is not None:  # the cost ratio to torch SDPA and its paired 95 % interval over the rounds
+                cell += f" ({iv['ratio']:.2f}x SDPA [{iv['low']:.2f}, {iv['high']:.2f}])"
+            elif v is not None and p == "torch SDPA":
+                cell += " (1.00x SDPA)"
+            cells.append(cell)
         table.append([p, *cells])
     return tabulate(table, headers=["path", *[f"{s}: host µs/call" for s in shapes]], tablefmt=tablefmt,
                     disable_numparse=True)
