@@ -1,16 +1,18 @@
 """Host cost of one attention call (issue 18 item 5): microseconds of CPU time to issue a call, no sync.
 
 The 2048-token prefill of an 8B model is on the CPU/GPU edge: what each attention call costs the host is paid 32
-times per forward on the path that is host-bound. ``measure_host_cost`` times the paths interleaved: ``rounds`` rounds (default 15), each running every path's
-N back-to-back calls (after a warm-up; one sync before each batch and none inside) in a shuffled order, so that
-host drift (another process, a clock change) hits every path alike, as the paired TTFT does. Each path's number is
-the median of its per-round µs per call, and its ratio to torch SDPA comes with a paired bootstrap interval over
-the rounds (harness/stats.py).
+times per forward on the path that is host-bound. ``measure_host_cost`` times the paths interleaved: ``rounds``
+rounds (default 15), each running every path's N back-to-back calls (after a warm-up; one sync before each batch and
+none inside) in a shuffled order, so that host drift (another process, a clock change) hits every path alike, as
+the paired TTFT does. Each path's number is the median of its per-round µs per call, and its cost ratio to torch
+SDPA comes with a paired bootstrap interval over the rounds (harness/stats.py). The paths:
+
 - ``llm_attn.flash_attn_func``: our op called directly;
 - ``llm_attn via the patch``: the transformers attention-interface function (``llm_attn_attention_forward``) with
   a real ``LlamaAttention`` module of a patched model, exactly as a patched model calls it;
 - ``sdpa (transformers)``: stock ``sdpa_attention_forward`` with the same module, what an unpatched model runs;
 - ``torch SDPA``: ``F.scaled_dot_product_attention`` alone (GQA expanded by the op: ``enable_gqa``).
+
 On a GPU the N calls only enqueue kernels (N = 300 stays far below the launch queue's depth, so the host never
 waits for the device); on the CPU every call also computes, so CPU numbers are not host costs.
 """
