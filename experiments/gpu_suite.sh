@@ -10,7 +10,8 @@
 # test runs the whole kernel grid (pytest -m full) of ${PYTEST_ARGS:-tests/test_kernel_gpu.py}; full runs the whole
 # suite with the whole grid (python -m pytest -q -m full tests), timed; readme runs the README's default (a subset).
 # readme runs the README's two commands, read from README.md, in a clean copy of the tree, as a new user would
-# (after awq when both are given, so that the default ttft model can load). awq installs gptqmodel and its
+# (after awq when both are given, so that the default ttft model can load; README_PART=cmd1 or tests splits them
+# over two calls). awq installs gptqmodel and its
 # source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
 # PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 tokenicer==0.0.14
 # device-smi==0.5.7 defuser==0.0.28` (for the lora and --prompts steps also `datasets==5.2.0 dill==0.4.1
@@ -70,12 +71,21 @@ if has readme; then
    cmds=$(awk '/^```bash/ {n++; next} n == 1 && /^```/ {exit} n == 1 && !/^[[:space:]]*#/ && NF' README.md | head -2)
    cmd1=$(sed -n 1p <<<"$cmds") cmd2=$(sed -n 2p <<<"$cmds")
    [ -n "$cmd2" ] || { echo "README: the first bash block has fewer than two commands"; exit 1; }
+   # README_PART=tests: command 1's install lines only (its last `&& python -m llm_attn.ttft ...` cut off), then
+   # command 2; README_PART=cmd1: command 1 alone. The two fit one device call each where both together (build,
+   # the 8B run, the whole test command: ~10 min on an H200) do not; the default runs both as written.
+   part=${README_PART:-all}
+   if [ "$part" = tests ]; then
+     cmd1=$(sed -E 's/ && python -m llm_attn\.ttft[^&]*$//' <<<"$cmd1")
+     echo "README_PART=tests: command 1 without its ttft run"
+   fi
    echo "README command 1 (python: $(command -v python), pip: $(command -v pip)): $cmd1"
    bash -c "$cmd1" >"$OUT/readme_cmd1.log" 2>&1 && rc=0 || rc=$?
    echo "README command 1: exit code $rc, kernel backend $(cd /tmp && python -c 'import llm_attn; print(llm_attn.kernel_backend())' 2>&1 | tail -1)"
    tail -$(( rc ? 30 : 8 )) "$OUT/readme_cmd1.log"
    # The extension command 1 built, for the next calls to carry (the same stamp as the build step's).
    if ls llm_attn/_C*.so >/dev/null 2>&1; then gzip -1 -c llm_attn/_C*.so > "$OUT/_C.so.gz"; echo "$stamp" > "$OUT/_C.stamp"; fi
+   [ "$part" = cmd1 ] && exit "$rc"
    echo "README command 2: $cmd2"
    start=$(date +%s)
    PYTEST_ADDOPTS="--durations=25 -rfE -v" LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | grep -v -E "PASSED|SKIPPED|^$" | tail -45
