@@ -3,7 +3,8 @@
 # compute-sanitizer memcheck on a few shapes, and the kernel benchmark. Logs and results go to $OUT.
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [full] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
-#                                              [host] [verdicts] [lora] [decode_splits] [decode_context] [durations]
+#                                              [host] [verdicts] [lora] [decode_splits] [decode_context] [decode_gap]
+#                                              [durations]
 # host: host µs per call (bench --mode host); verdicts: issue 18's targets on the default model (five fresh paired
 # TTFT runs at 2048, graph vs eager TTFT with the kernels named, and the harness against experiments/ttft_probe.py);
 # lora: examples/finetune_lora.py on the 8B-shaped model (needs datasets: carried in .whl/, installed by awq).
@@ -11,7 +12,8 @@
 # suite with the whole grid (python -m pytest -q -m full tests), timed; readme runs the README's default (a subset).
 # readme runs the README's two commands, read from README.md, in a clean copy of the tree, as a new user would
 # (after awq when both are given, so that the default ttft model can load; README_PART=cmd1 or tests splits them
-# over two calls). awq installs gptqmodel and its
+# over two calls; README_PART=tests_prebuilt: command 2 after command 1's install lines with the carried
+# extension in place of command 1's build). awq installs gptqmodel and its
 # source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
 # PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 tokenicer==0.0.14
 # device-smi==0.5.7 defuser==0.0.28` (for the lora and --prompts steps also `datasets==5.2.0 dill==0.4.1
@@ -75,12 +77,21 @@ if has readme; then
    # command 2; README_PART=cmd1: command 1 alone. The two fit one device call each where both together (build,
    # the 8B run, the whole test command: ~10 min on an H200) do not; the default runs both as written.
    part=${README_PART:-all}
-   if [ "$part" = tests ]; then
+   if [ "$part" = tests ] || [ "$part" = tests_prebuilt ]; then
      cmd1=$(sed -E 's/ && python -m llm_attn\.ttft[^&]*$//' <<<"$cmd1")
-     echo "README_PART=tests: command 1 without its ttft run"
+     echo "README_PART=$part: command 1 without its ttft run"
+   fi
+   # README_PART=tests_prebuilt: the state command 1 leaves, without paying its build again in this call: the
+   # extension carried in .carry (built from the same sources: the stamps must match) is put in place and command 1's
+   # install lines run with LLM_ATTN_NO_CUDA=1 (setup.py then compiles nothing; everything else installs as written).
+   if [ "$part" = tests_prebuilt ]; then
+     [ "$(cat "$OLDPWD/.carry/_C.stamp" 2>/dev/null)" = "$stamp" ] || { echo "tests_prebuilt: no .carry extension of these sources"; exit 1; }
+     gunzip -c "$OLDPWD/.carry/_C.so.gz" > "llm_attn/_C$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+     export LLM_ATTN_NO_CUDA=1
    fi
    echo "README command 1 (python: $(command -v python), pip: $(command -v pip)): $cmd1"
    bash -c "$cmd1" >"$OUT/readme_cmd1.log" 2>&1 && rc=0 || rc=$?
+   unset LLM_ATTN_NO_CUDA
    echo "README command 1: exit code $rc, kernel backend $(cd /tmp && python -c 'import llm_attn; print(llm_attn.kernel_backend())' 2>&1 | tail -1)"
    tail -$(( rc ? 30 : 8 )) "$OUT/readme_cmd1.log"
    # The extension command 1 built, for the next calls to carry (the same stamp as the build step's).
@@ -158,6 +169,22 @@ fi
 if has decode_splits; then  # issue 19: every forced (tile, split count) per (B, KV) against cuDNN/flash; its heur column is the shipped rule
   timeout 300 python3 experiments/decode_splits.py --dtypes bf16 fp16 --out "$OUT/decode_splits.json" >"$OUT/decode_splits.txt" 2>&1
   echo "decode_splits exit $?"; tail -22 "$OUT/decode_splits.txt"
+fi
+if has decode_gap; then  # issue 19: graph µs per decode call against ncu's kernel time, ours vs SDPA cuDNN/flash
+  python3 experiments/decode_gap.py --out "$OUT/decode_gap.json" 2>&1 | grep -v -E "Warning|warn"
+  ncu --clock-control none --nvtx --nvtx-include "decode_gap/" --print-units base --csv --page raw \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size \
+    python3 experiments/decode_gap.py --ncu-pass >"$OUT/decode_gap_ncu.csv" 2>"$OUT/decode_gap_ncu.err"
+  python3 experiments/decode_gap.py --parse-ncu "$OUT/decode_gap_ncu.csv" --timing "$OUT/decode_gap.json" \
+    | tee "$OUT/decode_gap.md"
+  for kv in 2048 8192; do  # what limits ours where it trails: stall reasons of the shipped split launch, B=1
+    echo "##### decode B=1 KV=$kv bf16 (shipped split rule)" >>"$OUT/decode_gap_ncu_ours.txt"
+    ncu --clock-control none -k regex:flash_decode_kernel --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+      python3 experiments/decode_gap.py --ncu-pass --batch 1 --kv $kv >>"$OUT/decode_gap_ncu_ours.txt" 2>&1
+  done
+  grep -i -E "#####|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|stall|Warp Cycles Per Issued|Grid Size|Waves Per SM" \
+    "$OUT/decode_gap_ncu_ours.txt" | head -60
 fi
 if has decode_context; then  # issue 19: decode tok/s (graph) of the default model with 2k, 8k and 32k tokens in the cache
   for ctx in 2048 8192 32768; do
