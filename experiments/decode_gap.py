@@ -145,12 +145,23 @@ def _parse(path: Path, order_path: Path, timing: Path | None) -> int:
     for o, ks in zip(order, by_call):
         dur = sum(_num(k.get("gpu__time_duration.sum")) for k in ks) / 1e3  # ns -> µs
         dram = max((_num(k.get("dram__throughput.avg.pct_of_peak_sustained_elapsed")) for k in ks), default=0.0)
-        names = ", ".join(sorted({k.get("Kernel Name", "?").split("(")[0][-40:] for k in ks}))
+        names = ", ".join(dict.fromkeys(_short(k.get("Kernel Name", "?")) for k in ks))
         g = timing_rows.get((o["batch"], o["kv_len"]), {}).get(o["impl"])
         gap = f"{g - dur:.2f}" if g is not None else ""
         print(f"| {o['batch']} | {o['kv_len']} | {o['impl']} | {names} | {dur:.2f} | {dram:.0f} | "
               f"{'' if g is None else f'{g:.2f}'} | {gap} |")
     return 0
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its return type, template arguments, parameters or namespaces."""
+    depth, out = 0, []
+    for ch in name.split("(")[0]:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">"
+    return "".join(out).split()[-1].split("::")[-1]
 
 
 def _num(x) -> float:

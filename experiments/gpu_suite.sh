@@ -4,7 +4,7 @@
 #   OUT=/tmp/out bash experiments/gpu_suite.sh [readme] [build] [awq] [test] [full] [sanitize] [racecheck] [bench]
 #                                              [bench_mha64] [decode] [ttft] [sweep] [profile] [ncu]
 #                                              [host] [verdicts] [lora] [decode_splits] [decode_context] [decode_gap]
-#                                              [durations]
+#                                              [probe] [durations]
 # host: host µs per call (bench --mode host); verdicts: issue 18's targets on the default model (five fresh paired
 # TTFT runs at 2048, graph vs eager TTFT with the kernels named, and the harness against experiments/ttft_probe.py);
 # lora: examples/finetune_lora.py on the 8B-shaped model (needs datasets: carried in .whl/, installed by awq).
@@ -200,6 +200,13 @@ if has verdicts; then  # issue 18: stable verdicts, graph TTFT explained, agreem
   python3 -m llm_attn.ttft --seq 2048 8192 16384 --impl sdpa llm_attn --measure ttft ttft_graph ttft_graph_static \
     --out "$OUT/graph.jsonl" --no-progress 2>&1 | grep -v -E "Warning|warn" | tail -20
   python3 experiments/ttft_probe.py --seq 2048 8192 --repeats 20 2>&1 | tail -5
+fi
+if has probe; then  # the independent TTFT probe with Python's GC off and on (the harness times with it off)
+  python3 -m llm_attn.ttft --seq ${PROBE_SEQ:-2048} --impl sdpa llm_attn --measure ttft --out "$OUT/probe_harness.jsonl" \
+    --no-progress 2>&1 | grep -E "^\| (model|llama)"
+  for g in off on; do
+    python3 experiments/ttft_probe.py --seq ${PROBE_SEQ:-2048} --repeats 20 --gc $g 2>&1 | grep -E "^\||gc"
+  done
 fi
 if has lora; then  # issue 21: LoRA through the patch, 8B-shaped model at 2048 tokens, 20 steps, bf16
   python3 examples/finetune_lora.py --model llama-3-8b --seq 2048 --steps 20 --dtype bf16 \

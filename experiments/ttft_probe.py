@@ -11,6 +11,7 @@ code with ``llm_attn.harness``: the harness's TTFT should agree with it within a
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--gc", choices=["on", "off"], default="on",
+                   help="Python's garbage collector while timing (default on: the plainest loop; the harness turns it "
+                        "off, which matters where the prefill is host-bound)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (it times with CUDA events)")
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_attn.patches import patch_model, unpatch_model
 
     model, info = load_model(args.model, device="cuda", dtype=torch.float16)
-    print(f"model: {info.name} ({info.quant}, {info.awq_backend})", flush=True)
+    print(f"model: {info.name} ({info.quant}, {info.awq_backend}), gc {args.gc}", flush=True)
     gen = torch.Generator().manual_seed(0)
 
     def prefill(ids):
@@ -46,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     for seq in args.seq:
         ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=gen).cuda()
         times = {"sdpa": [], "ours": []}
+        if args.gc == "off":
+            gc.collect()
+            gc.disable()
         with torch.inference_mode():
             for rep in range(args.warmup + args.repeats):
                 for name in (("sdpa", "ours") if rep % 2 == 0 else ("ours", "sdpa")):
@@ -61,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                         unpatch_model(model)
                     if rep >= args.warmup:
                         times[name].append(start.elapsed_time(end))
+        gc.enable()
         s, o = statistics.median(times["sdpa"]), statistics.median(times["ours"])
         print(f"| {seq} | {s:.2f} | {o:.2f} | {s / o:.3f} |", flush=True)
     return 0
