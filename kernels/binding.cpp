@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <string>
 #include <type_traits>
 #include <tuple>
@@ -120,6 +122,93 @@ void check_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     }
 }
 
+// ---- Decode counter pool -------------------------------------------------------------------------------------------
+// The split decode kernel's last block per (batch, KV head) is found with an arrival counter, which must be zero
+// when the launch starts. A per-call memset costs a graph node (~2 µs per call at short contexts on the H200:
+// kernels/NOTES.md, "Decode gap reading"), so the counters live in a pool that is zeroed once and that the kernel
+// leaves zero (its last block resets its counter). Slices must never be shared by launches that can run at the
+// same time: an eager stream keeps one slice for all its launches (stream order serialises them), and every launch
+// captured into a CUDA graph gets a slice of its own, never handed out again. The pool is cudaMalloc'd memory, not
+// a tensor (one from torch's allocator, made inside torch.compile's CUDA-graph trees, broke them: decode v3 in
+// NOTES.md), made at the first eager split decode call on a device (one stream synchronisation, once). Where it
+// cannot serve (not made yet when capturing, exhausted, disabled for a test, allocation failed) the caller zeroes
+// counters of its own with a memset, as before.
+constexpr int64_t kCounterPoolInts = 1 << 18;   // 1 MiB per device
+constexpr int64_t kCounterSliceQuantum = 256;
+
+struct CounterPool {
+    int* base = nullptr;
+    bool failed = false;
+    int64_t next = 0;                                                    // first int not handed out
+    std::unordered_map<cudaStream_t, std::pair<int64_t, int64_t>> eager;  // stream -> (offset, size)
+};
+std::mutex g_pool_mutex;
+std::unordered_map<int, CounterPool> g_pools;
+bool g_pool_enabled = true;
+
+int* pooled_counters(int device, cudaStream_t stream, int64_t n) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return nullptr;
+    }
+    const bool captured = status != cudaStreamCaptureStatusNone;
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    if (!g_pool_enabled) return nullptr;
+    CounterPool& pool = g_pools[device];
+    if (pool.failed) return nullptr;
+    if (pool.base == nullptr) {
+        if (captured) return nullptr;  // no allocation or synchronisation inside a capture: memset this time
+        // Relaxed capture mode: another thread's capture must neither forbid nor be invalidated by this setup.
+        cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        cudaThreadExchangeStreamCaptureMode(&mode);
+        void* ptr = nullptr;
+        bool ok = cudaMalloc(&ptr, kCounterPoolInts * sizeof(int)) == cudaSuccess;
+        ok = ok && cudaMemsetAsync(ptr, 0, kCounterPoolInts * sizeof(int), stream) == cudaSuccess;
+        ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;  // zero before any stream's first use
+        cudaThreadExchangeStreamCaptureMode(&mode);
+        if (!ok) {
+            (void)cudaGetLastError();
+            if (ptr != nullptr) cudaFree(ptr);
+            pool.failed = true;
+            return nullptr;
+        }
+        pool.base = static_cast<int*>(ptr);
+    }
+    if (!captured) {
+        auto it = pool.eager.find(stream);
+        if (it != pool.eager.end() && it->second.second >= n) return pool.base + it->second.first;
+    }
+    const int64_t size = captured ? n : (n + kCounterSliceQuantum - 1) / kCounterSliceQuantum * kCounterSliceQuantum;
+    if (pool.next + size > kCounterPoolInts) return nullptr;
+    const int64_t offset = pool.next;
+    pool.next += size;
+    if (!captured) pool.eager[stream] = {offset, size};  // a smaller slice it had is not handed out again
+    return pool.base + offset;
+}
+
+// Tests: switch the pool off (true -> false: every call zeroes its own counters) or on; returns the previous state.
+bool set_decode_counter_pool(bool enabled) {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    const bool prev = g_pool_enabled;
+    g_pool_enabled = enabled;
+    return prev;
+}
+
+// Tests: the current device's pool as (ints handed out, their values copied to the host after a device sync);
+// (0, []) before the pool exists.
+std::tuple<int64_t, std::vector<int64_t>> decode_counter_pool_state() {
+    const int device = c10::cuda::current_device();
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    auto it = g_pools.find(device);
+    if (it == g_pools.end() || it->second.base == nullptr) return {0, {}};
+    std::vector<int> host(it->second.next);
+    TORCH_CHECK(cudaDeviceSynchronize() == cudaSuccess && cudaMemcpy(host.data(), it->second.base,
+                host.size() * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess,
+                "llm_attn: reading the decode counter pool failed");
+    return {it->second.next, std::vector<int64_t>(host.begin(), host.end())};
+}
+
 // Fills FlashFwdParams for checked inputs, allocates the split-KV workspace and launches on the current stream.
 void launch_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                 const at::Tensor& lse, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
@@ -133,18 +222,21 @@ void launch_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     at::Tensor workspace;
     if (p.num_splits > 1) {
-        // One allocation from torch's caching allocator (safe under CUDA-graph capture) for the partial outputs,
-        // their log-sum-exps and the decode kernel's per-(batch, KV head) arrival counters: o_accum
-        // (splits, B, H, Sq, D) floats, lse_accum (splits, B, H, Sq) floats, then B * Hkv int32 counters, zeroed
-        // per call (one memset node in a CUDA graph). A buffer that outlives the call would save the memset, but
-        // it breaks torch.compile's CUDA-graph trees (found on the H100).
+        // One allocation from torch's caching allocator (safe under CUDA-graph capture) for the partial outputs and
+        // their log-sum-exps: o_accum (splits, B, H, Sq, D) floats, lse_accum (splits, B, H, Sq) floats. The decode
+        // kernel's per-(batch, KV head) arrival counters come from the counter pool (zero on entry, left zero by
+        // the kernel: no memset node per call); where the pool cannot serve, they follow in the same allocation and
+        // are zeroed here, as before.
         const int64_t rows = static_cast<int64_t>(p.num_splits) * p.batch * p.num_heads * p.seqlen_q;
         const bool counters = llm_attn::flash_fwd_uses_decode_kernel(p);
         const int64_t n_counters = counters ? static_cast<int64_t>(p.batch) * p.num_kv_heads : 0;
-        workspace = at::empty({rows * (p.head_dim + 1) + n_counters}, q.options().dtype(at::kFloat));
+        int* pooled = counters ? pooled_counters(q.get_device(), stream, n_counters) : nullptr;
+        workspace = at::empty({rows * (p.head_dim + 1) + (pooled ? 0 : n_counters)}, q.options().dtype(at::kFloat));
         p.o_accum = workspace.data_ptr<float>();
         p.lse_accum = p.o_accum + rows * p.head_dim;
-        if (counters) {
+        if (pooled) {
+            p.split_counters = pooled;
+        } else if (counters) {
             p.split_counters = reinterpret_cast<int*>(p.lse_accum + rows);
             const cudaError_t err = cudaMemsetAsync(p.split_counters, 0, n_counters * sizeof(int), stream);
             TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd: zeroing the split counters failed: ",
@@ -338,4 +430,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_decode_splits", &set_decode_splits, "Force the decode kernel's KV splits (0 auto); returns the previous");
     m.def("set_decode_config", &set_decode_config,
           "Force the decode kernel's DecodeConfigId (0 auto, kernel_tiles.h); returns the previous");
+    m.def("set_decode_counter_pool", &set_decode_counter_pool,
+          "Tests: use the decode counter pool (True) or zero counters per call (False); returns the previous");
+    m.def("decode_counter_pool_state", &decode_counter_pool_state,
+          "Tests: (ints handed out, their values) of the current device's decode counter pool");
 }

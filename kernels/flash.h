@@ -35,7 +35,8 @@ struct FlashFwdParams {
     int num_splits;
     float* __restrict__ o_accum;
     float* __restrict__ lse_accum;
-    // Decode path only, when it splits: (batch, num_kv_heads) int32 counters, zero before the launch.
+    // Decode path only, when it splits: (batch, num_kv_heads) int32 counters, zero before the launch; the kernel
+    // leaves them zero (so a pool of counters can be zeroed once instead of per call).
     int* __restrict__ split_counters;
 };
 

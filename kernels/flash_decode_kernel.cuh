@@ -9,7 +9,7 @@
 //  - the 4 warps split each tile's keys (16 each: for decode, keys are the only parallel dimension), each with its
 //    own online softmax; at the end the warps' states are merged through shared memory.
 // Output: with one split, O (and lse) directly; otherwise float32 partials, merged in the same launch by the last
-// block of each (batch, KV head) to finish (a counter per (batch, KV head), zeroed by the caller).
+// block of each (batch, KV head) to finish (a counter per (batch, KV head), zero on entry and left zero on exit).
 // The number of splits comes from the host (flash_fwd_num_splits); each block derives its key range from the
 // batch's own valid length (seqused_k) on the device, so no host synchronisation is needed and a captured CUDA
 // graph stays valid as the cache grows.
@@ -264,7 +264,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
     __syncthreads();
     if (tid == 0) {
         int* counter = params.split_counters + batch * params.num_kv_heads + kv_head;
-        s_last = atomicAdd(counter, 1) == params.num_splits - 1;
+        const bool last = atomicAdd(counter, 1) == params.num_splits - 1;
+        // Every split has counted: leave the counter zero for the next launch that uses it (the caller's counter
+        // pool is zeroed once, not per call; the next launch on these counters is stream-ordered after this one).
+        if (last) *counter = 0;
+        s_last = last;
     }
     __syncthreads();
     if (!s_last) return;

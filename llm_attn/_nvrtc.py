@@ -340,10 +340,7 @@ def _function(index: int, kernel: str, smem: int):
         arch = kernel_arch(device_info(index)[0], kernel)
         cubin, lowered = get_cubin(arch, kernel)
         t0 = time.perf_counter()
-        ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if not int(ctx):  # a thread torch has not used yet: bind the primary context torch uses
-            dev = _drv_check(driver.cuDeviceGet(index), "cuDeviceGet")
-            _drv_check(driver.cuCtxSetCurrent(_drv_check(driver.cuDevicePrimaryCtxRetain(dev), "retain")), "set ctx")
+        _bind_context(driver, index)
         try:
             module = _drv_check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         except RuntimeError as e:
@@ -363,6 +360,14 @@ def _function(index: int, kernel: str, smem: int):
         return fn
 
 
+def _bind_context(driver, index: int) -> None:
+    """On a thread torch has not used yet, bind the primary context torch uses."""
+    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if not int(ctx):
+        dev = _drv_check(driver.cuDeviceGet(index), "cuDeviceGet")
+        _drv_check(driver.cuCtxSetCurrent(_drv_check(driver.cuDevicePrimaryCtxRetain(dev), "retain")), "set ctx")
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan_for(index: int, *shape) -> _plan.Plan:
     """The plan per (device, shape, tile): the host-side choices cost nothing after the first call of a shape."""
@@ -373,6 +378,15 @@ _ArgArray = ctypes.c_void_p * 1
 _cu_streams: dict = {}  # raw stream handle -> driver.CUstream (a wrapper of the handle, made once)
 
 
+def _cu_stream(stream: int):
+    cu_stream = _cu_streams.get(stream)
+    if cu_stream is None:
+        if len(_cu_streams) >= 64:
+            _cu_streams.clear()
+        cu_stream = _cu_streams[stream] = _driver().CUstream(stream)
+    return cu_stream
+
+
 def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
     driver = _driver()
     fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
@@ -381,12 +395,7 @@ def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: in
 
         params = _nvrtc_sm90.params(params, launch)
     args = _ArgArray(ctypes.addressof(params))
-    cu_stream = _cu_streams.get(stream)
-    if cu_stream is None:
-        if len(_cu_streams) >= 64:
-            _cu_streams.clear()
-        cu_stream = _cu_streams[stream] = driver.CUstream(stream)
-    result = driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, cu_stream,
+    result = driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, _cu_stream(stream),
                                    ctypes.addressof(args), 0)
     if int(result[0] if isinstance(result, tuple) else result) != 0:
         _drv_check(result, f"launching {launch.kernel}")
@@ -530,28 +539,132 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     p.lse = lse.data_ptr()
     p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
-    workspace = None  # lives until the launches are queued; torch's allocator orders its reuse by stream
-    if plan.num_splits > 1:
-        # One allocation, laid out as binding.cpp's launch_fwd lays it out: o_accum (splits, B, H, Sq, D) floats,
-        # lse_accum (splits, B, H, Sq) floats, then the decode kernel's B * Hkv int32 counters, zeroed per call.
-        batch, num_heads, seqlen_q, head_dim = q.shape
-        rows = plan.num_splits * batch * num_heads * seqlen_q
-        n_counters = batch * k.shape[1] if plan.decode else 0
-        workspace = torch.empty(rows * (head_dim + 1) + n_counters, dtype=torch.float32, device=q.device)
-        base = workspace.data_ptr()
-        p.o_accum, p.lse_accum = base, base + rows * head_dim * 4
-        if plan.decode:
-            p.split_counters = base + rows * (head_dim + 1) * 4
-            workspace[rows * (head_dim + 1):].view(torch.int32).zero_()
     if index == torch.cuda.current_device():
         stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
+        workspace = _workspace(p, plan, q, k, index, stream)
         for launch in plan.launches:
             _launch(index, launch, p, stream)
     else:
         stream = torch.cuda.current_stream(q.device).cuda_stream
         with torch.cuda.device(index):
+            workspace = _workspace(p, plan, q, k, index, stream)
             for launch in plan.launches:
                 _launch(index, launch, p, stream)
+    del workspace  # it lived until the launches were queued; torch's allocator orders its reuse by stream
+
+
+def _workspace(p: FlashFwdParams, plan: _plan.Plan, q, k, index: int, stream: int):
+    """binding.cpp's split workspace: one allocation for o_accum (splits, B, H, Sq, D) and lse_accum
+    (splits, B, H, Sq) floats; the decode kernel's B * Hkv counters from the counter pool, or (where it cannot
+    serve) after them in the same allocation, zeroed here. Returns the allocation (None without splits)."""
+    if plan.num_splits <= 1:
+        return None
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    rows = plan.num_splits * batch * num_heads * seqlen_q
+    n_counters = batch * k.shape[1] if plan.decode else 0
+    pooled = _pooled_counters(index, stream, n_counters) if plan.decode else None
+    workspace = torch.empty(rows * (head_dim + 1) + (0 if pooled else n_counters), dtype=torch.float32,
+                            device=q.device)
+    base = workspace.data_ptr()
+    p.o_accum, p.lse_accum = base, base + rows * head_dim * 4
+    if pooled:
+        p.split_counters = pooled
+    elif plan.decode:
+        p.split_counters = base + rows * (head_dim + 1) * 4
+        workspace[rows * (head_dim + 1):].view(torch.int32).zero_()
+    return workspace
+
+
+# The decode counter pool: binding.cpp's (see there): counters zeroed once, left zero by the kernel, one slice per
+# eager stream and one per captured launch, in cuMemAlloc'd memory (not a tensor), made at the first eager split
+# decode call on a device. None where it cannot serve: the caller zeroes counters of its own.
+_COUNTER_POOL_INTS = 1 << 18
+_COUNTER_SLICE_QUANTUM = 256
+_pool_lock = threading.Lock()
+_pools: dict[int, dict] = {}
+_pool_enabled = True
+
+
+def _pooled_counters(index: int, stream: int, n: int) -> int | None:
+    driver = _driver()
+    status = driver.cuStreamIsCapturing(_cu_stream(stream))
+    if _rc(status) != 0:
+        return None
+    captured = status[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    with _pool_lock:
+        if not _pool_enabled:
+            return None
+        pool = _pools.setdefault(index, {"base": 0, "failed": False, "next": 0, "eager": {}})
+        if pool["failed"]:
+            return None
+        if not pool["base"]:
+            if captured:
+                return None  # no allocation or synchronisation inside a capture: zeroed per call this time
+            pool["base"] = _make_pool(driver, index, stream)
+            if not pool["base"]:
+                pool["failed"] = True
+                return None
+        if not captured:
+            slice_ = pool["eager"].get(stream)
+            if slice_ is not None and slice_[1] >= n:
+                return pool["base"] + 4 * slice_[0]
+        size = n if captured else -(-n // _COUNTER_SLICE_QUANTUM) * _COUNTER_SLICE_QUANTUM
+        if pool["next"] + size > _COUNTER_POOL_INTS:
+            return None
+        offset = pool["next"]
+        pool["next"] += size
+        if not captured:
+            pool["eager"][stream] = (offset, size)
+        return pool["base"] + 4 * offset
+
+
+def _make_pool(driver, index: int, stream: int) -> int:
+    """cuMemAlloc'd and zeroed counters (relaxed capture mode: another thread's capture is neither refused nor
+    broken by this), synchronised once on `stream`; 0 if any step failed."""
+    _bind_context(driver, index)
+    prev = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    try:
+        err, dptr = driver.cuMemAlloc(_COUNTER_POOL_INTS * 4)
+        if _rc(err) != 0:
+            return 0
+        ok = (_rc(driver.cuMemsetD32Async(dptr, 0, _COUNTER_POOL_INTS, _cu_stream(stream))) == 0
+              and _rc(driver.cuStreamSynchronize(_cu_stream(stream))) == 0)
+        if not ok:
+            driver.cuMemFree(dptr)
+            return 0
+        return int(dptr)
+    finally:
+        if _rc(prev[0]) == 0:
+            driver.cuThreadExchangeStreamCaptureMode(prev[1])
+
+
+def _rc(result) -> int:
+    """A driver call's CUresult as an int (cuda-python returns a tuple whose first item is it)."""
+    return int(result[0] if isinstance(result, tuple) else result)
+
+
+def set_decode_counter_pool(enabled: bool) -> bool:
+    """Tests: use the decode counter pool (True) or zero counters per call (False); returns the previous state."""
+    global _pool_enabled
+    with _pool_lock:
+        prev, _pool_enabled = _pool_enabled, bool(enabled)
+    return prev
+
+
+def decode_counter_pool_state() -> tuple[int, list[int]]:
+    """Tests: (ints handed out, their values after a device sync) of the current device's pool; (0, []) before it
+    exists."""
+    index = torch.cuda.current_device()
+    with _pool_lock:
+        pool = _pools.get(index)
+        if not pool or not pool["base"]:
+            return 0, []
+        torch.cuda.synchronize(index)
+        host = (ctypes.c_int32 * pool["next"])()
+        if pool["next"]:
+            _drv_check(_driver().cuMemcpyDtoH(ctypes.addressof(host), pool["base"], pool["next"] * 4),
+                       "cuMemcpyDtoH")
+        return pool["next"], list(host)
 
 
 def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,

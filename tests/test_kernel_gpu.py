@@ -377,6 +377,101 @@ def test_cuda_graph_capture_and_compile(cuda_ext):
     torch.testing.assert_close(compiled(), fn(), rtol=0, atol=0)
 
 
+def _pool_is_zero(ext):
+    used, values = ext.decode_counter_pool_state()
+    assert used == len(values) and not any(values), "the decode kernel left a counter of its pool non-zero"
+    return used
+
+
+def test_decode_counter_pool_stays_zero_across_streams_graphs_and_shapes(cuda_ext):
+    """The split decode kernel's arrival counters come from a pool zeroed once (no memset per call): every launch must
+    leave its counters zero, eager on two streams, with growing (batch x KV heads), and replayed from CUDA graphs, each
+    result checked against the float64 reference on NaN-poisoned outputs; the pool's counters are all zero after."""
+    torch.manual_seed(7)
+    # (batch, heads, KV heads, KV length, forced splits): the last one has 320 (batch, KV head) counters, more than
+    # a stream's first slice holds, so its stream gets a larger one.
+    shapes = [(1, 32, 8, 2048, 0), (4, 32, 8, 8192, 0), (3, 8, 1, 4097, 0), (2, 32, 8, 1000, 0), (40, 32, 8, 600, 3)]
+    side = torch.cuda.Stream()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for b, hq, hkv, sk, forced in shapes:
+        q = torch.randn(b, hq, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, sk, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, sk, 128, device="cuda", dtype=torch.bfloat16)
+        prev = cuda_ext.set_decode_splits(forced)
+        try:
+            assert cuda_ext.num_splits(b, hq, hkv, 1, sk, 128, num_sms) > 1
+            for _ in range(3):
+                check(cuda_ext, q, k, v, causal=False)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                check(cuda_ext, q, k, v, causal=False)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:
+            cuda_ext.set_decode_splits(prev)
+    used = _pool_is_zero(cuda_ext)
+    assert used > 0, "eager split decode calls did not use the counter pool"
+
+    # Two graphs, each with its own counters, replayed back to back and side by side on two streams.
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 8, 3000, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(1, 8, 3000, 128, device="cuda", dtype=torch.float16)
+    k2, v2 = torch.randn_like(k), torch.randn_like(v)
+    flash_attn_func(q, k, v, path="kernel")  # loads this dtype's kernel outside the capture
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for kk, vv in ((k, v), (k2, v2)):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(flash_attn_func(q, kk, vv, path="kernel"))
+        graphs.append(g)
+    assert _pool_is_zero(cuda_ext) > used, "captured launches did not get counters of their own"
+    refs = [attention_naive(q, kk, vv)[0] for kk, vv in ((k, v), (k2, v2))]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(20):
+        for o in outs:
+            o.fill_(float("nan"))
+        for g, st in zip(graphs, streams):
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                g.replay()
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        for o, ref in zip(outs, refs):
+            assert not o.isnan().any()
+            assert (o.double() - ref).abs().max().item() < 2e-2
+    _pool_is_zero(cuda_ext)
+
+
+def test_decode_without_the_counter_pool_is_bit_identical(cuda_ext):
+    """Counters zeroed per call (the path taken where the pool cannot serve) give the pool's results bit for bit."""
+    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 5000, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 8, 5000, 128, device="cuda", dtype=torch.bfloat16)
+    pooled = run_raw(cuda_ext, q, k, v, False)
+    prev = cuda_ext.set_decode_counter_pool(False)
+    try:
+        own = run_raw(cuda_ext, q, k, v, False)
+    finally:
+        cuda_ext.set_decode_counter_pool(prev)
+    assert prev is True
+    assert not pooled[0].isnan().any() and torch.equal(pooled[0], own[0]) and torch.equal(pooled[1], own[1])
+
+
+def test_decode_under_torch_compile_cuda_graph_trees(cuda_ext):
+    """torch.compile(mode="reduce-overhead") records the split decode call into CUDA-graph trees: a counter buffer
+    that is a tensor of torch's allocator broke them once (kernels/NOTES.md, decode v3); the pool is not one."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(lambda a, b, c: flash_attn_func(a, b, c) * 1, mode="reduce-overhead")
+    for _ in range(4):  # warm-up, record, replays
+        q.normal_()
+        out = compiled(q, k, v).clone()
+        torch.testing.assert_close(out, flash_attn_func(q, k, v), rtol=0, atol=0)
+    _pool_is_zero(cuda_ext)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
