@@ -168,7 +168,7 @@ if has decode; then
 fi
 if has decode_splits; then  # issue 19: every forced (tile, split count) per (B, KV) against cuDNN/flash; its heur column is the shipped rule
   timeout 300 python3 experiments/decode_splits.py --dtypes bf16 fp16 --out "$OUT/decode_splits.json" >"$OUT/decode_splits.txt" 2>&1
-  echo "decode_splits exit $?"; tail -22 "$OUT/decode_splits.txt"
+  echo "decode_splits exit $?"; sed -n '/^GB\/s of K+V/,/^per config/p' "$OUT/decode_splits.txt"; tail -2 "$OUT/decode_splits.txt"
 fi
 if has decode_gap; then  # issue 19: graph µs per decode call against ncu's kernel time, ours vs SDPA cuDNN/flash
   python3 experiments/decode_gap.py --out "$OUT/decode_gap.json" 2>&1 | grep -v -E "Warning|warn"
