@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <mutex>
@@ -125,26 +126,58 @@ void check_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 // ---- Decode counter pool -------------------------------------------------------------------------------------------
 // The split decode kernel's last block per (batch, KV head) is found with an arrival counter, which must be zero
 // when the launch starts. A per-call memset costs a graph node (~2 µs per call at short contexts on the H200:
-// kernels/NOTES.md, "Decode gap reading"), so the counters live in a pool that is zeroed once and that the kernel
-// leaves zero (its last block resets its counter). Slices must never be shared by launches that can run at the
-// same time: an eager stream keeps one slice for all its launches (stream order serialises them), and every launch
-// captured into a CUDA graph gets a slice of its own, never handed out again. The pool is cudaMalloc'd memory, not
-// a tensor (one from torch's allocator, made inside torch.compile's CUDA-graph trees, broke them: decode v3 in
-// NOTES.md), made at the first eager split decode call on a device (one stream synchronisation, once). Where it
-// cannot serve (not made yet when capturing, exhausted, disabled for a test, allocation failed) the caller zeroes
+// kernels/NOTES.md, "Decode gap reading"), so the counters live in a pool that is zeroed when it is made and that
+// the kernel leaves zero (its last block resets its counter). Slices must never be shared by launches that can run
+// at the same time: an eager stream keeps one slice for all its launches (stream order serialises them), and every
+// launch captured into a CUDA graph gets a slice of its own, never handed out again (graphs may be replayed side by
+// side). The pool is cudaMalloc'd memory, not a tensor (one from torch's allocator, made inside torch.compile's
+// CUDA-graph trees, broke them: decode v3 in NOTES.md). It grows by 1 MiB chunks, each allocated in relaxed
+// capture mode (as torch's allocator does: allowed inside a capture, and no other thread's capture is disturbed)
+// and zeroed on the pool's own stream, waited for on the host, so a chunk is also made inside a capture. Up to
+// 64 MiB per device; past that, or if an allocation fails, or when disabled for a test, the caller zeroes
 // counters of its own with a memset, as before.
-constexpr int64_t kCounterPoolInts = 1 << 18;   // 1 MiB per device
+constexpr int64_t kCounterChunkInts = 1 << 18;      // 1 MiB
+constexpr int64_t kCounterPoolMaxInts = 1 << 24;    // 64 MiB
 constexpr int64_t kCounterSliceQuantum = 256;
 
+struct CounterChunk {
+    int* base;
+    int64_t size;  // ints
+    int64_t used;  // ints handed out
+};
 struct CounterPool {
-    int* base = nullptr;
+    std::vector<CounterChunk> chunks;  // the last one is being handed out
+    int64_t total = 0;                              // ints allocated
     bool failed = false;
-    int64_t next = 0;                                                    // first int not handed out
-    std::unordered_map<cudaStream_t, std::pair<int64_t, int64_t>> eager;  // stream -> (offset, size)
+    cudaStream_t zero_stream = nullptr;
+    std::unordered_map<cudaStream_t, std::pair<int*, int64_t>> eager;  // stream -> (slice, ints)
 };
 std::mutex g_pool_mutex;
 std::unordered_map<int, CounterPool> g_pools;
 bool g_pool_enabled = true;
+
+// A fresh zeroed chunk of at least `ints` counters, or false (the pool then serves no more).
+bool grow_pool(CounterPool& pool, int64_t ints) {
+    const int64_t size = std::max(kCounterChunkInts, ints);
+    if (pool.total + size > kCounterPoolMaxInts) return false;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    void* ptr = nullptr;
+    bool ok = pool.zero_stream != nullptr ||
+              cudaStreamCreateWithFlags(&pool.zero_stream, cudaStreamNonBlocking) == cudaSuccess;
+    ok = ok && cudaMalloc(&ptr, size * sizeof(int)) == cudaSuccess;
+    ok = ok && cudaMemsetAsync(ptr, 0, size * sizeof(int), pool.zero_stream) == cudaSuccess;
+    ok = ok && cudaStreamSynchronize(pool.zero_stream) == cudaSuccess;  // zero before any launch is queued on it
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (!ok) {
+        (void)cudaGetLastError();
+        if (ptr != nullptr) cudaFree(ptr);
+        return false;
+    }
+    pool.chunks.push_back({static_cast<int*>(ptr), size, 0});
+    pool.total += size;
+    return true;
+}
 
 int* pooled_counters(int device, cudaStream_t stream, int64_t n) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -156,35 +189,23 @@ int* pooled_counters(int device, cudaStream_t stream, int64_t n) {
     std::lock_guard<std::mutex> lock(g_pool_mutex);
     if (!g_pool_enabled) return nullptr;
     CounterPool& pool = g_pools[device];
+    if (!captured) {
+        auto it = pool.eager.find(stream);
+        if (it != pool.eager.end() && it->second.second >= n) return it->second.first;
+    }
     if (pool.failed) return nullptr;
-    if (pool.base == nullptr) {
-        if (captured) return nullptr;  // no allocation or synchronisation inside a capture: memset this time
-        // Relaxed capture mode: another thread's capture must neither forbid nor be invalidated by this setup.
-        cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-        cudaThreadExchangeStreamCaptureMode(&mode);
-        void* ptr = nullptr;
-        bool ok = cudaMalloc(&ptr, kCounterPoolInts * sizeof(int)) == cudaSuccess;
-        ok = ok && cudaMemsetAsync(ptr, 0, kCounterPoolInts * sizeof(int), stream) == cudaSuccess;
-        ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;  // zero before any stream's first use
-        cudaThreadExchangeStreamCaptureMode(&mode);
-        if (!ok) {
-            (void)cudaGetLastError();
-            if (ptr != nullptr) cudaFree(ptr);
+    const int64_t size = captured ? n : (n + kCounterSliceQuantum - 1) / kCounterSliceQuantum * kCounterSliceQuantum;
+    if (pool.chunks.empty() || pool.chunks.back().used + size > pool.chunks.back().size) {
+        if (!grow_pool(pool, size)) {
             pool.failed = true;
             return nullptr;
         }
-        pool.base = static_cast<int*>(ptr);
     }
-    if (!captured) {
-        auto it = pool.eager.find(stream);
-        if (it != pool.eager.end() && it->second.second >= n) return pool.base + it->second.first;
-    }
-    const int64_t size = captured ? n : (n + kCounterSliceQuantum - 1) / kCounterSliceQuantum * kCounterSliceQuantum;
-    if (pool.next + size > kCounterPoolInts) return nullptr;
-    const int64_t offset = pool.next;
-    pool.next += size;
-    if (!captured) pool.eager[stream] = {offset, size};  // a smaller slice it had is not handed out again
-    return pool.base + offset;
+    CounterChunk& chunk = pool.chunks.back();
+    int* slice = chunk.base + chunk.used;
+    chunk.used += size;
+    if (!captured) pool.eager[stream] = {slice, size};  // a smaller slice it had is not handed out again
+    return slice;
 }
 
 // Tests: switch the pool off (true -> false: every call zeroes its own counters) or on; returns the previous state.
@@ -195,18 +216,21 @@ bool set_decode_counter_pool(bool enabled) {
     return prev;
 }
 
-// Tests: the current device's pool as (ints handed out, their values copied to the host after a device sync);
-// (0, []) before the pool exists.
+// Tests: the current device's pool as (ints handed out, their values copied to the host after a device sync).
 std::tuple<int64_t, std::vector<int64_t>> decode_counter_pool_state() {
     const int device = c10::cuda::current_device();
     std::lock_guard<std::mutex> lock(g_pool_mutex);
+    std::vector<int64_t> values;
     auto it = g_pools.find(device);
-    if (it == g_pools.end() || it->second.base == nullptr) return {0, {}};
-    std::vector<int> host(it->second.next);
-    TORCH_CHECK(cudaDeviceSynchronize() == cudaSuccess && cudaMemcpy(host.data(), it->second.base,
-                host.size() * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess,
-                "llm_attn: reading the decode counter pool failed");
-    return {it->second.next, std::vector<int64_t>(host.begin(), host.end())};
+    if (it == g_pools.end()) return {0, values};
+    TORCH_CHECK(cudaDeviceSynchronize() == cudaSuccess, "llm_attn: reading the decode counter pool failed");
+    for (const CounterChunk& chunk : it->second.chunks) {
+        std::vector<int> host(chunk.used);
+        TORCH_CHECK(cudaMemcpy(host.data(), chunk.base, chunk.used * sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess,
+                    "llm_attn: reading the decode counter pool failed");
+        values.insert(values.end(), host.begin(), host.end());
+    }
+    return {static_cast<int64_t>(values.size()), values};
 }
 
 // Fills FlashFwdParams for checked inputs, allocates the split-KV workspace and launches on the current stream.

@@ -575,10 +575,12 @@ def _workspace(p: FlashFwdParams, plan: _plan.Plan, q, k, index: int, stream: in
     return workspace
 
 
-# The decode counter pool: binding.cpp's (see there): counters zeroed once, left zero by the kernel, one slice per
-# eager stream and one per captured launch, in cuMemAlloc'd memory (not a tensor), made at the first eager split
-# decode call on a device. None where it cannot serve: the caller zeroes counters of its own.
-_COUNTER_POOL_INTS = 1 << 18
+# The decode counter pool: binding.cpp's (see there): counters zeroed when made, left zero by the kernel, one slice
+# per eager stream and one per captured launch, in cuMemAlloc'd chunks (not tensors) that grow by 1 MiB up to 64 MiB
+# per device, each allocated in relaxed capture mode and zeroed on the pool's own stream. None where it cannot serve:
+# the caller zeroes counters of its own.
+_COUNTER_CHUNK_INTS = 1 << 18
+_COUNTER_POOL_MAX_INTS = 1 << 24
 _COUNTER_SLICE_QUANTUM = 256
 _pool_lock = threading.Lock()
 _pools: dict[int, dict] = {}
@@ -594,45 +596,52 @@ def _pooled_counters(index: int, stream: int, n: int) -> int | None:
     with _pool_lock:
         if not _pool_enabled:
             return None
-        pool = _pools.setdefault(index, {"base": 0, "failed": False, "next": 0, "eager": {}})
-        if pool["failed"]:
-            return None
-        if not pool["base"]:
-            if captured:
-                return None  # no allocation or synchronisation inside a capture: zeroed per call this time
-            pool["base"] = _make_pool(driver, index, stream)
-            if not pool["base"]:
-                pool["failed"] = True
-                return None
+        pool = _pools.setdefault(index, {"chunks": [], "total": 0, "failed": False, "zero_stream": None,
+                                         "eager": {}})
         if not captured:
             slice_ = pool["eager"].get(stream)
             if slice_ is not None and slice_[1] >= n:
-                return pool["base"] + 4 * slice_[0]
-        size = n if captured else -(-n // _COUNTER_SLICE_QUANTUM) * _COUNTER_SLICE_QUANTUM
-        if pool["next"] + size > _COUNTER_POOL_INTS:
+                return slice_[0]
+        if pool["failed"]:
             return None
-        offset = pool["next"]
-        pool["next"] += size
+        size = n if captured else -(-n // _COUNTER_SLICE_QUANTUM) * _COUNTER_SLICE_QUANTUM
+        chunks = pool["chunks"]
+        if not chunks or chunks[-1][2] + size > chunks[-1][1]:
+            if not _grow_pool(driver, index, pool, size):
+                pool["failed"] = True
+                return None
+        chunk = chunks[-1]  # [base, size, used]
+        slice_ptr = chunk[0] + 4 * chunk[2]
+        chunk[2] += size
         if not captured:
-            pool["eager"][stream] = (offset, size)
-        return pool["base"] + 4 * offset
+            pool["eager"][stream] = (slice_ptr, size)
+        return slice_ptr
 
 
-def _make_pool(driver, index: int, stream: int) -> int:
-    """cuMemAlloc'd and zeroed counters (relaxed capture mode: another thread's capture is neither refused nor
-    broken by this), synchronised once on `stream`; 0 if any step failed."""
+def _grow_pool(driver, index: int, pool: dict, ints: int) -> bool:
+    """Appends a zeroed chunk of at least `ints` counters (cuMemAlloc in relaxed capture mode, zeroed on the pool's
+    own stream and waited for); False if the pool is at its limit or a step failed."""
+    size = max(_COUNTER_CHUNK_INTS, ints)
+    if pool["total"] + size > _COUNTER_POOL_MAX_INTS:
+        return False
     _bind_context(driver, index)
     prev = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
     try:
-        err, dptr = driver.cuMemAlloc(_COUNTER_POOL_INTS * 4)
+        if pool["zero_stream"] is None:
+            err, zs = driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            if _rc(err) != 0:
+                return False
+            pool["zero_stream"] = zs
+        err, dptr = driver.cuMemAlloc(size * 4)
         if _rc(err) != 0:
-            return 0
-        ok = (_rc(driver.cuMemsetD32Async(dptr, 0, _COUNTER_POOL_INTS, _cu_stream(stream))) == 0
-              and _rc(driver.cuStreamSynchronize(_cu_stream(stream))) == 0)
-        if not ok:
+            return False
+        if (_rc(driver.cuMemsetD32Async(dptr, 0, size, pool["zero_stream"])) != 0
+                or _rc(driver.cuStreamSynchronize(pool["zero_stream"])) != 0):
             driver.cuMemFree(dptr)
-            return 0
-        return int(dptr)
+            return False
+        pool["chunks"].append([int(dptr), size, 0])
+        pool["total"] += size
+        return True
     finally:
         if _rc(prev[0]) == 0:
             driver.cuThreadExchangeStreamCaptureMode(prev[1])
@@ -652,19 +661,20 @@ def set_decode_counter_pool(enabled: bool) -> bool:
 
 
 def decode_counter_pool_state() -> tuple[int, list[int]]:
-    """Tests: (ints handed out, their values after a device sync) of the current device's pool; (0, []) before it
-    exists."""
+    """Tests: (ints handed out, their values after a device sync) of the current device's pool."""
     index = torch.cuda.current_device()
     with _pool_lock:
         pool = _pools.get(index)
-        if not pool or not pool["base"]:
+        if not pool:
             return 0, []
         torch.cuda.synchronize(index)
-        host = (ctypes.c_int32 * pool["next"])()
-        if pool["next"]:
-            _drv_check(_driver().cuMemcpyDtoH(ctypes.addressof(host), pool["base"], pool["next"] * 4),
-                       "cuMemcpyDtoH")
-        return pool["next"], list(host)
+        values: list[int] = []
+        for base, _size, used in pool["chunks"]:
+            host = (ctypes.c_int32 * used)()
+            if used:
+                _drv_check(_driver().cuMemcpyDtoH(ctypes.addressof(host), base, used * 4), "cuMemcpyDtoH")
+            values += list(host)
+        return len(values), values
 
 
 def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,

@@ -442,6 +442,32 @@ def test_decode_counter_pool_stays_zero_across_streams_graphs_and_shapes(cuda_ex
     _pool_is_zero(cuda_ext)
 
 
+def test_decode_counter_pool_grows_past_a_chunk_inside_a_capture(cuda_ext):
+    """Every captured split launch keeps counters of its own; a capture of more than one 1 MiB chunk's worth (600
+    launches x 512 counters > 262144) makes the pool grow inside the capture, and every replayed launch is right."""
+    q = torch.randn(64, 8, 1, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(64, 8, 600, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn(64, 8, 600, 64, device="cuda", dtype=torch.float16)
+    prev = cuda_ext.set_decode_splits(2)
+    try:
+        flash_attn_func(q, k, v, path="kernel")  # the kernel loaded outside the capture
+        before = _pool_is_zero(cuda_ext)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = [flash_attn_func(q, k, v, path="kernel") for _ in range(600)]
+    finally:
+        cuda_ext.set_decode_splits(prev)
+    assert _pool_is_zero(cuda_ext) >= before + 600 * 512
+    ref = attention_naive(q, k, v)[0]
+    for _ in range(2):
+        for o in (outs[0], outs[-1]):
+            o.fill_(float("nan"))
+        g.replay()
+        for o in (outs[0], outs[-1]):
+            assert not o.isnan().any() and (o.double() - ref).abs().max().item() < 2e-2
+    _pool_is_zero(cuda_ext)
+
+
 def test_decode_without_the_counter_pool_is_bit_identical(cuda_ext):
     """Counters zeroed per call (the path taken where the pool cannot serve) give the pool's results bit for bit."""
     q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
