@@ -61,19 +61,18 @@ int flash_decode_force_config(int config) {
 }
 int flash_decode_forced_config() { return g_decode_config; }
 
-// Decode: at most one (batch, KV head, split) block per SM, each split keeping at least 256 keys. A 2-way split
-// repays its combine pass only on long caches (>= 4096 keys: each block then streams >= 2048 keys); fewer than 2
-// splits means none. Fitted on the H100 and H200 grids of experiments/decode_splits.py (kernels/NOTES.md, "decode
-// split rule v3"); llm_attn/_plan.py mirrors it.
+// Decode: at most one (batch, KV head, split) block per SM, each split keeping at least one 64-key tile. A 2-way
+// split repays its combine pass only from 1024 keys (each block then streams >= 512 keys); fewer than 2 splits
+// means none. Rule v4, refitted after the counter pool made a split launch ~2 µs cheaper on the H200 grid of
+// experiments/decode_splits.py (kernels/NOTES.md, "decode split rule v4"); llm_attn/_plan.py mirrors it.
 static int decode_num_splits(const FlashFwdParams& p, int num_sms) {
     const long blocks = static_cast<long>(p.batch) * p.num_kv_heads;
     const int n_tiles = (p.seqlen_k + 63) / 64;
     if (g_decode_splits > 0) return g_decode_splits < n_tiles ? g_decode_splits : n_tiles;
     long splits = num_sms / blocks;
-    const long by_keys = (p.seqlen_k + 255) / 256;
-    splits = splits < by_keys ? splits : by_keys;
+    splits = splits < n_tiles ? splits : n_tiles;
     splits = splits < 128 ? splits : 128;
-    if (splits == 2 && p.seqlen_k < 4096) return 1;
+    if (splits == 2 && p.seqlen_k < 1024) return 1;
     return splits >= 2 ? static_cast<int>(splits) : 1;
 }
 

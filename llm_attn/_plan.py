@@ -178,8 +178,8 @@ def decode_num_splits(s: Shape, num_sms: int) -> int:
     if s.decode_splits > 0:  # forced: clamped to the 64-key tiles
         return min(s.decode_splits, _cdiv(s.seqlen_k, 64))
     blocks = s.batch * s.num_kv_heads
-    splits = min(num_sms // blocks, _cdiv(s.seqlen_k, 256), 128)
-    if splits == 2 and s.seqlen_k < 4096:  # a 2-way split repays its combine only on long caches
+    splits = min(num_sms // blocks, _cdiv(s.seqlen_k, 64), 128)
+    if splits == 2 and s.seqlen_k < 1024:  # a 2-way split repays its combine only from 1024 keys
         return 1
     return max(splits, 1)
 

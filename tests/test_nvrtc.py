@@ -261,14 +261,16 @@ def test_plan_known_cases():
     p = _plan.plan(_plan.Shape(1, 32, 8, 1, 32768, 128, True, True), H100)
     assert (p.num_splits, p.decode, len(p.launches)) == (16, True, 1)
     assert p.launches[0].grid == (16, 8, 1) and p.launches[0].kernel.endswith("DecodeTraits<128, 1, 3>>")
-    # Batch 16: 128 blocks already fill the SMs, no split; 512 keys at batch 1: 2 splits would not repay the combine.
+    # Batch 16: 128 blocks already fill the SMs, no split; 512 keys at batch 1: one 64-key tile per split (rule v4,
+    # the H200 grid: 1.14x cuDNN against 0.90x with none).
     assert _plan.plan(_plan.Shape(16, 32, 8, 1, 32768, 128, True, True), H100).num_splits == 1
-    assert _plan.plan(_plan.Shape(1, 32, 8, 1, 512, 128, True, True), H100).num_splits == 1
+    assert _plan.plan(_plan.Shape(1, 32, 8, 1, 512, 128, True, True), H100).num_splits == 8
+    assert [_plan.plan(_plan.Shape(1, 32, 8, 1, kv, 128, True, True), H100).num_splits for kv in (100, 200)] == [1, 4]
     assert _plan.plan(_plan.Shape(4, 32, 8, 1, 2048, 128, True, True), H100).num_splits == 4
-    # Batch 8 (64 blocks on 132 SMs): 2 splits from 4096 keys on (the H200 grid: 1.29x at KV 8192, 1.37x at 32768
-    # over no split), none below (KV 2048: the combine costs more than the H100 gains).
+    # Batch 8 (64 blocks on 132 SMs): 2 splits from 1024 keys on (the H200 grid: 1.17x at KV 2048, 1.37x at 8192
+    # over no split), none below (KV 512: 0.93x).
     assert [_plan.plan(_plan.Shape(8, 32, 8, 1, kv, 128, True, True), H100).num_splits
-            for kv in (512, 2048, 4095, 4096, 32768)] == [1, 1, 1, 2, 2]
+            for kv in (512, 1023, 1024, 2048, 32768)] == [1, 1, 2, 2, 2]
     # RTX 4060 Ti: 99 KB per block; the 3-stage decode tile needs (16 x 128 + 2 x 3 x 64 x 128) x 2 B = 100 KB.
     dt = _plan.decode_traits(_plan.Shape(1, 32, 8, 1, 4096, 128), RTX4060TI.smem_per_block_optin)
     assert (dt.stages, dt.smem_bytes) == (2, 69632)
