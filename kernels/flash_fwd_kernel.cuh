@@ -14,9 +14,9 @@
 //
 // Built from the named parts beside it: smem_tile.cuh (swizzled tiles, cp.async copies), softmax.cuh (the online
 // softmax state), mask.cuh, mma_frag.cuh (C -> A fragments, acc += A B) and combine.cuh (the KV-split merge). This
-// file holds the kernel's own parts: FwdTraits, WarpTile (one warp's Q K^T and P V), the two main loops (pipelined
-// and simple, inline in flash_fwd_block: as separate functions nvcc compiled them to different SASS, NOTES.md
-// "Named parts") and the epilogue.
+// file holds the kernel's own parts: FwdTraits, WarpTile (one warp's Q K^T and P V), the two main loops
+// (fwd_mainloop_pipelined and fwd_mainloop_simple) and flash_fwd_block: the block's rows and keys, then a main loop,
+// then the epilogue.
 #pragma once
 
 #include "combine.cuh"
@@ -142,6 +142,126 @@ struct WarpTile {
 };
 
 
+// What the main loops read of their block (references to flash_fwd_block's values; its loads and masks come as
+// callables). Taking the softmax state in and returning it, rather than updating it through a reference, keeps the
+// kernels' SASS as it was with the loops inline (NOTES.md "Named parts").
+template <typename T>
+struct FwdLoopArgs {
+    const FlashFwdParams& params;
+    T* sQ;
+    T* sK;  // [2][kBlockN][kHeadDim]
+    T* sV;  // [2][kBlockN][kHeadDim]
+    const T* q_ptr;
+    const int &seqlen_q, &seqlen_k, &causal_offset, &row0, &warp_row0, &tid, &warp, &lane;
+};
+
+template <typename Traits>
+using FwdState = SoftmaxState<Traits::kMTiles, Traits::kHeadDim / 8>;
+
+// Pipelined main loop over key tiles [n_block_min, n_block_max): S of the next tile (tensor cores) is issued in the
+// same straight-line stretch as the softmax of the current one (FMA/MUFU/shuffles), so each warp always has
+// independent work in flight instead of alternating an mma phase and a softmax phase. K runs one tile ahead of V:
+// the group in flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile j - 1 counterpart freed.
+template <typename T, typename Traits, bool kCausal, typename LoadK, typename LoadV, typename NeedMask,
+          typename MaskedOut>
+__device__ __forceinline__ FwdState<Traits> fwd_mainloop_pipelined(FwdState<Traits> st, int n_block_min,
+                                                                   int n_block_max, const FwdLoopArgs<T>& a,
+                                                                   const LoadK& load_k, const LoadV& load_v,
+                                                                   const NeedMask& need_mask,
+                                                                   const MaskedOut& warp_masked_out) {
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kMT = Traits::kMTiles;
+    constexpr int kNT = kBlockN / 8;
+    if (n_block_min < n_block_max) {
+        using Tile = WarpTile<T, Traits>;
+        Tile wt(a.sQ, a.warp, a.lane);
+        const float scale_log2 = a.params.scale_log2;
+        load_tile_async<Traits, Traits::kBlockM>(a.sQ, a.q_ptr, a.params.q_row_stride, a.seqlen_q - a.row0, a.tid);
+        load_k(n_block_min, 0);
+        cp_async_commit();
+        load_v(n_block_min, 0);
+        if (n_block_min + 1 < n_block_max) load_k(n_block_min + 1, 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        wt.load_q();
+        typename Tile::Scores acc_s;
+        wt.qk(acc_s, a.sK);
+        for (int n_block = n_block_min;; ++n_block) {
+            const int stage = (n_block - n_block_min) & 1;
+            cp_async_wait<0>();
+            __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
+            const bool last = n_block + 1 == n_block_max;
+            if (n_block + 2 < n_block_max) load_k(n_block + 2, stage);
+            if (!last) load_v(n_block + 1, stage ^ 1);
+            cp_async_commit();
+            if (need_mask(n_block))
+                mask_scores<kCausal>(acc_s, n_block * kBlockN, a.warp_row0, a.seqlen_k, a.causal_offset, a.lane);
+            if (last) {
+                if (!warp_masked_out(n_block)) {
+                    st.update(acc_s, scale_log2);
+                    wt.pv(st.acc_o, acc_s, a.sV + stage * Traits::kSmemKV);
+                }
+                break;
+            }
+            typename Tile::Scores acc_next;
+            wt.qk(acc_next, a.sK + (stage ^ 1) * Traits::kSmemKV);
+            st.update(acc_s, scale_log2);
+            wt.pv(st.acc_o, acc_s, a.sV + stage * Traits::kSmemKV);
+#pragma unroll
+            for (int m = 0; m < kMT; ++m)
+#pragma unroll
+                for (int i = 0; i < kNT; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
+        }
+    }
+    return st;
+}
+
+// Simple main loop over key tiles [n_block_min, n_block_max): tile j + 1 loads while tile j runs S, the softmax and
+// P V in turn.
+template <typename T, typename Traits, bool kCausal, typename LoadK, typename LoadV, typename NeedMask,
+          typename MaskedOut>
+__device__ __forceinline__ FwdState<Traits> fwd_mainloop_simple(FwdState<Traits> st, int n_block_min,
+                                                                int n_block_max, const FwdLoopArgs<T>& a,
+                                                                const LoadK& load_k, const LoadV& load_v,
+                                                                const NeedMask& need_mask,
+                                                                const MaskedOut& warp_masked_out) {
+    if (n_block_min < n_block_max) {
+        using Tile = WarpTile<T, Traits>;
+        Tile wt(a.sQ, a.warp, a.lane);
+        const float scale_log2 = a.params.scale_log2;
+        load_tile_async<Traits, Traits::kBlockM>(a.sQ, a.q_ptr, a.params.q_row_stride, a.seqlen_q - a.row0, a.tid);
+        load_k(n_block_min, 0);
+        load_v(n_block_min, 0);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        wt.load_q();
+        for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
+            const int stage = (n_block - n_block_min) & 1;
+            if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
+                load_k(n_block + 1, stage ^ 1);
+                load_v(n_block + 1, stage ^ 1);
+            }
+            cp_async_commit();
+            if (!warp_masked_out(n_block)) {
+                typename Tile::Scores acc_s;
+                wt.qk(acc_s, a.sK + stage * Traits::kSmemKV);
+                if (need_mask(n_block))
+                    mask_scores<kCausal>(acc_s, n_block * Traits::kBlockN, a.warp_row0, a.seqlen_k, a.causal_offset,
+                                         a.lane);
+                st.update(acc_s, scale_log2);
+                wt.pv(st.acc_o, acc_s, a.sV + stage * Traits::kSmemKV);
+            }
+            cp_async_wait<0>();
+            __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
+        }
+    }
+    return st;
+}
+
 // The body of the forward kernel: one block of kBlockM query rows of one (batch, head[, split]).
 template <typename T, typename Traits, bool kCausal, bool kSplit>
 __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
@@ -197,104 +317,38 @@ __device__ __forceinline__ void flash_fwd_block(const FlashFwdParams& params) {
     const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
     const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
 
-    SoftmaxState<kMT, kDT> st;
-    st.init();
-
-    if (n_block_min < n_block_max) {
-        auto load_k = [&](int n_block, int stage) {
-            const int kv = n_block * kBlockN;
-            load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
-                                             params.k_row_stride, seqlen_k - kv, tid);
-        };
-        auto load_v = [&](int n_block, int stage) {
-            const int kv = n_block * kBlockN;
-            load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
-                                             params.v_row_stride, seqlen_k - kv, tid);
-        };
-        // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
-        auto need_mask = [&](int n_block) {
-            const int key0 = n_block * kBlockN;
-            return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
-        };
-        // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
-        // the first warps of the block on its last key tile): the warp skips its softmax and P V.
-        auto warp_masked_out = [&](int n_block) {
-            return kCausal && n_block * kBlockN > warp_row0 + kWarpRows - 1 + causal_offset;
-        };
-        using Tile = WarpTile<T, Traits>;
-        Tile wt(sQ, warp, lane);
-        const float scale_log2 = params.scale_log2;
-
-        if constexpr (Traits::kPipeline) {
-            // Software pipeline: S of the next tile (tensor cores) is issued in the same straight-line stretch as the
-            // softmax of the current one (FMA/MUFU/shuffles), so each warp always has independent work in flight
-            // instead of alternating an mma phase and a softmax phase. K runs one tile ahead of V: the group in
-            // flight during tile j holds K[j + 2] and V[j + 1], each in the stage its tile j - 1 counterpart freed.
-            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
-            load_k(n_block_min, 0);
-            cp_async_commit();
-            load_v(n_block_min, 0);
-            if (n_block_min + 1 < n_block_max) load_k(n_block_min + 1, 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();
-            wt.load_q();
-            typename Tile::Scores acc_s;
-            wt.qk(acc_s, sK);
-            for (int n_block = n_block_min;; ++n_block) {
-                const int stage = (n_block - n_block_min) & 1;
-                cp_async_wait<0>();
-                __syncthreads();  // V[j] and K[j + 1] landed; every warp is done with K[j]'s and V[j - 1]'s stages
-                const bool last = n_block + 1 == n_block_max;
-                if (n_block + 2 < n_block_max) load_k(n_block + 2, stage);
-                if (!last) load_v(n_block + 1, stage ^ 1);
-                cp_async_commit();
-                if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
-                if (last) {
-                    if (!warp_masked_out(n_block)) {
-                        st.update(acc_s, scale_log2);
-                        wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
-                    }
-                    break;
-                }
-                typename Tile::Scores acc_next;
-                wt.qk(acc_next, sK + (stage ^ 1) * Traits::kSmemKV);
-                st.update(acc_s, scale_log2);
-                wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
-#pragma unroll
-                for (int m = 0; m < kMT; ++m)
-#pragma unroll
-                    for (int i = 0; i < kNT; ++i)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_next[m][i][e];
-            }
-        } else {
-            load_tile_async<Traits, kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - row0, tid);
-            load_k(n_block_min, 0);
-            load_v(n_block_min, 0);
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncthreads();
-            wt.load_q();
-            for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
-                const int stage = (n_block - n_block_min) & 1;
-                if (n_block + 1 < n_block_max) {  // prefetch the next K/V tile into the other stage
-                    load_k(n_block + 1, stage ^ 1);
-                    load_v(n_block + 1, stage ^ 1);
-                }
-                cp_async_commit();
-                if (!warp_masked_out(n_block)) {
-                    typename Tile::Scores acc_s;
-                    wt.qk(acc_s, sK + stage * Traits::kSmemKV);
-                    if (need_mask(n_block)) mask_scores<kCausal>(acc_s, n_block * kBlockN, warp_row0, seqlen_k, causal_offset, lane);
-                    st.update(acc_s, scale_log2);
-                    wt.pv(st.acc_o, acc_s, sV + stage * Traits::kSmemKV);
-                }
-                cp_async_wait<0>();
-                __syncthreads();  // next stage landed for everyone; everyone is done reading this stage
-            }
-        }
-    }
+    auto load_k = [&](int n_block, int stage) {
+        const int kv = n_block * kBlockN;
+        load_tile_async<Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_ptr + kv * params.k_row_stride,
+                                         params.k_row_stride, seqlen_k - kv, tid);
+    };
+    auto load_v = [&](int n_block, int stage) {
+        const int kv = n_block * kBlockN;
+        load_tile_async<Traits, kBlockN>(sV + stage * Traits::kSmemKV, v_ptr + kv * params.v_row_stride,
+                                         params.v_row_stride, seqlen_k - kv, tid);
+    };
+    // Mask only tiles that reach past the last key or cross the causal diagonal of the warp's rows.
+    auto need_mask = [&](int n_block) {
+        const int key0 = n_block * kBlockN;
+        return key0 + kBlockN > seqlen_k || (kCausal && key0 + kBlockN - 1 > warp_row0 + causal_offset);
+    };
+    // A tile whose keys all lie above the diagonal for every row of the warp (the tail of a causal block, e.g.
+    // the first warps of the block on its last key tile): the warp skips its softmax and P V.
+    auto warp_masked_out = [&](int n_block) {
+        return kCausal && n_block * kBlockN > warp_row0 + kWarpRows - 1 + causal_offset;
+    };
+    const FwdLoopArgs<T> args{params, sQ, sK, sV, q_ptr, seqlen_q, seqlen_k, causal_offset, row0, warp_row0, tid,
+                              warp, lane};
+    SoftmaxState<kMT, kDT> st0;
+    st0.init();
+    const SoftmaxState<kMT, kDT> st = [&] {
+        if constexpr (Traits::kPipeline)
+            return fwd_mainloop_pipelined<T, Traits, kCausal>(st0, n_block_min, n_block_max, args, load_k, load_v,
+                                                              need_mask, warp_masked_out);
+        else
+            return fwd_mainloop_simple<T, Traits, kCausal>(st0, n_block_min, n_block_max, args, load_k, load_v,
+                                                           need_mask, warp_masked_out);
+    }();
 
     // Epilogue: normalise, write O (and lse). Rows that saw no key write 0 and lse = -inf.
     float inv_sum[kMT][2], lse[kMT][2];
