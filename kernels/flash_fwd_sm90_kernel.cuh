@@ -1,18 +1,18 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma tensor cores, warp specialisation.
 //
-// One thread block (3 warpgroups, 384 threads) owns 128 query rows of one (batch, query head):
+// One thread block (1 + kConsumers warpgroups) owns 64 x kConsumers query rows of one (batch, query head):
 //   warpgroup 0, the producer: gives most of its registers away (setmaxnreg) and one thread drives the copy engine:
 //     Q once, then K and V tile after tile into a kStages-deep ring of shared-memory slots. Each slot has a "full"
 //     mbarrier (completed by the TMA byte count) and an "empty" one (completed when every consumer warp is done).
-//   warpgroups 1 and 2, the consumers: 64 query rows each. Per key tile:
+//   warpgroups 1..kConsumers (2, or 3 for head_dim 64), the consumers: 64 query rows each. Per key tile:
 //     S = Q K^T      wgmma m64n{kBlockN}k16, both operands from shared memory, f32 accumulators in registers
 //     softmax        online, base 2, masking only on tiles that cross the causal diagonal or the end of the keys
 //                    (SoftmaxState: the same lazy-rescale update as the portable kernel)
 //     O += P V       wgmma m64n{head_dim}k16 with P straight from the S registers (A operand in registers) and V
 //                    read transposed (MN-major) from shared memory
 //   Inside a consumer the loop is software-pipelined: S of tile j and P V of tile j - 1 are issued back to back, and
-//   the softmax of tile j runs on the CUDA cores while P V still runs on the tensor cores. The two consumers run
-//   the same loop on different rows, so one's softmax also overlaps the other's GEMMs.
+//   the softmax of tile j runs on the CUDA cores while P V still runs on the tensor cores. The consumers run the
+//   same loop on different rows and take turns at the tensor cores, so one's softmax overlaps another's GEMMs.
 // Key tiles are visited last to first, so the masked ones (diagonal, tail) come first. The O tile is staged in the
 // Q slot and written by TMA stores, which clip rows past the end of the sequence.
 //
@@ -29,14 +29,16 @@
 namespace llm_attn {
 namespace sm90 {
 
-template <int kHeadDim_, int kBlockN_, int kStages_>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_ = 2>
 struct Sm90Traits {
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows (wgmma's M)
+    static constexpr int kConsumers = kConsumers_;  // consumer warpgroups
+    static constexpr int kBlockM = 64 * kConsumers;  // 64 rows (wgmma's M) per consumer warpgroup
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kStages = kStages_;
-    static constexpr int kThreads = 384;
-    static constexpr int kConsumerWarps = 8;
+    static constexpr int kThreads = 128 * (1 + kConsumers);
+    static constexpr int kConsumerThreads = 128 * kConsumers;
+    static constexpr int kConsumerWarps = 4 * kConsumers;
     static constexpr int kMTiles = 1, kWarpRows = 16;  // per warp: one m16 row tile (mask_scores' view)
     static constexpr int kSlabs = kHeadDim / 64;        // 64-column, 128-byte-swizzled slabs per row
     static constexpr int kSlabBytesQ = kBlockM * 128;
@@ -46,10 +48,14 @@ struct Sm90Traits {
     static constexpr int kNumBarriers = 1 + 4 * kStages;
     // Q + kStages x (K + V) + barriers, plus 1 KB to align the dynamic shared memory to the swizzle atom.
     static constexpr int kSmemBytes = kTileBytesQ + 2 * kStages * kTileBytesKV + kNumBarriers * 8 + 1024;
-    // Registers after setmaxnreg: 128 x 24 + 256 x 240 = 64K, the whole register file of the SM.
-    static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    // Registers after setmaxnreg: 128 x 24 + 256 x 240 = 64K, the whole register file of the SM; with three
+    // consumers 128 x 24 + 384 x 160 = 63K (setmaxnreg takes multiples of 8).
+    static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+    static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64),
+                  "two consumers, or three for head_dim 64 (128 would need more than 160 registers a thread)");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 64 * 1024, "the SM's register file");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256 (and a TMA box <= 256)");
     static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory a Hopper block can have");
 };
@@ -176,14 +182,14 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         if (key0 + kBlockN <= b.kv_len || b.kv_len >= p.seqlen_k) return;
         const int first = b.kv_len - key0;
         const int chunks = (kBlockN - first) * Traits::kSlabs * 8;
-        for (int c = tid + wg * 128; c < chunks; c += 256) {
+        for (int c = tid + wg * 128; c < chunks; c += Traits::kConsumerThreads) {
             const int row = first + c / (Traits::kSlabs * 8);
             const int slab = (c / 8) % Traits::kSlabs;
             *reinterpret_cast<uint4*>(v_tile + slab * Traits::kSlabBytesKV + row * 128 + (c % 8) * 16) =
                 make_uint4(0, 0, 0, 0);
         }
         fence_proxy_async();
-        named_barrier_sync(1, 256);
+        named_barrier_sync(1, Traits::kConsumerThreads);
     };
     auto issue_qk = [&](int stage) {
         const SmemDesc k = desc_k0 + stage * Traits::kTileBytesKV;
@@ -217,18 +223,19 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         if (lane == 0) mbar_arrive(bar);
     };
 
-    // Ping-pong: the two consumers take turns at issuing their batch of GEMMs (named barriers 4 and 5: one
-    // warpgroup waits at its own, the other arrives there once it has issued), so one's softmax runs while the
-    // other's GEMMs hold the tensor cores. Both issue n_blocks + 1 batches; consumer 1 opens with an arrival for
-    // consumer 0 and leaves out its last one, so every barrier phase is matched.
+    // Ping-pong: the consumers take turns, in order, at issuing their batch of GEMMs (named barrier 8 + wg: a
+    // warpgroup waits at its own, its predecessor arrives there once it has issued), so one's softmax runs while
+    // another's GEMMs hold the tensor cores. Each issues n_blocks + 1 batches; the last consumer opens with an
+    // arrival for consumer 0 and leaves out its own last one, so every barrier phase is matched.
+    constexpr int kLast = Traits::kConsumers - 1;
     const bool pingpong = params.pingpong;
     auto my_turn = [&] {
-        if (pingpong) named_barrier_sync(4 + wg, 256);
+        if (pingpong) named_barrier_sync(8 + wg, 256);
     };
     auto your_turn = [&] {
-        if (pingpong) named_barrier_arrive(4 + (1 - wg), 256);
+        if (pingpong) named_barrier_arrive(8 + (wg == kLast ? 0 : wg + 1), 256);
     };
-    if (pingpong && wg == 1 && b.n_blocks > 0) named_barrier_arrive(4, 256);
+    if (pingpong && wg == kLast && b.n_blocks > 0) named_barrier_arrive(8, 256);
 
     // Software pipeline inside the warpgroup: while the softmax of tile j runs on the CUDA cores, the tensor cores
     // work on P V of tile j - 1 (issued just before). S of tile j is issued before that P V, so it is ready first.
@@ -278,14 +285,15 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         if (b.n_blocks == 1) clean_v_tail(v_last, (b.n_blocks - 1) * kBlockN);
         my_turn();
         issue_pv(last);
-        if (wg == 0) your_turn();
+        if (wg != kLast) your_turn();
         wgmma_wait<0>();
         fence_regs(o_flat);
         release(&sm.empty_v[last]);
     }
 
     // Epilogue: normalise; rows that saw no key write 0 and lse = -inf. O is staged (swizzled, as TMA expects) in
-    // this warpgroup's rows of the Q slot, which only this warpgroup read, and every wgmma reading them is done.
+    // this warpgroup's rows of the Q slot, which only this warpgroup read, and every wgmma reading them is done
+    // (named barrier 2 + wg: this warpgroup's own).
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

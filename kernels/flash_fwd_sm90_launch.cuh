@@ -17,13 +17,15 @@ namespace llm_attn {
 namespace sm90 {
 
 // Tiles per head_dim: 128 query rows (two consumer warpgroups) x 128 keys, two K/V stages.
-// head_dim 128: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB; head_dim 64: 80 KB.
-template <int kHeadDim, int kBlockN = 128, int kStages = 2>
-using Config = Sm90Traits<kHeadDim, kBlockN, kStages>;
+// head_dim 128: Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB; head_dim 64: 80 KB, or with three consumer warpgroups
+// (192 query rows, launch() picks it for most head_dim-64 calls) 88 KB.
+template <int kHeadDim, int kBlockN = 128, int kStages = 2, int kConsumers = 2>
+using Config = Sm90Traits<kHeadDim, kBlockN, kStages, kConsumers>;
 
 // Tuning switches read once from the environment (kernel benchmarks compare variants in one build; NOTES.md H3):
 // LLM_ATTN_SM90_BLOCKN=176 (head_dim 128 non-causal key tile; +0-3 %, within noise, so not the default),
-// LLM_ATTN_SM90_PINGPONG=0|1 (default 1).
+// LLM_ATTN_SM90_PINGPONG=0|1 (default 1), LLM_ATTN_SM90_CONSUMERS=2|3 (head_dim 64: consumer warpgroups, 64 rows
+// each; unset: launch() chooses).
 inline int tuning_env(const char* name, int fallback) {
     const char* v = std::getenv(name);
     return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
@@ -149,6 +151,14 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
     if constexpr (kHeadDim == 128 && !kCausal) {
         static const int block_n = tuning_env("LLM_ATTN_SM90_BLOCKN", 128);
         if (block_n == 176) return launch_tile<T, Config<128, 176>, kCausal>(p, stream);
+    }
+    if constexpr (kHeadDim == 64) {
+        // Three consumer warpgroups (192 query rows) for head_dim 64, whose GEMMs per tile are half of head_dim
+        // 128's against the same softmax: 1.11-1.21x two consumers on the H200 (NOTES.md H5), except causal
+        // prompts up to 1024 tokens (0.93-0.94x: a 192-row block wastes more of its keys above the diagonal).
+        static const int consumers = tuning_env("LLM_ATTN_SM90_CONSUMERS", 0);
+        if (consumers == 3 || (consumers != 2 && !(kCausal && p.seqlen_q <= 1024)))
+            return launch_tile<T, Config<64, 128, 2, 3>, kCausal>(p, stream);
     }
     return launch_tile<T, Config<kHeadDim>, kCausal>(p, stream);
 }

@@ -72,14 +72,21 @@ class DecodeTraits:
 
 @dataclass(frozen=True)
 class Sm90Traits:
-    """sm90::Sm90Traits<kHeadDim, kBlockN, kStages> (kernels/flash_fwd_sm90_kernel.cuh): the Hopper kernel's tile,
-    128 query rows (two consumer warpgroups) x block_n keys, 384 threads (producer + two consumer warpgroups)."""
+    """sm90::Sm90Traits<kHeadDim, kBlockN, kStages, kConsumers> (kernels/flash_fwd_sm90_kernel.cuh): the Hopper
+    kernel's tile, 64 query rows per consumer warpgroup x block_n keys, a producer warpgroup and the consumers."""
 
     head_dim: int
     block_n: int = 128
     stages: int = 2
-    block_m: int = 128
-    threads: int = 384
+    consumers: int = 2
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q + stages x (K + V) + mbarriers + 1 KB for the 1024-byte alignment
@@ -88,7 +95,7 @@ class Sm90Traits:
             + 1024
 
     def cpp(self) -> str:
-        return f"llm_attn::sm90::Sm90Traits<{self.head_dim}, {self.block_n}, {self.stages}>"
+        return f"llm_attn::sm90::Sm90Traits<{self.head_dim}, {self.block_n}, {self.stages}, {self.consumers}>"
 
 
 @dataclass(frozen=True)
@@ -217,21 +224,27 @@ def sm90_kernel_name(is_bf16: bool, traits: Sm90Traits, causal: bool) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def sm90_tuning() -> tuple[int, int]:
-    """(LLM_ATTN_SM90_BLOCKN, LLM_ATTN_SM90_PINGPONG), read once as sm90::tuning_env does (empty = unset)."""
+def sm90_tuning() -> tuple[int, int, int]:
+    """(LLM_ATTN_SM90_BLOCKN, LLM_ATTN_SM90_PINGPONG, LLM_ATTN_SM90_CONSUMERS), read once as sm90::tuning_env does
+    (empty = unset)."""
     def env(name: str, fallback: int) -> int:
         v = os.environ.get(name, "")
         try:
             return int(v) if v else fallback
         except ValueError:  # std::atoi reads a non-number as 0
             return 0
-    return env("LLM_ATTN_SM90_BLOCKN", 128), env("LLM_ATTN_SM90_PINGPONG", 1)
+    return env("LLM_ATTN_SM90_BLOCKN", 128), env("LLM_ATTN_SM90_PINGPONG", 1), env("LLM_ATTN_SM90_CONSUMERS", 0)
 
 
-def sm90_traits(head_dim: int, causal: bool) -> Sm90Traits:
-    """sm90::launch: Config<kHeadDim>, or Config<128, 176> for head_dim 128 non-causal with LLM_ATTN_SM90_BLOCKN=176."""
+def sm90_traits(head_dim: int, causal: bool, seqlen_q: int) -> Sm90Traits:
+    """sm90::launch: Config<kHeadDim>; Config<128, 176> for head_dim 128 non-causal with LLM_ATTN_SM90_BLOCKN=176;
+    for head_dim 64 three consumer warpgroups, Config<64, 128, 2, 3>, unless causal with seqlen_q <= 1024
+    (LLM_ATTN_SM90_CONSUMERS=2|3 forces either)."""
     if head_dim == 128 and not causal and sm90_tuning()[0] == 176:
         return Sm90Traits(128, 176)
+    consumers = sm90_tuning()[2]
+    if head_dim == 64 and (consumers == 3 or (consumers != 2 and not (causal and seqlen_q <= 1024))):
+        return Sm90Traits(64, consumers=3)
     return Sm90Traits(head_dim)
 
 
@@ -242,7 +255,7 @@ def use_sm90(s: Shape, splits: int, dev: Device) -> bool:
 
 def _sm90_launch(s: Shape) -> Launch:
     """sm90::launch_tile: causal (heads, m_blocks, batch), else (m_blocks, heads, batch)."""
-    t = sm90_traits(s.head_dim, s.causal)
+    t = sm90_traits(s.head_dim, s.causal, s.seqlen_q)
     m_blocks = _cdiv(s.seqlen_q, t.block_m)
     grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
     return Launch(sm90_kernel_name(s.is_bf16, t, s.causal), grid, t.threads, t.smem_bytes, t)
@@ -323,8 +336,8 @@ def all_kernels() -> list[str]:
 
 def sm90_kernels() -> list[str]:
     """Every Hopper kernel instantiation the AOT build compiles for sm_90a (the flash_fwd_sm90_*.cu files reach
-    exactly these through sm90::launch): Config<D> per (head_dim, dtype, causal), and Config<128, 176> for head_dim
-    128 non-causal (LLM_ATTN_SM90_BLOCKN=176)."""
+    exactly these through sm90::launch): Config<D> per (head_dim, dtype, causal), Config<128, 176> for head_dim
+    128 non-causal (LLM_ATTN_SM90_BLOCKN=176) and Config<64, 128, 2, 3> (head_dim 64's three consumers)."""
     names = []
     for d in CONFIGS:
         for bf16 in (False, True):
@@ -332,4 +345,6 @@ def sm90_kernels() -> list[str]:
                 names.append(sm90_kernel_name(bf16, Sm90Traits(d), causal))
                 if d == 128 and not causal:
                     names.append(sm90_kernel_name(bf16, Sm90Traits(128, 176), causal))
+                if d == 64:
+                    names.append(sm90_kernel_name(bf16, Sm90Traits(64, consumers=3), causal))
     return names

@@ -202,13 +202,14 @@ def test_hopper_tensor_maps_follow_every_call(cuda_ext):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1, 300])
-def test_hopper_seqused_k_garbage_slots(cuda_ext, causal, sq):
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_seqused_k_garbage_slots(cuda_ext, causal, sq, d):
     """Static-cache slots past seqused_k inside the last loaded key tile hold NaN in K and V: the Hopper kernel
     masks the scores and zeroes those V rows in shared memory (0 * NaN would poison P V)."""
     from llm_attn.ops import force_tile
 
     skip_unless_tile_runs(cuda_ext, "hopper")
-    b, hq, hkv, d, cap = 3, 8, 2, 128, 700
+    b, hq, hkv, cap = 3, 8, 2, 700
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
@@ -225,6 +226,76 @@ def test_hopper_seqused_k_garbage_slots(cuda_ext, causal, sq):
     pt, _ = attention_naive(q, k_ok, v_ok, causal=causal, seqused_k=used, compute_dtype=q.dtype)
     err, pt_err = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
     assert err <= 2 * pt_err + 1e-4, f"max err {err:.3e} > 2 x PyTorch's {pt_err:.3e}"
+
+
+# The Hopper kernel's tuning switches are read once per process (sm90::tuning_env), so their non-default tiles run in
+# a child process: the whole forced-tile grid and the static-cache garbage slots, checked as above.
+_SM90_VARIANT_CHILD = r"""
+import itertools, sys, zlib
+import torch
+sys.path.insert(0, sys.argv[1])
+from conftest import HEADS
+from test_kernel_gpu import DTYPES, TILE_PAIRS, check, launched_kernels
+from llm_attn import _ext, attention_naive
+from llm_attn.ops import force_tile
+
+ext = _ext.get_ext()
+seen, cases = set(), 0
+with force_tile("hopper"):
+    for dtype, causal, heads, (sq, sk) in itertools.product(DTYPES, (False, True), HEADS, TILE_PAIRS):
+        torch.manual_seed(zlib.crc32(repr((dtype, causal, heads, sq, sk)).encode()))
+        hq, hkv = HEADS[heads]
+        dt = DTYPES[dtype]
+        q = torch.randn(2, hq, sq, 64, device="cuda", dtype=dt)
+        k = torch.randn(2, hkv, sk, 64, device="cuda", dtype=dt)
+        v = torch.randn(2, hkv, sk, 64, device="cuda", dtype=dt)
+        seen |= set(launched_kernels(lambda: check(ext, q, k, v, causal)))
+        cases += 1
+    for causal, sq in itertools.product((False, True), (1, 300)):  # NaN in the slots past seqused_k
+        q = torch.randn(3, 8, sq, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(3, 2, 700, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(3, 2, 700, 64, device="cuda", dtype=torch.bfloat16)
+        used = torch.tensor([700, 333, 130], dtype=torch.int32, device="cuda")
+        for i, n in enumerate(used.tolist()):
+            k[i, :, n:] = float("nan")
+            v[i, :, n:] = float("nan")
+        out = torch.full((3, sq, 8, 64), float("nan"), dtype=q.dtype, device="cuda").transpose(1, 2)
+        lse = torch.full((3, 8, sq), float("nan"), device="cuda")
+        ext.mha_fwd(q, k, v, out, lse, used, 0.125, causal)
+        ref, _ = attention_naive(q, k.nan_to_num(0), v.nan_to_num(0), causal=causal, seqused_k=used)
+        pt, _ = attention_naive(q, k.nan_to_num(0), v.nan_to_num(0), causal=causal, seqused_k=used,
+                                compute_dtype=q.dtype)
+        err, pt_err = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
+        assert not out.isnan().any() and err <= 2 * pt_err + 1e-4, (causal, sq, err, pt_err)
+        cases += 1
+print("CASES", cases)
+print("KERNELS", sorted(n for n in seen if "sm90" in n))
+"""
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_hopper_tuning_tiles_in_a_child_process(cuda_ext, request, consumers):
+    """LLM_ATTN_SM90_CONSUMERS=2|3 forces head_dim 64 onto two or three consumer warpgroups (128 or 192 query rows;
+    automatic: three, but two for causal prompts up to 1024 tokens), on this backend, over the forced-tile grid's
+    shapes (both dtypes and masks, MHA/GQA/MQA, odd and unequal lengths) and NaN-filled slots past seqused_k; only
+    the forced kernel runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    skip_unless_tile_runs(cuda_ext, "hopper")
+    backend = request.node.callspec.params["cuda_ext"]
+    tests = Path(__file__).resolve().parent
+    child_env = {**os.environ, "LLM_ATTN_SM90_CONSUMERS": str(consumers), "LLM_ATTN_BACKEND": backend,
+                 "PYTHONPATH": os.pathsep.join(filter(None, [str(tests.parent), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", _SM90_VARIANT_CHILD, str(tests)], env=child_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "CASES 64" in proc.stdout, proc.stdout  # 2 dtypes x 2 masks x 3 head layouts x 5 length pairs + 4
+    names = proc.stdout.split("KERNELS", 1)[1]
+    assert f"Sm90Traits<64, 128, 2, {consumers}>" in names, names
+    assert f"Sm90Traits<64, 128, 2, {5 - consumers}>" not in names, names
 
 
 @pytest.mark.parametrize("config", ["auto", "Deep", "Shallow", "Deep4"])

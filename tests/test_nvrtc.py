@@ -100,7 +100,7 @@ def test_hopper_instantiations_compile_for_sm90a_without_local_memory():
     real body (the non-sm_90a one is a trap: a handful of registers, no named barriers)."""
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.sm90_kernels()
-    assert len(kernels) == 10
+    assert len(kernels) == 14  # 2 head dims x 2 dtypes x 2 masks, + the 176-key and three-consumer tuning tiles
     src = nvrtc.program_source(kernels)
     assert '#include "flash_fwd_sm90_kernel.cuh"' in src and "Sm90Params" in src
     cubin, lowered, log = nvrtc.compile_cubin("sm_90a", kernels)
@@ -249,10 +249,12 @@ def test_every_planned_kernel_is_in_the_compiled_set():
         assert (len(p.launches) == 2) == (p.num_splits > 1 and not p.decode)
     # Only the 2-stage head_dim-64 decode tile is never chosen here: 3 stages (50 KB) fit every GPU listed; the
     # 4-stage decode tile only when forced (llm_attn.ops.force_decode, test_decode_overrides_in_the_plan).
-    # The 176-key Hopper tile runs only with LLM_ATTN_SM90_BLOCKN=176 (test_plan_selects_the_hopper_kernel_...).
+    # The 176-key Hopper tile runs only with LLM_ATTN_SM90_BLOCKN=176, head_dim 64 non-causal on two consumer
+    # warpgroups only with LLM_ATTN_SM90_CONSUMERS=2 (test_hopper_block_n_tuning_env, test_hopper_consumers_...).
     never = {_plan.decode_kernel_name(bf16, _plan.DecodeTraits(64, 1, 2)) for bf16 in (False, True)}
     never |= {_plan.decode_kernel_name(bf16, _plan.DecodeTraits(d, 1, 4)) for bf16 in (False, True) for d in (64, 128)}
     never |= {_plan.sm90_kernel_name(bf16, _plan.Sm90Traits(128, 176), False) for bf16 in (False, True)}
+    never |= {_plan.sm90_kernel_name(bf16, _plan.Sm90Traits(64), False) for bf16 in (False, True)}
     assert known - seen == never, known - seen
 
 
@@ -380,18 +382,22 @@ def test_hopper_choice_mirrors_the_extension():
             hopper[got] += 1
             if got:
                 t = p.launches[0].sm90
-                m = _plan._cdiv(s.seqlen_q, 128)
-                assert p.num_splits == 1 and len(p.launches) == 1 and p.launches[0].threads == 384
+                # head_dim 64: three consumer warpgroups (192 rows) but for causal prompts up to 1024 tokens
+                c = 3 if s.head_dim == 64 and not (s.causal and s.seqlen_q <= 1024) else 2
+                m = _plan._cdiv(s.seqlen_q, 64 * c)
+                assert t.consumers == c and p.launches[0].threads == 128 * (1 + c)
+                assert p.num_splits == 1 and len(p.launches) == 1
                 assert p.launches[0].grid == ((s.num_heads, m, s.batch) if s.causal else (m, s.num_heads, s.batch))
                 assert p.launches[0].kernel == _plan.sm90_kernel_name(s.is_bf16, t, s.causal)
-                assert p.launches[0].smem == {64: 83016, 128: 164936}[s.head_dim]  # 80 / 160 KB + barriers + 1 KB
+                # Q + 2 stages x (K + V) + barriers + 1 KB: 80 KB (88 KB with 192 rows) / 160 KB
+                assert p.launches[0].smem == {(64, 2): 83016, (64, 3): 91208, (128, 2): 164936}[s.head_dim, c]
     assert hopper[True] > 500 and hopper[False] > 500, hopper
 
     # Known cases on an H100 that runs it: Llama 3 8B prefill 2048 causal; a short prompt splits (portable kernel);
     # forcing 'hopper' there runs it unsplit; decode ignores the tile.
     p = _plan.plan(_plan.Shape(1, 32, 8, 2048, 2048, 128, True, True), H100_SM90)
     assert p.launches[0].kernel.startswith("llm_attn::sm90::flash_fwd_sm90_kernel<__nv_bfloat16, "
-                                           "llm_attn::sm90::Sm90Traits<128, 128, 2>, true>")
+                                           "llm_attn::sm90::Sm90Traits<128, 128, 2, 2>, true>")
     assert p.launches[0].grid == (32, 16, 1)
     short = _plan.Shape(1, 8, 8, 64, 8192, 128, False, False)
     assert _plan.plan(short, H100_SM90).num_splits > 1 and _plan.plan(short, H100_SM90).launches[0].sm90 is None
@@ -406,13 +412,37 @@ def test_hopper_block_n_tuning_env(monkeypatch):
     non-causal only; LLM_ATTN_SM90_PINGPONG defaults to 1."""
     monkeypatch.setenv("LLM_ATTN_SM90_BLOCKN", "176")
     monkeypatch.delenv("LLM_ATTN_SM90_PINGPONG", raising=False)
+    monkeypatch.delenv("LLM_ATTN_SM90_CONSUMERS", raising=False)
     _plan.sm90_tuning.cache_clear()
     try:
-        assert _plan.sm90_tuning() == (176, 1)
+        assert _plan.sm90_tuning() == (176, 1, 0)
         launch = _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 128, False, True), H100_SM90).launches[0]
         assert launch.sm90 == _plan.Sm90Traits(128, 176) and launch.smem == 214088 <= H100.smem_per_block_optin
         assert _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 128, True, True), H100_SM90).launches[0].sm90.block_n == 128
         assert _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 64, False, True), H100_SM90).launches[0].sm90.block_n == 128
+    finally:
+        _plan.sm90_tuning.cache_clear()
+
+
+@pytest.mark.parametrize("env", ["", "2", "3"])
+def test_hopper_consumers_tuning_env(monkeypatch, env):
+    """head_dim 64 runs on three consumer warpgroups (Config<64, 128, 2, 3>: 192 query rows, 512 threads) except
+    causal prompts up to 1024 tokens; LLM_ATTN_SM90_CONSUMERS=2|3 forces either; head_dim 128 always has two."""
+    monkeypatch.setenv("LLM_ATTN_SM90_CONSUMERS", env)
+    monkeypatch.delenv("LLM_ATTN_SM90_BLOCKN", raising=False)
+    _plan.sm90_tuning.cache_clear()
+    try:
+        for causal, sq in itertools.product((False, True), (1024, 1025, 4096)):
+            launch = _plan.plan(_plan.Shape(4, 32, 32, sq, sq, 64, causal, True), H100_SM90).launches[0]
+            c = int(env) if env else (2 if causal and sq <= 1024 else 3)
+            assert launch.sm90 == _plan.Sm90Traits(64, 128, 2, c) and launch.threads == 128 * (1 + c)
+            m = -(-sq // (64 * c))
+            assert launch.grid == ((32, m, 4) if causal else (m, 32, 4))
+            assert launch.smem == 64 * c * 128 + 2 * 2 * 128 * 128 + 9 * 8 + 1024  # Q + 2 x (K + V) + barriers + 1 KB
+            assert launch.kernel.endswith(f"Sm90Traits<64, 128, 2, {c}>, {str(causal).lower()}>")
+            assert launch.kernel in _plan.sm90_kernels()
+        for causal in (False, True):
+            assert _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 128, causal, True), H100_SM90).launches[0].threads == 384
     finally:
         _plan.sm90_tuning.cache_clear()
 
