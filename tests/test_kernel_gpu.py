@@ -273,6 +273,7 @@ print("KERNELS", sorted(n for n in seen if "sm90" in n))
 """
 
 
+@pytest.mark.full  # tuning switches; the default grid already runs both counts where the automatic choice takes them
 @pytest.mark.parametrize("consumers", [2, 3])
 def test_hopper_tuning_tiles_in_a_child_process(cuda_ext, request, consumers):
     """LLM_ATTN_SM90_CONSUMERS=2|3 forces head_dim 64 onto two or three consumer warpgroups (128 or 192 query rows;

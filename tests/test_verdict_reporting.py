@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_check_here
 
 from llm_attn import bench, ttft
 from llm_attn import report as report_mod
@@ -136,7 +137,8 @@ def test_stability_table_targets():
     assert "+5.0%" in lines[0] and lines[0].count("NO") == 2  # outside ±2 % and its interval misses the median
 
 
-def test_stability_runs_fresh_processes_on_cpu(tmp_path):
+def test_stability_runs_fresh_processes_on_cpu(tmp_path, request):
+    cpu_check_here(request, "ttft_stability.py on the tiny CPU model")
     proc = subprocess.run([sys.executable, str(REPO / "experiments" / "ttft_stability.py"), "--runs", "2",
                            "--model", "tiny", "--device", "cpu", "--seq", "32", "--out-dir", str(tmp_path / "st"),
                            "--repeats", "3", "--warmup", "1"], check=False, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -58,7 +58,7 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
@@ -313,6 +313,15 @@ class World:
 
     def close(self) -> None:
         if self.dist.is_initialized():
+            if self.backend == "gloo":
+                # Every rank reaches this point before any tears its gloo pairs down: a rank that destroyed the
+                # group while its peer was still finishing (rank 0 writing the results) sometimes aborted in
+                # gloo's threads ("terminate called without an active exception", seen on a loaded 2-core
+                # machine). Bounded: a peer that died already does not hold this rank for long.
+                try:
+                    self.dist.monitored_barrier(timeout=timedelta(seconds=60))
+                except RuntimeError:
+                    pass
             self.dist.destroy_process_group()
 
 
