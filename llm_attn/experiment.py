@@ -143,12 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         except session.SetupError as e:
             parser.error(str(e))
         print(session.describe_model(info, device, cfg.model_spec), flush=True)
-        prompts = None
-        if texts is not None:  # -- prompts from a dataset --
-            try:
-                prompts = session.dataset_prompts_for(model, info, exp.prompts, texts, exp.prompt_field)
-            except PromptsError as e:
-                parser.error(f"{args.definition}: {e}")
+        try:
+            prompts = session.dataset_prompts_for(model, info, exp.prompts, texts, exp.prompt_field)
+        except session.SetupError as e:
+            parser.error(f"{args.definition}: {e}")
         written, code = run_session(parser, cfg, model, info, out, resume=not args.no_resume,
                                     devices_path=args.devices, progress=not args.no_progress, argv=cmd,
                                     again="run the same command again to continue", out_option="", resumed="resumed",

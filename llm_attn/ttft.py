@@ -217,14 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(problem)
     print(session.describe_model(info, device, args.model), flush=True)
-    prompts = None
-    if texts is not None:  # -- prompts from a dataset --
-        from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
-
-        try:
-            prompts = session.dataset_prompts_for(model, info, args.prompts, texts, args.prompt_field)
-        except PromptsError as e:
-            parser.error(str(e))
+    try:  # -- prompts from a dataset (None without --prompts) --
+        prompts = session.dataset_prompts_for(model, info, args.prompts, texts, args.prompt_field)
+    except session.SetupError as e:
+        parser.error(str(e))
+    if prompts is not None:
         print(f"prompts: {len(texts)} texts of {args.prompts}", flush=True)
 
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,

@@ -182,15 +182,21 @@ def load_prompt_texts(source: str, field: str | None, limit: int | None) -> list
     return load_texts(source, field, limit=limit)
 
 
-def dataset_prompts_for(model, info, source: str, texts: list[str], field: str | None) -> DatasetPrompts:
-    """``DatasetPrompts`` with the tokenizer saved beside the loaded checkpoint (``info.path``); PromptsError."""
-    from llm_attn.harness.prompts import load_tokenizer  # noqa: PLC0415
+def dataset_prompts_for(model, info, source: str | None, texts: list[str] | None,
+                        field: str | None) -> DatasetPrompts | None:
+    """``DatasetPrompts`` with the tokenizer saved beside the loaded checkpoint (``info.path``), or None without
+    ``--prompts`` (``texts`` None). A source the tokenizer cannot serve is a SetupError (one line)."""
+    from llm_attn.harness.prompts import PromptsError, load_tokenizer  # noqa: PLC0415
 
+    if texts is None:
+        return None
     get = (lambda k: info.get(k)) if isinstance(info, dict) else (lambda k: getattr(info, k, None))
     path = get("path") or getattr(model, "name_or_path", None)
-    tok = load_tokenizer(path)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return DatasetPrompts(source, texts, field, tok, getattr(cfg, "vocab_size", None))
+    try:
+        return DatasetPrompts(source, texts, field, load_tokenizer(path), getattr(cfg, "vocab_size", None))
+    except PromptsError as e:
+        raise SetupError(str(e)) from None
 
 
 def run_dataset(cfg: SweepConfig, model, info, out: str | Path, prompts: DatasetPrompts, max_seq: int,
