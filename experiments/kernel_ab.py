@@ -7,6 +7,9 @@ environment) at the same shapes, in alternating processes, with a reference back
     # a tuning switch of one build
     python experiments/kernel_ab.py --variant c2:LLM_ATTN_SM90_CONSUMERS=2 --variant c3:LLM_ATTN_SM90_CONSUMERS=3 \
         --shape 4,32,32,4096,4096,64,1 --ref cudnn
+    # the backward (dq, dk, dv compared; a different tiling sums in another order: give --atol)
+    python experiments/kernel_ab.py --phase bwd --ref flash --atol 0.05 --variant before:... --variant after:... \
+        --shape 1,32,8,8192,8192,128,1
 
 A shape is batch,heads,kv_heads,q_len,kv_len,head_dim,causal. Each round runs every variant once (a fresh
 process, the order rotated each round); a process times every shape and dtype (CUDA graphs of back-to-back calls,
@@ -69,16 +72,26 @@ def worker(args) -> None:
         for dt in args.dtypes:
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt]
             torch.manual_seed(0)
-            rows = bench_point("prefill", ["ours"] + ([args.ref] if args.ref else []), b, hq, hkv, sq, sk, d, dtype,
-                               bool(causal), args.warmup, args.repeats, graph=True)
+            bwd = args.phase == "bwd"
+            rows = bench_point("backward" if bwd else "prefill", ["ours"] + ([args.ref] if args.ref else []), b, hq,
+                               hkv, sq, sk, d, dtype, bool(causal), args.warmup, args.repeats, graph=not bwd,
+                               phase="bwd" if bwd else None)
             torch.manual_seed(0)
-            q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
-            k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-            v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+            q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype, requires_grad=bwd)
+            k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=bwd)
+            v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=bwd)
             from llm_attn.ops import flash_attn_func
 
-            out = flash_attn_func(q, k, v, causal=bool(causal), path="kernel")
-            kernels = _kernel_names(lambda: flash_attn_func(q, k, v, causal=bool(causal), path="kernel"))  # noqa: B023
+            def call():
+                o = flash_attn_func(q, k, v, causal=bool(causal), path="kernel")  # noqa: B023
+                if not bwd:
+                    return o
+                # The backward's outputs, compared between variants: dq, dk, dv (their heads concatenated).
+                grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o) / o.shape[-1])  # noqa: B023
+                return torch.cat([g.flatten()[:1366] for g in grads])
+
+            out = call()
+            kernels = _kernel_names(call)
             point = {"shape": [b, hq, hkv, sq, sk, d, causal], "dtype": dt, "kernels": kernels,
                      "out_sum": out.double().sum().item(), "out_abs": out.double().abs().sum().item(),
                      "out_head": out.flatten()[:4096].float().tolist()}
@@ -100,8 +113,8 @@ def run_variant(args, env_mod: dict[str, str]) -> list[dict]:
     env = dict(os.environ)
     for key, val in env_mod.items():
         env[key] = f"{val}:{env[key]}" if key == "PYTHONPATH" and env.get(key) else val
-    cmd = [sys.executable, __file__, "--worker", "--dtypes", *args.dtypes, "--warmup", str(args.warmup),
-           "--repeats", str(args.repeats)] + (["--ref", args.ref] if args.ref else [])
+    cmd = [sys.executable, __file__, "--worker", "--phase", args.phase, "--dtypes", *args.dtypes,
+           "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + (["--ref", args.ref] if args.ref else [])
     for s in args.shape:
         cmd += ["--shape", ",".join(map(str, s))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -156,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["bf16"])
     ap.add_argument("--ref", default="cudnn", help="a `python -m llm_attn.bench` impl timed in every process "
                                                    "('' for none)")
+    ap.add_argument("--phase", choices=["fwd", "bwd"], default="fwd",
+                    help="fwd: the forward (CUDA graphs); bwd: the backward alone on a retained forward graph (plain "
+                         "calls, as `python -m llm_attn.bench --mode backward`), dq/dk/dv compared between variants")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)

@@ -317,13 +317,23 @@ int64_t set_bwd_splits(int64_t splits) {
     return prev;
 }
 
+// The backward's narrow tile forced (llm_attn.backward.force_bwd_tile("narrow")): the tile a device with less
+// shared memory per block takes, run on this one (tests).
+bool g_bwd_narrow = false;
+
+bool set_bwd_narrow(bool narrow) {
+    const bool prev = g_bwd_narrow;
+    g_bwd_narrow = narrow;
+    return prev;
+}
+
 // The (num_splits, iters_per_split) the backward would use for these shapes (tests).
 std::vector<int64_t> bwd_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q,
                                 int64_t seqlen_k, int64_t head_dim, bool causal, int64_t num_sms) {
     llm_attn::FlashBwdParams p{};
     p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
     p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim, p.causal = causal;
-    llm_attn::flash_bwd_set_splits(p, num_sms, g_bwd_splits);
+    llm_attn::flash_bwd_set_splits(p, num_sms, g_bwd_splits, g_bwd_narrow);
     return {p.num_splits, p.iters_per_split};
 }
 
@@ -408,7 +418,8 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
     p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
     p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
-    llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits);
+    llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits,
+                                   g_bwd_narrow);
     at::Tensor dk_accum, dv_accum;
     if (p.num_splits > 1) {
         dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
@@ -450,6 +461,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
+    m.def("set_bwd_narrow", &set_bwd_narrow, "Force the backward's narrow tile (False: automatic); returns the previous");
     m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");
     m.def("set_decode_splits", &set_decode_splits, "Force the decode kernel's KV splits (0 auto); returns the previous");
     m.def("set_decode_config", &set_decode_config,

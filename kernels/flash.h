@@ -120,13 +120,23 @@ struct FlashBwdParams {
     // writes dk/dv. Fills the GPU when there are few key blocks and balances causal blocks (the first keys are
     // seen by every query). num_splits == 1: dK/dV are written directly.
     int num_splits, iters_per_split;
+    // The dK/dV kernel's tile: BwdTile<head_dim>, or BwdTileNarrow<head_dim> on a device whose shared memory per
+    // block is below BwdTile's (set by flash_bwd_set_splits).
+    bool narrow;
     float* __restrict__ dk_accum;
     float* __restrict__ dv_accum;
 };
 
+// Dynamic shared memory of the backward's dK/dV kernel (BwdTraits::kSmemBytes): K and V (block_n rows each), two
+// stages of Q and dO (block_m rows each), dS^T (block_n x block_m), two stages of lse and dsum (float32).
+constexpr int bwd_smem_bytes(int head_dim, int block_m, int block_n) {
+    return (4 * block_m * head_dim + 2 * block_n * head_dim + block_n * block_m) * 2 + 4 * block_m * 4;
+}
+
 // The split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets num_splits and
 // iters_per_split); `force_splits` > 0 asks for that many (tests). The binding sizes the workspaces from it.
-void flash_bwd_set_splits(FlashBwdParams& params, int num_sms, int force_splits);
+// `force_narrow` takes BwdTileNarrow on any device (tests).
+void flash_bwd_set_splits(FlashBwdParams& params, int num_sms, int force_splits, bool force_narrow = false);
 
 // Launches preprocessing, the dK/dV kernel (which also accumulates dQ) and the dQ conversion on `stream`.
 cudaError_t run_flash_bwd(FlashBwdParams& params, cudaStream_t stream);

@@ -9,28 +9,41 @@
 
 namespace llm_attn {
 
-// BwdConfig's (flash_bwd_launch.cuh) query rows per step and keys per block, from the generated table.
-static int bwd_block_m(int head_dim) { return head_dim == 128 ? BwdTile<128>::kBlockM : BwdTile<64>::kBlockM; }
-static_assert(BwdTile<128>::kBlockN == BwdTile<64>::kBlockN, "one key-block size for both head dims");
-constexpr int kBwdBlockN = BwdTile<64>::kBlockN;
+// The dK/dV kernel's tile (flash_bwd_launch.cuh) as numbers: BwdTile<D>, or BwdTileNarrow<D> where the device's
+// shared memory per block is below BwdTile's.
+struct BwdTileDims {
+    int block_m, block_n, n_warps;
+};
+template <int D, template <int> class Tile>
+constexpr BwdTileDims bwd_dims() { return {Tile<D>::kBlockM, Tile<D>::kBlockN, Tile<D>::kNWarps}; }
 
-void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits) {
-    const int block_m = bwd_block_m(p.head_dim);
+static BwdTileDims bwd_tile(int head_dim, bool narrow) {
+    if (head_dim == 128) return narrow ? bwd_dims<128, BwdTileNarrow>() : bwd_dims<128, BwdTile>();
+    return narrow ? bwd_dims<64, BwdTileNarrow>() : bwd_dims<64, BwdTile>();
+}
+
+void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, bool force_narrow) {
+    const BwdTileDims wide = bwd_tile(p.head_dim, false);
+    p.narrow = force_narrow || max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n);
+    const BwdTileDims tile = bwd_tile(p.head_dim, p.narrow);
+    const int block_m = tile.block_m;
+    const int block_n = tile.block_n;
     const int group = p.num_heads / p.num_kv_heads;
     const int num_m = (p.seqlen_q + block_m - 1) / block_m;
-    const int n_blocks = (p.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
+    const int n_blocks = (p.seqlen_k + block_n - 1) / block_n;
     const long max_iters = static_cast<long>(group) * num_m;  // steps of a key block that sees every query block
     // Steps of all key blocks of one (batch, KV head); causal key blocks start at their diagonal (seqused_k is on
     // the device: the full length stands in for it here).
     long total = 0;
     for (int n = 0; n < n_blocks; ++n) {
-        const int m_min = p.causal ? std::max(n * kBwdBlockN - (p.seqlen_k - p.seqlen_q), 0) / block_m : 0;
+        const int m_min = p.causal ? std::max(n * block_n - (p.seqlen_k - p.seqlen_q), 0) / block_m : 0;
         total += static_cast<long>(group) * std::max(num_m - m_min, 0);
     }
     total *= static_cast<long>(p.num_kv_heads) * p.batch;
     const long blocks = static_cast<long>(n_blocks) * p.num_kv_heads * p.batch;
-    // Two 4-warp blocks per SM (registers): `slots` blocks run at once.
-    const long slots = 2L * num_sms;
+    // `slots` blocks run at once: the kernel's ~250 registers per thread fill the 64K register file with 256
+    // threads (two 4-warp blocks or one 8-warp block).
+    const long slots = static_cast<long>(8 / tile.n_warps) * num_sms;
     long splits = 1;
     if (force_splits > 0) {
         splits = force_splits;

@@ -3,7 +3,7 @@
 // Three launches per call:
 //   1. flash_bwd_preprocess_kernel: per query row, dsum = rowsum(dO * O) - dlse (fp32) and lse in base 2, with
 //      +inf for rows that saw no key so that their P = exp2(S - lse) is exactly 0.
-//   2. flash_bwd_dkdv_kernel: one block per (KV head, 64-key block, batch). The block keeps K and V in shared memory
+//   2. flash_bwd_dkdv_kernel: one block per (KV head, kBlockN-key block, batch). The block keeps K and V in shared memory
 //      and dK, dV accumulators in registers, and walks every query block of every query head of its KV head's group
 //      (GQA/MQA: dK/dV are summed over the group inside the block, deterministic, K/V never expanded). Per query
 //      block it recomputes S^T = K Q^T and dP^T = V dO^T (each warp owns 16 keys, so the softmax columns it needs
@@ -43,7 +43,8 @@ struct BwdTraits {
     static constexpr int kSmemK = kBlockN * kHeadDim;   // K and V tiles
     static constexpr int kSmemDS = kBlockN * kBlockM;   // dS^T tile [key][query]
     // K, V; two stages of (Q, dO) so that step j + 1 loads during step j; dS^T; two stages of (lse, dsum).
-    static constexpr int kSmemBytes = (4 * kSmemQ + 2 * kSmemK + kSmemDS) * 2 + 4 * kBlockM * 4;
+    static constexpr int kSmemBytes = bwd_smem_bytes(kHeadDim, kBlockM, kBlockN);
+    static_assert(kSmemBytes == (4 * kSmemQ + 2 * kSmemK + kSmemDS) * 2 + 4 * kBlockM * 4, "the layout below");
     // dP^T is computed in this many slices of the queries (register pressure: 2 for head_dim 128).
     static constexpr int kSplitDp = kSplitDp_;
 
@@ -55,7 +56,8 @@ struct BwdTraits {
 
     static_assert(kBlockN == 16 * kNWarps, "each warp owns 16 keys");
     static_assert(kBlockM == 32 || kBlockM == 64, "the dS^T tile's swizzle handles rows of 4 or 8 chunks");
-    static_assert(kNWarps % kMTilesDQ == 0 && kColsDQ % 64 == 0, "dQ: warps split m-tiles, then 64-column groups");
+    static_assert(kNWarps % kMTilesDQ == 0 && (kColsDQ == 32 || kColsDQ % 64 == 0),
+                  "dQ: warps split m-tiles, then 32-column or 64-column groups");
     static_assert((kBlockM * kChunks) % kThreads == 0 && (kBlockN * kChunks) % kThreads == 0, "tile copies divide");
     static_assert(kHeadDim % 32 == 0, "dQ is produced 32 columns at a time");
     static_assert((kBlockM / 8) % (2 * kSplitDp) == 0, "each dP slice is whole k-steps of 16 queries");
@@ -274,6 +276,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         const int dq_mt = warp / Traits::kWarpsPerMT;
         const int dq_col0 = (warp % Traits::kWarpsPerMT) * Traits::kColsDQ;
         const uint32_t addr_ds = smem + 2 * (kOffdS + swz_ds<kBlockM>(b_row, 2 * dq_mt + (lane / 8) % 2));
+        // dQ's B operand (K rows, transposed) for this warp's columns: its k-step dq_col0 / 16 + kl, kl < 2 when
+        // a warp has 32 columns (8 warps). Then dq_col0 is not a whole 64-column swizzle row, so the swizzled
+        // column is computed here once per kl (as SwzCols would for that k-step) instead of addr_bt's bases plus
+        // an offset.
+        uint32_t addr_dq[2];
+#pragma unroll
+        for (int kl = 0; kl < 2; ++kl) {
+            const int kk = dq_col0 / 16 + kl;
+            const int row_t = (lane % 8) + ((lane / 8) % 2) * 8;
+            addr_dq[kl] = smem + 2 * (row_t * kHeadDim + (kk & ~3) * 16 + ((kk & 3) ^ ((lane & 7) >> 1)) * 16 + cbit_a);
+        }
         const float scale_log2 = params.scale_log2;
         const int key_row0 = n0 + warp * 16 + g;  // this thread's keys: key_row0 and key_row0 + 8
 
@@ -393,8 +406,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
                         uint32_t b[4];
-                        // dq_col0 is a multiple of 64 elements: whole rows of the 8-chunk swizzle pattern.
-                        ldsm_x4_t(b, addr_bt(2 * dg + j, kOffK + kk * 16 * kHeadDim) + 2 * dq_col0);
+                        if constexpr (Traits::kColsDQ == 32) {
+                            ldsm_x4_t(b, addr_dq[j] + 2 * (kOffK + kk * 16 * kHeadDim));
+                        } else {
+                            // dq_col0 is a multiple of 64 elements: whole rows of the 8-chunk swizzle pattern.
+                            ldsm_x4_t(b, addr_bt(2 * dg + j, kOffK + kk * 16 * kHeadDim) + 2 * dq_col0);
+                        }
                         mma_16816<T>(acc[2 * j], ads[kk], b[0], b[1]);
                         mma_16816<T>(acc[2 * j + 1], ads[kk], b[2], b[3]);
                     }

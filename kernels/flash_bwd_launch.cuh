@@ -6,21 +6,39 @@
 #include "kernel_tiles.h"
 #include "launch_smem.h"
 
+#include <type_traits>
+
 namespace llm_attn {
 
-// 64 keys per block (4 warps x 16 keys). Per thread: dK + dV accumulators (head_dim / 2 floats each) plus the P^T
-// and dP^T tiles (kBlockM / 2 floats each). head_dim 64 takes 64 query rows per step (228-238 registers); head_dim
-// 128 takes 32 (its 128 accumulators plus two 64-query tiles reached 255 registers and spilled 12-44 bytes on
-// sm_80/sm_90, kernels/NOTES.md Backward). Shared memory: K, V (64 rows each), two stages of Q and dO
-// (kBlockM rows each), dS^T, two stages of lse/dsum: 68.5 KB for head_dim 128 (fits the 99 KB per block of
-// sm_86/89; two blocks per H100 SM), 57 KB for head_dim 64.
-template <int kHeadDim>
-using BwdConfig = BwdTraits<kHeadDim, BwdTile<kHeadDim>::kBlockM, BwdTile<kHeadDim>::kBlockN, BwdTile<kHeadDim>::kNWarps,
-                            BwdTile<kHeadDim>::kSplitDp>;  // BwdTile: kernel_tiles.h (generated)
+// BwdTile (kernel_tiles.h, generated): 128 keys per block, 8 warps x 16 keys. Per thread: dK + dV accumulators
+// (head_dim / 2 floats each) plus the P^T and dP^T tiles (kBlockM / 2 floats each). head_dim 64 takes 64 query
+// rows per step (221-230 registers); head_dim 128 takes 32 (64-query steps spill, kernels/NOTES.md Backward).
+// Shared memory (bwd_smem_bytes): K, V, two stages of Q and dO, dS^T, two stages of lse/dsum: 104.5 KB for head_dim
+// 128, 80.5 KB for head_dim 64. One 8-warp block per SM (registers). The 128-key block halves the Q/dO loads and
+// dQ atomics per key against 64 keys (H200: backward 1.03-1.09x faster, NOTES "Backward v3").
+// BwdTileNarrow: the tile a device with less shared memory per block takes (sm_86/89 allow 99 KB): head_dim 128's
+// 4-warp 64-key tile (68.5 KB).
+template <int kHeadDim, template <int> class Tile>
+using BwdConfigOf = BwdTraits<kHeadDim, Tile<kHeadDim>::kBlockM, Tile<kHeadDim>::kBlockN, Tile<kHeadDim>::kNWarps,
+                              Tile<kHeadDim>::kSplitDp>;
+
+template <typename T, typename Traits, bool kCausal>
+cudaError_t launch_flash_bwd_dkdv(FlashBwdParams& params, cudaStream_t stream) {
+    auto kernel = flash_bwd_dkdv_kernel<T, Traits, kCausal>;
+    constexpr int smem = Traits::kSmemBytes;
+    cudaError_t err = opt_in_dynamic_smem<flash_bwd_dkdv_kernel<T, Traits, kCausal>, smem>();
+    if (err != cudaSuccess) return err;
+    const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    // Causal: KV heads in x so the longest key blocks (the first ones) launch first across heads (the binding keeps
+    // n_blocks within gridDim.y's 65535).
+    dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads,
+              params.batch * params.num_splits);
+    kernel<<<grid, Traits::kThreads, smem, stream>>>(params);
+    return cudaGetLastError();
+}
 
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
-    using Traits = BwdConfig<kHeadDim>;
     constexpr int kChunks = kHeadDim / 8;
     const int64_t rows = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
 
@@ -30,17 +48,14 @@ cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
 
-    auto kernel = flash_bwd_dkdv_kernel<T, Traits, kCausal>;
-    constexpr int smem = Traits::kSmemBytes;
-    err = opt_in_dynamic_smem<flash_bwd_dkdv_kernel<T, Traits, kCausal>, smem>();
-    if (err != cudaSuccess) return err;
-    const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    // Causal: KV heads in x so the longest key blocks (the first ones) launch first across heads (the binding keeps
-    // n_blocks within gridDim.y's 65535).
-    dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads,
-              params.batch * params.num_splits);
-    kernel<<<grid, Traits::kThreads, smem, stream>>>(params);
-    err = cudaGetLastError();
+    using Tile = BwdConfigOf<kHeadDim, BwdTile>;
+    using Narrow = BwdConfigOf<kHeadDim, BwdTileNarrow>;
+    if constexpr (std::is_same_v<Tile, Narrow>) {
+        err = launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
+    } else {
+        err = params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream)
+                            : launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
+    }
     if (err != cudaSuccess) return err;
 
     constexpr int kConvThreads = 256;

@@ -61,9 +61,13 @@ DECODE_MAX_ROWS = 32
 # 0 = automatic). Deep4 (4 stages: 132 KB for head_dim 128, one block per SM) is never chosen automatically: it is
 # there to be measured against Deep (experiments/decode_splits.py).
 DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2), ("Deep4", 1, 4))
-# The backward: BwdTraits<D, kBlockM, kBlockN, kNWarps, kSplitDp> (flash_bwd_launch.cuh).
-BWD_TILES = {128: dict(block_m=32, block_n=64, n_warps=4, split_dp=1),
-             64: dict(block_m=64, block_n=64, n_warps=4, split_dp=1)}
+# The backward: BwdTraits<D, kBlockM, kBlockN, kNWarps, kSplitDp> (flash_bwd_launch.cuh). Per head_dim the tile
+# (BwdTile<D>) and the narrow one (BwdTileNarrow<D>) that a device takes when its shared memory per block is below
+# the tile's (flash_bwd.cu): head_dim 128's 8-warp tile needs 104.5 KB, sm_86/89 give a block 99 KB.
+BWD_TILES = {128: dict(block_m=32, block_n=128, n_warps=8, split_dp=1),
+             64: dict(block_m=64, block_n=128, n_warps=8, split_dp=1)}
+BWD_NARROW = {128: dict(block_m=32, block_n=64, n_warps=4, split_dp=1),
+              64: BWD_TILES[64]}
 
 # The instantiation files: kind -> (launch header, C++ function template, one file per causal/noncausal?).
 KINDS = {
@@ -137,11 +141,12 @@ def tiles_header() -> str:
     out += ["};", "", "// DecodeConfig<D>'s entries by number: what llm_attn.ops.force_decode forces (0 = automatic).",
             "enum DecodeConfigId : int { kDecodeAuto = 0, "
             + ", ".join(f"kDecode{name} = {i + 1}" for i, (name, _, _) in enumerate(DECODE_TRAITS)) + " };",
-            f"constexpr int kDecodeConfigCount = {len(DECODE_TRAITS) + 1};  // with kDecodeAuto", "", "template <int kHeadDim>", "struct BwdTile;"]
-    for d, b in BWD_TILES.items():
-        out += ["template <>", f"struct BwdTile<{d}> {{",
-                f"    static constexpr int kBlockM = {b['block_m']}, kBlockN = {b['block_n']}, kNWarps = {b['n_warps']}, "
-                f"kSplitDp = {b['split_dp']};", "};"]
+            f"constexpr int kDecodeConfigCount = {len(DECODE_TRAITS) + 1};  // with kDecodeAuto", "", "template <int kHeadDim>", "struct BwdTile;", "template <int kHeadDim>", "struct BwdTileNarrow;"]
+    for name, table in (("BwdTile", BWD_TILES), ("BwdTileNarrow", BWD_NARROW)):
+        for d, b in table.items():
+            out += ["template <>", f"struct {name}<{d}> {{",
+                    f"    static constexpr int kBlockM = {b['block_m']}, kBlockN = {b['block_n']}, "
+                    f"kNWarps = {b['n_warps']}, kSplitDp = {b['split_dp']};", "};"]
     out += ["", "}  // namespace llm_attn", ""]
     return "\n".join(out)
 
@@ -168,6 +173,8 @@ def python_table() -> str:
               f"DECODE_TRAITS = {DECODE_TRAITS!r}",
               "# per head_dim: BwdTile<D> (query rows per step, keys per block, warps, dP slices)",
               f"BWD_TILES = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_TILES.items()) + "}",
+              "# per head_dim: BwdTileNarrow<D>, for devices whose shared memory per block is below BwdTile<D>'s",
+              f"BWD_NARROW = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_NARROW.items()) + "}",
               "# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file",
               "INSTANTIATIONS = ("]
     lines += [f"    {(k, d, t, c, file_name(k, d, t, c))!r}," for k, d, t, c in instantiations()]

@@ -51,13 +51,23 @@ constexpr int kDecodeConfigCount = 5;  // with kDecodeAuto
 
 template <int kHeadDim>
 struct BwdTile;
+template <int kHeadDim>
+struct BwdTileNarrow;
 template <>
 struct BwdTile<128> {
-    static constexpr int kBlockM = 32, kBlockN = 64, kNWarps = 4, kSplitDp = 1;
+    static constexpr int kBlockM = 32, kBlockN = 128, kNWarps = 8, kSplitDp = 1;
 };
 template <>
 struct BwdTile<64> {
-    static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kSplitDp = 1;
+    static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 8, kSplitDp = 1;
+};
+template <>
+struct BwdTileNarrow<128> {
+    static constexpr int kBlockM = 32, kBlockN = 64, kNWarps = 4, kSplitDp = 1;
+};
+template <>
+struct BwdTileNarrow<64> {
+    static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 8, kSplitDp = 1;
 };
 
 }  // namespace llm_attn

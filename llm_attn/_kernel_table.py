@@ -25,8 +25,13 @@ DECODE_MAX_ROWS = 32
 DECODE_TRAITS = (('TwoTiles', 2, 2), ('Deep', 1, 3), ('Shallow', 1, 2), ('Deep4', 1, 4))
 # per head_dim: BwdTile<D> (query rows per step, keys per block, warps, dP slices)
 BWD_TILES = {
+    128: {'block_m': 32, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
+    64: {'block_m': 64, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
+}
+# per head_dim: BwdTileNarrow<D>, for devices whose shared memory per block is below BwdTile<D>'s
+BWD_NARROW = {
     128: {'block_m': 32, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
-    64: {'block_m': 64, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
+    64: {'block_m': 64, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
 }
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
 INSTANTIATIONS = (

@@ -106,3 +106,18 @@ def force_bwd_splits(splits: int):
         yield
     finally:
         ext.set_bwd_splits(prev)
+
+
+@contextlib.contextmanager
+def force_bwd_tile(tile: str):
+    """Force the backward's dK/dV tile (tests, benchmarks): 'narrow' runs the tile that a device with less shared
+    memory per block takes (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on this one; 'auto' (the default)
+    chooses by the device. Process-wide."""
+    if tile not in ("auto", "narrow"):
+        raise ValueError(f"tile must be 'auto' or 'narrow', got {tile!r}")
+    ext = get_ext()
+    prev = ext.set_bwd_narrow(tile == "narrow")
+    try:
+        yield
+    finally:
+        ext.set_bwd_narrow(prev)

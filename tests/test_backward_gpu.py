@@ -108,14 +108,44 @@ def test_backward_forced_splits(cuda_ext, causal, d, sq, sk, heads, splits):
     check_grads(got, q, k, v, dout, causal)
 
 
+@pytest.mark.parametrize("dtype,causal,heads,splits,sq,sk",
+                         grid([list(DTYPES), [False, True], list(HEADS), [0, 3]], PAIRS, per_combo=1))
+def test_backward_narrow_tile(cuda_ext, dtype, causal, heads, splits, sq, sk):
+    """head_dim 128's narrow tile (4 warps x 64 keys: what a device with 99 KB of shared memory per block, sm_86/89,
+    takes instead of the 8-warp 128-key tile) forced here, automatic and 3-way split."""
+    from llm_attn.backward import force_bwd_splits, force_bwd_tile
+
+    hq, hkv = HEADS[heads]
+    q, k, v, dout = _qkv(2, hq, hkv, sq, sk, 128, DTYPES[dtype],
+                         zlib.crc32(repr((dtype, causal, heads, splits, sq, sk, "narrow")).encode()))
+    with force_bwd_tile("narrow"), force_bwd_splits(splits):
+        got = run_raw(cuda_ext, q, k, v, dout, causal)
+    check_grads(got, q, k, v, dout, causal)
+
+
+def test_force_bwd_tile_rejects_unknown_names():
+    from llm_attn.backward import force_bwd_tile
+
+    with pytest.raises(ValueError, match="'auto' or 'narrow'"):
+        with force_bwd_tile("wide"):
+            pass
+
+
 def test_backward_split_heuristic(cuda_ext):
     """Causal grids under 2 waves of key blocks are split (~4 waves); non-causal grids only when they leave SMs
-    idle (whole copies of the grid in one wave); large grids never (132 SMs, 2 blocks per SM)."""
+    idle (whole copies of the grid in one wave); large grids never (132 SMs, one 8-warp block per SM; the narrow
+    tile: two 4-warp blocks of 64 keys)."""
+    from llm_attn.backward import force_bwd_tile
+
     assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, True, 132)[0] > 1
     assert cuda_ext.bwd_splits(1, 32, 8, 16384, 16384, 128, True, 132)[0] == 1
-    assert cuda_ext.bwd_splits(1, 32, 8, 512, 512, 128, False, 132)[0] == 4    # 64 key blocks -> 256 blocks
-    assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, False, 132)[0] == 1  # 256 key blocks: a full wave
+    assert cuda_ext.bwd_splits(1, 32, 8, 512, 512, 128, False, 132)[0] == 4    # 32 key blocks -> 128 blocks
+    assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, False, 132)[0] == 1  # 128 key blocks: ~a full wave
     assert cuda_ext.bwd_splits(4, 32, 32, 8192, 8192, 64, False, 132)[0] == 1
+    with force_bwd_tile("narrow"):  # 64-key blocks, 264 slots
+        assert cuda_ext.bwd_splits(1, 32, 8, 512, 512, 128, False, 132)[0] == 4    # 64 key blocks -> 256 blocks
+        assert cuda_ext.bwd_splits(1, 32, 8, 2048, 2048, 128, True, 132)[0] > 1    # 256 causal blocks: < 2 waves
+        assert cuda_ext.bwd_splits(1, 32, 8, 8192, 8192, 128, True, 132)[0] == 1   # 1024: 3.9 waves
 
 
 @pytest.mark.parametrize("causal", [False, True])
