@@ -123,6 +123,7 @@ def capture_env(device: str) -> dict:
         "flash_attn": _version("flash-attn"),
         "llm_attn": _version("llm-attn"),
         "llm_attn_kernel_built": kernel_available(),
+        "llm_attn_kernel_build": kernel_build(),  # 'aot' or 'nvrtc' (LLM_ATTN_BACKEND), None without one
         **git_info(),
     })
     if dev.type == "cuda":
