@@ -74,7 +74,7 @@ def worker(args) -> None:
             torch.manual_seed(0)
             bwd = args.phase == "bwd"
             rows = bench_point("backward" if bwd else "prefill", ["ours"] + ([args.ref] if args.ref else []), b, hq,
-                               hkv, sq, sk, d, dtype, bool(causal), args.warmup, args.repeats, graph=not bwd,
+                               hkv, sq, sk, d, dtype, bool(causal), args.warmup, args.repeats, graph=args.graph,
                                phase="bwd" if bwd else None)
             torch.manual_seed(0)
             q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype, requires_grad=bwd)
@@ -113,8 +113,9 @@ def run_variant(args, env_mod: dict[str, str]) -> list[dict]:
     env = dict(os.environ)
     for key, val in env_mod.items():
         env[key] = f"{val}:{env[key]}" if key == "PYTHONPATH" and env.get(key) else val
-    cmd = [sys.executable, __file__, "--worker", "--phase", args.phase, "--dtypes", *args.dtypes,
-           "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + (["--ref", args.ref] if args.ref else [])
+    cmd = [sys.executable, __file__, "--worker", "--phase", args.phase, "--graph", str(args.graph),
+           "--dtypes", *args.dtypes, "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    cmd += ["--ref", args.ref] if args.ref else []
     for s in args.shape:
         cmd += ["--shape", ",".join(map(str, s))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -172,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phase", choices=["fwd", "bwd"], default="fwd",
                     help="fwd: the forward (CUDA graphs); bwd: the backward alone on a retained forward graph (plain "
                          "calls, as `python -m llm_attn.bench --mode backward`), dq/dk/dv compared between variants")
+    ap.add_argument("--graph", type=int, choices=[0, 1], default=None,
+                    help="1: time replays of a captured CUDA graph of back-to-back calls, 0: plain calls (default: 1 "
+                         "for fwd, 0 for bwd, as `python -m llm_attn.bench`)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
@@ -180,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write every process's points as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.graph is None:
+        args.graph = int(args.phase == "fwd")
     if args.rounds < 1 or args.repeats < 1 or args.warmup < 0:
         ap.error("--rounds and --repeats must be at least 1, --warmup at least 0")
     if args.worker:

@@ -1,9 +1,12 @@
 """A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k,
-each prefill tile forced; then the backward kernels. `--hopper` runs only the Hopper kernel's launches (racecheck and synccheck of its
-TMA/mbarrier/warp-specialised pipeline).
+each prefill tile forced; then the backward kernels, on the device's tile and on the narrow one (sm_86/89's).
+`--hopper` runs only the Hopper kernel's launches (racecheck and synccheck of its TMA/mbarrier/warp-specialised
+pipeline); `--backward` only the backward's (racecheck and synccheck of its double-buffered cp.async steps).
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --hopper
+    compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --backward
 """
+import itertools
 import math
 import sys
 
@@ -26,6 +29,8 @@ tiles = (1, 2, 3, 4) if ext.sm90_available() else (1, 2, 3)
 runs += [(torch.bfloat16, (1, 8, 2, 300, 1000, d, c, None), t) for t in tiles for d in (64, 128) for c in (0, 1)]
 if ext.sm90_available():
     runs += [(torch.float16, (2, 8, 2, 129, 700, d, c, [700, 333]), 4) for d in (64, 128) for c in (0, 1)]
+if "--backward" in sys.argv:
+    runs = []
 if "--hopper" in sys.argv:
     if not ext.sm90_available():
         sys.exit("--hopper: this GPU/build does not run the Hopper kernel")
@@ -50,17 +55,20 @@ BWD_SHAPES = [] if "--hopper" in sys.argv else [  # (b, hq, hkv, sq, sk, d, caus
     (1, 4, 4, 100, 300, 128, False, [200]),
     (2, 8, 2, 70, 700, 64, True, [700, 5]),
 ]
-for dtype in (torch.float16, torch.bfloat16):
-    for b, hq, hkv, sq, sk, d, causal, used in BWD_SHAPES:
-        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
-        k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-        v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-        out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
-        lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
-        su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
-        ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal)
-        torch.cuda.synchronize()
-        assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
+# Each on the device's tile and on the narrow one (head_dim 128: what sm_86/89 run).
+for dtype, narrow, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
+        (torch.float16, torch.bfloat16), (False, True), BWD_SHAPES):
+    ext.set_bwd_narrow(narrow)
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
+    out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
+    lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
+    su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
+    ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal)
+    torch.cuda.synchronize()
+    assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
+ext.set_bwd_narrow(False)
 print("sanitize shapes done")
