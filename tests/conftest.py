@@ -8,12 +8,16 @@ whole suite, every case: ``-m full`` is read as "include the full grid", not "on
 the same. Only GPU tests may be marked ``full``: on a CPU machine the default runs every test that can run there.
 """
 
+import importlib.util
 import itertools
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The shape grid of the foundation issue: awkward lengths, q_len != kv_len, MHA / GQA 4:1 / MQA.
 LENGTHS = [1, 17, 63, 127, 128, 129, 1000, 2049]
@@ -26,6 +30,15 @@ HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
 FULL = "full"
 _FULL_WORD = re.compile(r"\bfull\b")
 _NOT_FULL = re.compile(r"\bnot\s+full\b")
+
+
+def load_script(path: Path | str, name: str | None = None):
+    """A script of experiments/ or examples/ (not packages) as a module; `path` relative to the repository root."""
+    path = REPO / path
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _fmt(value) -> str:

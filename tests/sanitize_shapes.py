@@ -35,8 +35,10 @@ if "--hopper" in sys.argv:
     if not ext.sm90_available():
         sys.exit("--hopper: this GPU/build does not run the Hopper kernel")
     runs = [r for r in runs if r[2] == 4]
-for dtype, (b, hq, hkv, sq, sk, d, causal, used), tile in runs:
-    ext.set_tile(tile)
+
+
+def forward(dtype, b, hq, hkv, sq, sk, d, causal, used):
+    """Random q, k, v and the forward kernel's out (rows-major in memory, strided view), lse, seqused_k."""
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
     v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
@@ -44,6 +46,12 @@ for dtype, (b, hq, hkv, sq, sk, d, causal, used), tile in runs:
     lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
     su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
     ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
+    return q, k, v, out, lse, su
+
+
+for dtype, shape, tile in runs:
+    ext.set_tile(tile)
+    out = forward(dtype, *shape)[3]
     torch.cuda.synchronize()
     assert not out.isnan().any()
 ext.set_tile(0)
@@ -59,13 +67,7 @@ BWD_SHAPES = [] if "--hopper" in sys.argv else [  # (b, hq, hkv, sq, sk, d, caus
 for dtype, narrow, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
         (torch.float16, torch.bfloat16), (False, True), BWD_SHAPES):
     ext.set_bwd_narrow(narrow)
-    q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
-    k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
-    out = torch.empty(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
-    lse = torch.empty(b, hq, sq, device="cuda", dtype=torch.float32)
-    su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
-    ext.mha_fwd(q, k, v, out, lse, su, 1 / math.sqrt(d), causal)
+    q, k, v, out, lse, su = forward(dtype, b, hq, hkv, sq, sk, d, causal, used)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal)
     torch.cuda.synchronize()

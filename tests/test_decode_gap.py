@@ -6,13 +6,12 @@ and the graph-minus-kernel column (issue 19's decode gap reading).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import load_script
+
 CSV = '''==PROF== Connected to process 1
 "ID","Process ID","Kernel Name","gpu__time_duration.sum","dram__throughput.avg.pct_of_peak_sustained_elapsed"
 "","","","nsecond","%"
@@ -25,10 +24,7 @@ CSV = '''==PROF== Connected to process 1
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("decode_gap", REPO / "experiments" / "decode_gap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/decode_gap.py")
 
 
 def test_kernels_are_assigned_to_calls_by_markers(tmp_path, capsys):

@@ -13,12 +13,13 @@ Skips with the reason when peft or datasets is missing (``python -m pip install 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 import torch
 
 pytest.importorskip("peft", reason='needs peft: python -m pip install -e ".[finetune]"')
@@ -44,10 +45,7 @@ def example():
     why = _peft_can_build_lora()
     if why:
         pytest.skip(why)
-    spec = importlib.util.spec_from_file_location("finetune_lora_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(EXAMPLE, "finetune_lora_example")
 
 
 def _check_agreement(result, rtol, native_key, calls_per_step, grad_rtol, last_rtol, cos_tol):

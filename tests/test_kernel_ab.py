@@ -6,19 +6,14 @@ variant whose output differs (or is NaN) and leaves ours/ref out where SDPA's ca
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("kernel_ab", REPO / "experiments" / "kernel_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/kernel_ab.py")
 
 
 @pytest.mark.parametrize("argv,msg", [

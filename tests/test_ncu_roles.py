@@ -8,19 +8,15 @@ is not an ncu source export is a clear error.
 from __future__ import annotations
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("ncu_roles", REPO / "experiments" / "ncu_roles.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/ncu_roles.py")
 
 
 # (source, all samples, stall_barrier, stall_long_sb, stall_selected): a prologue branching to the producer, the

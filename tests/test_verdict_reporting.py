@@ -7,7 +7,6 @@ experiments/ttft_stability.py (fresh processes, the stable-verdicts table).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -15,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cpu_check_here
+from conftest import cpu_check_here, load_script
 
 from llm_attn import bench, ttft
 from llm_attn import report as report_mod
@@ -120,10 +119,7 @@ def test_bench_host_bad_calls_exit_2(capsys):
 
 
 def _stability():
-    spec = importlib.util.spec_from_file_location("ttft_stability", REPO / "experiments" / "ttft_stability.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/ttft_stability.py")
 
 
 def test_stability_table_targets():
