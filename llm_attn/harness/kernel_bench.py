@@ -124,14 +124,23 @@ def _inputs(b, hq, hkv, sq, sk, d, dtype, sets):
     return out
 
 
-def make_train_fn(impl: str, q, k, v, causal: bool, dout, phase: str):
+def make_train_fn(impl: str, q, k, v, causal: bool, dout, phase: str, side_stream: bool = False):
     """Backward mode: 'fwd+bwd' runs the forward and autograd.grad of (q, k, v); 'bwd' only the latter, on a forward
-    graph built once and retained."""
+    graph built once and retained. `side_stream`: that forward runs on a side stream (for CUDA-graph timing: autograd
+    runs each backward op on its forward's stream, and one on the legacy default stream cannot be captured, for SDPA
+    as for ours: cudaErrorStreamCaptureImplicit; H200, kernels/NOTES.md "Backward v4")."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     fwd, note = make_fn(impl, q, k, v, causal)
     if phase == "fwd+bwd":
         return (lambda: torch.autograd.grad(fwd(), (q, k, v), dout)), note
-    out = fwd()
+    if side_stream and q.is_cuda:
+        side = torch.cuda.Stream(device=q.device)
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            out = fwd()
+        torch.cuda.current_stream(q.device).wait_stream(side)
+    else:
+        out = fwd()
     return (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), note
 
 
@@ -155,7 +164,8 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
             row["phase"] = phase
         try:
             if phase:
-                fns, note = zip(*(make_train_fn(impl, q, k, v, causal, g, phase) for (q, k, v), g in zip(data, douts)))
+                fns, note = zip(*(make_train_fn(impl, q, k, v, causal, g, phase, side_stream=graph)
+                                  for (q, k, v), g in zip(data, douts)))
             else:
                 fns, note = zip(*(make_fn(impl, q, k, v, causal) for q, k, v in data))
             out0 = fns[0]()
