@@ -14,6 +14,8 @@
 #include <string>
 #include <type_traits>
 #include <tuple>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "flash.h"
@@ -317,13 +319,25 @@ int64_t set_bwd_splits(int64_t splits) {
     return prev;
 }
 
-// The backward's narrow tile forced (llm_attn.backward.force_bwd_tile("narrow")): the tile a device with less
-// shared memory per block takes, run on this one (tests).
-bool g_bwd_narrow = false;
+// The backward's dK/dV kernel forced (llm_attn.backward.force_bwd_tile): a BwdTileId (flash.h). Starts from
+// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper (kernel A/B runs of one build: experiments/kernel_ab.py variants),
+// else kBwdAuto; hopper off a compute capability 9.0 GPU then fails the backward with the binding's clear error.
+int bwd_tile_from_env() {
+    const char* v = std::getenv("LLM_ATTN_BWD_TILE");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return llm_attn::kBwdAuto;
+    if (std::strcmp(v, "portable") == 0) return llm_attn::kBwdPortable;
+    if (std::strcmp(v, "narrow") == 0) return llm_attn::kBwdNarrow;
+    if (std::strcmp(v, "hopper") == 0) return llm_attn::kBwdHopper;
+    TORCH_WARN("llm_attn: LLM_ATTN_BWD_TILE=", v, " is not auto, portable, narrow or hopper; ignored");
+    return llm_attn::kBwdAuto;
+}
+int g_bwd_tile = bwd_tile_from_env();
 
-bool set_bwd_narrow(bool narrow) {
-    const bool prev = g_bwd_narrow;
-    g_bwd_narrow = narrow;
+// Returns the previous id; an unknown id changes nothing and returns -1 (force_bwd_tile validates names first).
+int64_t set_bwd_tile(int64_t tile) {
+    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdHopper) return -1;
+    const int prev = g_bwd_tile;
+    g_bwd_tile = static_cast<int>(tile);
     return prev;
 }
 
@@ -333,7 +347,7 @@ std::vector<int64_t> bwd_splits(int64_t batch, int64_t num_heads, int64_t num_kv
     llm_attn::FlashBwdParams p{};
     p.batch = batch, p.num_heads = num_heads, p.num_kv_heads = num_kv_heads;
     p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.head_dim = head_dim, p.causal = causal;
-    llm_attn::flash_bwd_set_splits(p, num_sms, g_bwd_splits, g_bwd_narrow);
+    llm_attn::flash_bwd_set_splits(p, num_sms, g_bwd_splits, g_bwd_tile);
     return {p.num_splits, p.iters_per_split};
 }
 
@@ -418,8 +432,11 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
     p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
     p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
+    CHECK_BWD(g_bwd_tile != llm_attn::kBwdHopper || llm_attn::flash_fwd_sm90_available(),
+              "the Hopper backward was forced (force_bwd_tile('hopper')) but needs a compute capability 9.0 GPU and a "
+              "build with sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
     llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits,
-                                   g_bwd_narrow);
+                                   g_bwd_tile);
     at::Tensor dk_accum, dv_accum;
     if (p.num_splits > 1) {
         dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
@@ -461,7 +478,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
-    m.def("set_bwd_narrow", &set_bwd_narrow, "Force the backward's narrow tile (False: automatic); returns the previous");
+    m.def("set_bwd_tile", &set_bwd_tile, "Force the backward's dK/dV kernel (a BwdTileId, 0 auto); returns the previous");
     m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");
     m.def("set_decode_splits", &set_decode_splits, "Force the decode kernel's KV splits (0 auto); returns the previous");
     m.def("set_decode_config", &set_decode_config,

@@ -120,8 +120,10 @@ struct FlashBwdParams {
     // writes dk/dv. Fills the GPU when there are few key blocks and balances causal blocks (the first keys are
     // seen by every query). num_splits == 1: dK/dV are written directly.
     int num_splits, iters_per_split;
-    // The dK/dV kernel's tile: BwdTile<head_dim>, or BwdTileNarrow<head_dim> on a device whose shared memory per
-    // block is below BwdTile's (set by flash_bwd_set_splits).
+    // The dK/dV kernel (set by flash_bwd_set_splits): the Hopper one (flash_bwd_sm90_kernel.cuh) on compute
+    // capability 9.0, else the portable one with BwdTile<head_dim>, or BwdTileNarrow<head_dim> on a device whose
+    // shared memory per block is below BwdTile's.
+    bool hopper;
     bool narrow;
     float* __restrict__ dk_accum;
     float* __restrict__ dv_accum;
@@ -133,14 +135,21 @@ constexpr int bwd_smem_bytes(int head_dim, int block_m, int block_n) {
     return (4 * block_m * head_dim + 2 * block_n * head_dim + block_n * block_m) * 2 + 4 * block_m * 4;
 }
 
-// The split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets num_splits and
-// iters_per_split); `force_splits` > 0 asks for that many (tests). The binding sizes the workspaces from it.
-// `force_narrow` takes BwdTileNarrow on any device (tests).
-void flash_bwd_set_splits(FlashBwdParams& params, int num_sms, int force_splits, bool force_narrow = false);
+// Which dK/dV kernel a backward runs (llm_attn.backward.force_bwd_tile; tests, benchmarks): kBwdAuto chooses by the
+// device; kBwdPortable the portable kernel with the device's tile; kBwdNarrow its narrow tile on any device;
+// kBwdHopper the sm_90a kernel (compute capability 9.0 only: the binding refuses it elsewhere).
+enum BwdTileId : int { kBwdAuto = 0, kBwdPortable = 1, kBwdNarrow = 2, kBwdHopper = 3 };
+
+// The kernel (BwdTileId) and split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets hopper,
+// narrow, num_splits and iters_per_split); `force_splits` > 0 asks for that many (tests). The binding sizes the
+// workspaces from it.
+void flash_bwd_set_splits(FlashBwdParams& params, int num_sms, int force_splits, int force_tile = kBwdAuto);
 
 // Launches preprocessing, the dK/dV kernel (which also accumulates dQ) and the dQ conversion on `stream`.
 cudaError_t run_flash_bwd(FlashBwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_bwd_sm90_(FlashBwdParams& params, cudaStream_t stream);
 
 }  // namespace llm_attn

@@ -22,10 +22,14 @@ static BwdTileDims bwd_tile(int head_dim, bool narrow) {
     return narrow ? bwd_dims<64, BwdTileNarrow>() : bwd_dims<64, BwdTile>();
 }
 
-void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, bool force_narrow) {
+void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int force_tile) {
     const BwdTileDims wide = bwd_tile(p.head_dim, false);
-    p.narrow = force_narrow || max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n);
-    const BwdTileDims tile = bwd_tile(p.head_dim, p.narrow);
+    p.hopper = force_tile == kBwdHopper || (force_tile == kBwdAuto && flash_fwd_sm90_available());
+    p.narrow = !p.hopper && (force_tile == kBwdNarrow ||
+                             max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n));
+    // The Hopper kernel (flash_bwd_sm90_kernel.cuh): 128 keys, 64 query rows a step, one block of 8 consumer warps
+    // per SM.
+    const BwdTileDims tile = p.hopper ? BwdTileDims{64, 128, 8} : bwd_tile(p.head_dim, p.narrow);
     const int block_m = tile.block_m;
     const int block_n = tile.block_n;
     const int group = p.num_heads / p.num_kv_heads;
@@ -64,18 +68,18 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, bool
     p.num_splits = static_cast<int>((max_iters + p.iters_per_split - 1) / p.iters_per_split);
 }
 
+template <typename T, int D>
+static cudaError_t run_flash_bwd_typed(FlashBwdParams& p, cudaStream_t stream) {
+    if (p.hopper) return p.causal ? run_flash_bwd_sm90_<T, D, true>(p, stream) : run_flash_bwd_sm90_<T, D, false>(p, stream);
+    return p.causal ? run_flash_bwd_<T, D, true>(p, stream) : run_flash_bwd_<T, D, false>(p, stream);
+}
+
 cudaError_t run_flash_bwd(FlashBwdParams& p, cudaStream_t stream) {
-#define LLM_ATTN_BWD_CAUSAL_SWITCH(T, D) \
-    return p.causal ? run_flash_bwd_<T, D, true>(p, stream) : run_flash_bwd_<T, D, false>(p, stream)
-    if (p.head_dim == 128) {
-        if (p.is_bf16) LLM_ATTN_BWD_CAUSAL_SWITCH(__nv_bfloat16, 128);
-        LLM_ATTN_BWD_CAUSAL_SWITCH(half, 128);
-    }
-    if (p.head_dim == 64) {
-        if (p.is_bf16) LLM_ATTN_BWD_CAUSAL_SWITCH(__nv_bfloat16, 64);
-        LLM_ATTN_BWD_CAUSAL_SWITCH(half, 64);
-    }
-#undef LLM_ATTN_BWD_CAUSAL_SWITCH
+    if (p.hopper && !flash_fwd_sm90_available()) return cudaErrorInvalidDeviceFunction;  // forced off an sm_90a device
+    if (p.head_dim == 128)
+        return p.is_bf16 ? run_flash_bwd_typed<__nv_bfloat16, 128>(p, stream) : run_flash_bwd_typed<half, 128>(p, stream);
+    if (p.head_dim == 64)
+        return p.is_bf16 ? run_flash_bwd_typed<__nv_bfloat16, 64>(p, stream) : run_flash_bwd_typed<half, 64>(p, stream);
     return cudaErrorInvalidValue;  // the binding validates head_dim first
 }
 

@@ -168,6 +168,72 @@ __device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
 #endif
 }
 
+// dQ accumulator += one n8 C fragment c: rows q_row (c[0], c[1]) and q_row + 8 (c[2], c[3]), columns 2t, 2t + 1.
+// `p` points at (q_row, column 2t) of a float32 buffer with kHeadDim columns; ok0 / ok8: whether the rows exist.
+// On sm_90 one 16-byte atomic per lane instead of two 8-byte ones (half the L2 atomic operations): lanes t and t ^ 1
+// swap halves so that even t holds row g, columns 2t .. 2t + 3 and odd t row g + 8, columns 2t - 2 .. 2t + 1.
+template <int kHeadDim>
+__device__ __forceinline__ void atomic_add_frag(float* p, const float (&c)[4], int t, bool ok0, bool ok8) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const bool odd = t & 1;
+    const float x0 = __shfl_xor_sync(0xffffffff, odd ? c[0] : c[2], 1);
+    const float x1 = __shfl_xor_sync(0xffffffff, odd ? c[1] : c[3], 1);
+    const float4 val = odd ? make_float4(x0, x1, c[2], c[3]) : make_float4(c[0], c[1], x0, x1);
+    if (odd ? ok8 : ok0) atomicAdd(reinterpret_cast<float4*>(p + (odd ? 8 * kHeadDim - 2 : 0)), val);
+#else
+    if (ok0) atomic_add2(p, c[0], c[1]);
+    if (ok8) atomic_add2(p + 8 * kHeadDim, c[2], c[3]);
+#endif
+}
+
+// A split launch's epilogue for one key row: this thread's dK (times the softmax scale) and dV of C rows 2r, 2r + 1
+// (key `row`), added into the float32 accumulators that flash_bwd_convert_dkdv_kernel converts. Keys from
+// `kv_len` (seqused_k) on add nothing: their accumulators stay 0.
+template <int kDT>
+__device__ __forceinline__ void add_dkdv_split(const FlashBwdParams& params, int batch, int kv_head, int row,
+                                               int kv_len, const float (&dk)[kDT][4], const float (&dv)[kDT][4], int r,
+                                               int t) {
+    if (row >= kv_len) return;
+    const int64_t off =
+        ((static_cast<int64_t>(batch) * params.num_kv_heads + kv_head) * params.seqlen_k + row) * (kDT * 8) + 2 * t;
+    const float scale = params.scale;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+        atomic_add2(params.dk_accum + off + dt * 8, dk[dt][2 * r] * scale, dk[dt][2 * r + 1] * scale);
+        atomic_add2(params.dv_accum + off + dt * 8, dv[dt][2 * r], dv[dt][2 * r + 1]);
+    }
+}
+
+// One dK/dV thread block's work (both backward kernels): key block n_block of (batch, kv_head), and its steps
+// [it_begin, it_end) out of group x per_head (query head, query block) pairs, from m_block_min on.
+struct BwdBlock {
+    int n0, kv_head, batch, group, seqlen_k, causal_offset, m_block_min, per_head, it_begin, it_end;
+
+    template <int kBlockM, int kBlockN, bool kCausal>
+    __device__ __forceinline__ static BwdBlock make(const FlashBwdParams& params) {
+        BwdBlock b;
+        // Causal: heads in x and key blocks in y, so that the longest blocks (the first keys, seen by every later
+        // query) launch first across heads.
+        const int n_block = kCausal ? blockIdx.y : blockIdx.x;
+        b.kv_head = kCausal ? blockIdx.x : blockIdx.y;
+        b.batch = blockIdx.z / params.num_splits;
+        const int split = blockIdx.z % params.num_splits;
+        b.group = params.num_heads / params.num_kv_heads;
+        b.seqlen_k = params.seqused_k ? min(params.seqused_k[b.batch], params.seqlen_k) : params.seqlen_k;
+        b.causal_offset = b.seqlen_k - params.seqlen_q;  // query i sees key j iff j <= i + causal_offset
+        b.n0 = n_block * kBlockN;
+        // Query blocks that see some key of this block: all, or (causal) from the first row i >= n0 - causal_offset.
+        const int num_m = (params.seqlen_q + kBlockM - 1) / kBlockM;
+        b.m_block_min = kCausal ? max(b.n0 - b.causal_offset, 0) / kBlockM : 0;
+        b.per_head = num_m - b.m_block_min;
+        const int n_iters = (b.n0 < b.seqlen_k && b.per_head > 0) ? b.group * b.per_head : 0;
+        // This block's steps (query head, query block) of its key block: all, or one split's share.
+        b.it_begin = split * params.iters_per_split;
+        b.it_end = min(n_iters, b.it_begin + params.iters_per_split);
+        return b;
+    }
+};
+
 // ---- 2. dK, dV (and dQ by atomics) -----------------------------------------------------------------------------
 template <typename T, typename Traits, bool kCausal>
 __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& params) {
@@ -194,28 +260,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
     const int g = lane / 4;
     const int t = lane % 4;
 
-    // Causal: heads in x and key blocks in y, so that the longest blocks (the first keys, seen by every later
-    // query) launch first across heads.
-    const int n_block = kCausal ? blockIdx.y : blockIdx.x;
-    const int kv_head = kCausal ? blockIdx.x : blockIdx.y;
-    const int batch = blockIdx.z / params.num_splits;
-    const int split = blockIdx.z % params.num_splits;
-    const int group = params.num_heads / params.num_kv_heads;
-
-    const int seqlen_q = params.seqlen_q;
-    const int seqlen_k = params.seqused_k ? min(params.seqused_k[batch], params.seqlen_k) : params.seqlen_k;
-    const int causal_offset = seqlen_k - seqlen_q;  // query i sees key j iff j <= i + causal_offset
-    const int n0 = n_block * kBlockN;
-
-    // Query blocks that see some key of this block: all, or (causal) from the first row i >= n0 - causal_offset.
-    const int num_m = (seqlen_q + kBlockM - 1) / kBlockM;
-    int m_block_min = 0;
-    if (kCausal) m_block_min = max(n0 - causal_offset, 0) / kBlockM;
-    const int per_head = num_m - m_block_min;
-    const int n_iters = (n0 < seqlen_k && per_head > 0) ? group * per_head : 0;
-    // This block's steps (query head, query block) of its key block: all, or one split's share.
-    const int it_begin = split * params.iters_per_split;
-    const int it_end = min(n_iters, it_begin + params.iters_per_split);
+    const BwdBlock b = BwdBlock::make<kBlockM, kBlockN, kCausal>(params);
+    const int n0 = b.n0, kv_head = b.kv_head, batch = b.batch, group = b.group;
+    const int seqlen_q = params.seqlen_q, seqlen_k = b.seqlen_k, causal_offset = b.causal_offset;
+    const int m_block_min = b.m_block_min, per_head = b.per_head, it_begin = b.it_begin, it_end = b.it_end;
     // A split with nothing to add exits at once (the float32 accumulators start at zero).
     if (params.num_splits > 1 && it_begin >= it_end) return;
 
@@ -416,25 +464,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                         mma_16816<T>(acc[2 * j + 1], ads[kk], b[2], b[3]);
                     }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                    // One 16-byte atomic per lane instead of two 8-byte ones (half the L2 atomic operations): lanes
-                    // t and t ^ 1 swap halves so that even t holds row g, columns 2t .. 2t + 3 and odd t row g + 8,
-                    // columns 2t - 2 .. 2t + 1.
-                    const bool odd = t & 1;
-                    const float x0 = __shfl_xor_sync(0xffffffff, odd ? acc[i][0] : acc[i][2], 1);
-                    const float x1 = __shfl_xor_sync(0xffffffff, odd ? acc[i][1] : acc[i][3], 1);
-                    const float4 val = odd ? make_float4(x0, x1, acc[i][2], acc[i][3])
-                                           : make_float4(acc[i][0], acc[i][1], x0, x1);
-                    if (q_row + (odd ? 8 : 0) < seqlen_q) {
-                        atomicAdd(reinterpret_cast<float4*>(dq_acc + (odd ? 8 * kHeadDim - 2 : 0) + dg * 32 + i * 8),
-                                  val);
-                    }
-#else
-                    if (q_row < seqlen_q) atomic_add2(dq_acc + dg * 32 + i * 8, acc[i][0], acc[i][1]);
-                    if (q_row + 8 < seqlen_q) atomic_add2(dq_acc + 8 * kHeadDim + dg * 32 + i * 8, acc[i][2], acc[i][3]);
-#endif
-                }
+                for (int i = 0; i < 4; ++i)
+                    atomic_add_frag<kHeadDim>(dq_acc + dg * 32 + i * 8, acc[i], t, q_row < seqlen_q, q_row + 8 < seqlen_q);
             }
         }
     }
@@ -442,20 +473,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
     const float scale = params.scale;
     if (params.num_splits > 1) {
         // Split: float32 partials added into the accumulators (converted by flash_bwd_convert_dkdv_kernel).
-        const int64_t base = (static_cast<int64_t>(batch) * params.num_kv_heads + kv_head) * params.seqlen_k;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = n0 + warp * 16 + g + r * 8;
-            if (row < seqlen_k) {
-                float* dk_acc = params.dk_accum + (base + row) * kHeadDim + 2 * t;
-                float* dv_acc = params.dv_accum + (base + row) * kHeadDim + 2 * t;
-#pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    atomic_add2(dk_acc + dt * 8, acc_dk[dt][2 * r] * scale, acc_dk[dt][2 * r + 1] * scale);
-                    atomic_add2(dv_acc + dt * 8, acc_dv[dt][2 * r], acc_dv[dt][2 * r + 1]);
-                }
-            }
-        }
+        for (int r = 0; r < 2; ++r)
+            add_dkdv_split(params, batch, kv_head, n0 + warp * 16 + g + r * 8, seqlen_k, acc_dk, acc_dv, r, t);
         return;
     }
 

@@ -37,8 +37,10 @@ cudaError_t launch_flash_bwd_dkdv(FlashBwdParams& params, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
+// Preprocessing, the dK/dV kernel that `dkdv` launches (this file's, or the Hopper one: flash_bwd_sm90_launch.cuh),
+// the dQ conversion and, for a split launch, the dK/dV conversion.
+template <typename T, int kHeadDim, typename LaunchDkdv>
+cudaError_t run_flash_bwd_common(FlashBwdParams& params, cudaStream_t stream, LaunchDkdv&& dkdv) {
     constexpr int kChunks = kHeadDim / 8;
     const int64_t rows = static_cast<int64_t>(params.batch) * params.num_heads * params.seqlen_q;
 
@@ -48,14 +50,7 @@ cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
 
-    using Tile = BwdConfigOf<kHeadDim, BwdTile>;
-    using Narrow = BwdConfigOf<kHeadDim, BwdTileNarrow>;
-    if constexpr (std::is_same_v<Tile, Narrow>) {
-        err = launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
-    } else {
-        err = params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream)
-                            : launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
-    }
+    err = dkdv();
     if (err != cudaSuccess) return err;
 
     constexpr int kConvThreads = 256;
@@ -68,6 +63,20 @@ cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     const int64_t kv_blocks = (kv_rows * kChunks + kConvThreads - 1) / kConvThreads;
     flash_bwd_convert_dkdv_kernel<T, kHeadDim><<<static_cast<unsigned>(kv_blocks), kConvThreads, 0, stream>>>(params);
     return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
+    using Tile = BwdConfigOf<kHeadDim, BwdTile>;
+    using Narrow = BwdConfigOf<kHeadDim, BwdTileNarrow>;
+    return run_flash_bwd_common<T, kHeadDim>(params, stream, [&] {
+        if constexpr (std::is_same_v<Tile, Narrow>) {
+            return launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
+        } else {
+            return params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream)
+                                 : launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
+        }
+    });
 }
 
 }  // namespace llm_attn

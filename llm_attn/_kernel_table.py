@@ -63,4 +63,12 @@ INSTANTIATIONS = (
     ('bwd', 64, 'fp16', True, 'flash_bwd_hdim64_fp16_causal.cu'),
     ('bwd', 64, 'bf16', False, 'flash_bwd_hdim64_bf16_noncausal.cu'),
     ('bwd', 64, 'bf16', True, 'flash_bwd_hdim64_bf16_causal.cu'),
+    ('bwd_sm90', 128, 'fp16', False, 'flash_bwd_sm90_hdim128_fp16_noncausal.cu'),
+    ('bwd_sm90', 128, 'fp16', True, 'flash_bwd_sm90_hdim128_fp16_causal.cu'),
+    ('bwd_sm90', 128, 'bf16', False, 'flash_bwd_sm90_hdim128_bf16_noncausal.cu'),
+    ('bwd_sm90', 128, 'bf16', True, 'flash_bwd_sm90_hdim128_bf16_causal.cu'),
+    ('bwd_sm90', 64, 'fp16', False, 'flash_bwd_sm90_hdim64_fp16_noncausal.cu'),
+    ('bwd_sm90', 64, 'fp16', True, 'flash_bwd_sm90_hdim64_fp16_causal.cu'),
+    ('bwd_sm90', 64, 'bf16', False, 'flash_bwd_sm90_hdim64_bf16_noncausal.cu'),
+    ('bwd_sm90', 64, 'bf16', True, 'flash_bwd_sm90_hdim64_bf16_causal.cu'),
 )

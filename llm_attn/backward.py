@@ -108,16 +108,28 @@ def force_bwd_splits(splits: int):
         ext.set_bwd_splits(prev)
 
 
+# force_bwd_tile's names, by their BwdTileId (kernels/flash.h).
+BWD_TILES = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3}
+
+
 @contextlib.contextmanager
 def force_bwd_tile(tile: str):
-    """Force the backward's dK/dV tile (tests, benchmarks): 'narrow' runs the tile that a device with less shared
-    memory per block takes (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on this one; 'auto' (the default)
-    chooses by the device. Process-wide."""
-    if tile not in ("auto", "narrow"):
-        raise ValueError(f"tile must be 'auto' or 'narrow', got {tile!r}")
+    """Force the backward's dK/dV kernel (tests, benchmarks), process-wide:
+
+    - 'auto' (the default) chooses by the device: the Hopper kernel (wgmma/TMA) on compute capability 9.0, else the
+      portable one with the tile the device's shared memory allows;
+    - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU;
+    - 'narrow' the portable kernel's narrow tile (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on any device;
+    - 'hopper' the Hopper kernel (compute capability 9.0 and an extension built for it only: ValueError elsewhere).
+    """
+    if tile not in BWD_TILES:
+        raise ValueError(f"tile must be one of {', '.join(map(repr, BWD_TILES))}, got {tile!r}")
     ext = get_ext()
-    prev = ext.set_bwd_narrow(tile == "narrow")
+    if tile == "hopper" and not ext.sm90_available():
+        raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and an extension built for it "
+                         "(LLM_ATTN_CUDA_ARCHS containing 9.0)")
+    prev = ext.set_bwd_tile(BWD_TILES[tile])
     try:
         yield
     finally:
-        ext.set_bwd_narrow(prev)
+        ext.set_bwd_tile(prev)

@@ -1,7 +1,7 @@
 """A few kernel launches for compute-sanitizer (memcheck): tails, GQA/MQA, q_len != kv_len, split-KV, seqused_k,
-each prefill tile forced; then the backward kernels, on the device's tile and on the narrow one (sm_86/89's).
-`--hopper` runs only the Hopper kernel's launches (racecheck and synccheck of its TMA/mbarrier/warp-specialised
-pipeline); `--backward` only the backward's (racecheck and synccheck of its double-buffered cp.async steps).
+each prefill tile forced; then the backward kernels: the portable one, its narrow tile (sm_86/89's) and the Hopper
+one. `--hopper` runs only the Hopper kernels' launches, forward and backward (racecheck and synccheck of their
+TMA/mbarrier/warp-specialised pipelines); `--backward` only the backward's.
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --hopper
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --backward
@@ -56,21 +56,25 @@ for dtype, shape, tile in runs:
     assert not out.isnan().any()
 ext.set_tile(0)
 
-# Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k. Not with --hopper.
-BWD_SHAPES = [] if "--hopper" in sys.argv else [  # (b, hq, hkv, sq, sk, d, causal, seqused)
+# Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k, on each dK/dV kernel
+# (BwdTileId, kernels/flash.h: 1 the portable one, 2 its narrow tile as sm_86/89 run it, 3 the Hopper one where the
+# GPU runs it). With --hopper only the Hopper backward's (its TMA/mbarrier/warp-specialised pipeline).
+BWD_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 8, 2, 17, 129, 64, True, None),
     (2, 4, 1, 129, 63, 128, True, None),
     (1, 4, 4, 100, 300, 128, False, [200]),
     (2, 8, 2, 70, 700, 64, True, [700, 5]),
 ]
-# Each on the device's tile and on the narrow one (head_dim 128: what sm_86/89 run).
-for dtype, narrow, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
-        (torch.float16, torch.bfloat16), (False, True), BWD_SHAPES):
-    ext.set_bwd_narrow(narrow)
+bwd_kernels = (1, 2, 3) if ext.sm90_available() else (1, 2)
+if "--hopper" in sys.argv:
+    bwd_kernels = (3,)
+for dtype, kernel, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
+        (torch.float16, torch.bfloat16), bwd_kernels, BWD_SHAPES):
+    ext.set_bwd_tile(kernel)
     q, k, v, out, lse, su = forward(dtype, b, hq, hkv, sq, sk, d, causal, used)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal)
     torch.cuda.synchronize()
     assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
-ext.set_bwd_narrow(False)
+ext.set_bwd_tile(0)
 print("sanitize shapes done")

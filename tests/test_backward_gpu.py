@@ -83,26 +83,40 @@ def _qkv(b, hq, hkv, sq, sk, d, dt, seed):
     return q, k, v, dout
 
 
-@pytest.mark.parametrize("dtype,causal,d,heads,sq,sk",
-                         grid([list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2))
-def test_backward_grid(cuda_ext, dtype, causal, d, sq, sk, heads):
+# The dK/dV kernels every grid runs on: the portable one (what every GPU but compute capability 9.0 runs) and the
+# Hopper one (what 9.0 runs; skipped elsewhere), each forced (llm_attn.backward.force_bwd_tile).
+KERNELS = ["portable", "hopper"]
+
+
+def forced_kernel(cuda_ext, kernel):
+    from llm_attn.backward import force_bwd_tile
+
+    if kernel == "hopper" and not cuda_ext.sm90_available():
+        pytest.skip("the Hopper backward needs a compute capability 9.0 GPU and an sm_90a build")
+    return force_bwd_tile(kernel)
+
+
+@pytest.mark.parametrize("dtype,causal,d,heads,kernel,sq,sk",
+                         grid([list(DTYPES), [False, True], [64, 128], list(HEADS), KERNELS], PAIRS, per_combo=2))
+def test_backward_grid(cuda_ext, dtype, causal, d, sq, sk, heads, kernel):
     hq, hkv = HEADS[heads]
     q, k, v, dout = _qkv(2, hq, hkv, sq, sk, d, DTYPES[dtype], zlib.crc32(repr((dtype, causal, d, sq, sk, heads)).encode()))
-    got = run_raw(cuda_ext, q, k, v, dout, causal)
+    with forced_kernel(cuda_ext, kernel):
+        got = run_raw(cuda_ext, q, k, v, dout, causal)
     check_grads(got, q, k, v, dout, causal)
 
 
-@pytest.mark.parametrize("causal,d,heads,splits,sq,sk",
-                         grid([[False, True], [64, 128], ["mha", "gqa"], [1, 2, 5]],
+@pytest.mark.parametrize("causal,d,heads,splits,kernel,sq,sk",
+                         grid([[False, True], [64, 128], ["mha", "gqa"], [1, 2, 5], KERNELS],
                               [(63, 63), (129, 1000), (1000, 129), (300, 300)], per_combo=1))
-def test_backward_forced_splits(cuda_ext, causal, d, sq, sk, heads, splits):
+def test_backward_forced_splits(cuda_ext, causal, d, sq, sk, heads, splits, kernel):
     """Each key block's steps shared by 1 (direct dK/dV stores), 2 or 5 thread blocks (float32 atomics), whatever
     the automatic choice for the shape would be."""
     from llm_attn.backward import force_bwd_splits
 
     hq, hkv = HEADS[heads]
     q, k, v, dout = _qkv(2, hq, hkv, sq, sk, d, torch.bfloat16, zlib.crc32(repr((causal, d, sq, sk, heads, splits)).encode()))
-    with force_bwd_splits(splits):
+    with forced_kernel(cuda_ext, kernel), force_bwd_splits(splits):
         assert cuda_ext.bwd_splits(2, hq, hkv, sq, sk, d, causal, 132)[0] <= splits
         got = run_raw(cuda_ext, q, k, v, dout, causal)
     check_grads(got, q, k, v, dout, causal)
@@ -126,8 +140,18 @@ def test_backward_narrow_tile(cuda_ext, dtype, causal, heads, splits, sq, sk):
 def test_force_bwd_tile_rejects_unknown_names():
     from llm_attn.backward import force_bwd_tile
 
-    with pytest.raises(ValueError, match="'auto' or 'narrow'"):
+    with pytest.raises(ValueError, match="'auto', 'portable', 'narrow', 'hopper'"):
         with force_bwd_tile("wide"):
+            pass
+
+
+def test_force_bwd_tile_hopper_off_sm90_is_a_clear_error(cuda_ext):
+    from llm_attn.backward import force_bwd_tile
+
+    if cuda_ext.sm90_available():
+        pytest.skip("this GPU runs the Hopper backward")
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        with force_bwd_tile("hopper"):
             pass
 
 
@@ -148,9 +172,10 @@ def test_backward_split_heuristic(cuda_ext):
         assert cuda_ext.bwd_splits(1, 32, 8, 8192, 8192, 128, True, 132)[0] == 1   # 1024: 3.9 waves
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1, 4, 300])
-def test_backward_seqused_k(cuda_ext, causal, sq):
+def test_backward_seqused_k(cuda_ext, causal, sq, kernel):
     """A static cache: per-batch used lengths on the device, NaN/huge garbage past them; gradients there are 0."""
     b, hq, hkv, d, cap = 4, 8, 2, 128, 2048
     q, k, v, dout = _qkv(b, hq, hkv, sq, cap, d, torch.float16, sq)
@@ -161,23 +186,26 @@ def test_backward_seqused_k(cuda_ext, causal, sq):
         vc[i, :, n:] = 0
     k[1, :, 1000:] = float("nan")
     v[2, :, sq:] = 6e4
-    got = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=used)
+    with forced_kernel(cuda_ext, kernel):
+        got = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=used)
     check_grads(got, q, k, v, dout, causal, seqused_k=used, ref_kv=(kc, vc))
     _, dk, dv = got
     for i, n in enumerate(used.tolist()):
         assert torch.all(dk[i, :, n:] == 0) and torch.all(dv[i, :, n:] == 0)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq", [1, 300])
-def test_backward_seqused_k_out_of_range_is_clamped(cuda_ext, causal, sq):
+def test_backward_seqused_k_out_of_range_is_clamped(cuda_ext, causal, sq, kernel):
     """seqused_k above kv_len counts as kv_len, below 0 as 0 (flash_attn_func's docstring): the gradients of
     out-of-range values are those of the clamped values (exactly zero for a batch that uses no key)."""
     q, k, v, dout = _qkv(4, 8, 2, sq, 500, 64, torch.float16, seed=sq + causal)
     wild = torch.tensor([501, 2**31 - 1, -1, -2**31], dtype=torch.int32, device="cuda")
     clamped = torch.tensor([500, 500, 0, 0], dtype=torch.int32, device="cuda")
-    got = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=wild)
-    ref = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=clamped)
+    with forced_kernel(cuda_ext, kernel):
+        got = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=wild)
+        ref = run_raw(cuda_ext, q, k, v, dout, causal, seqused_k=clamped)
     torch.cuda.synchronize()
     # dQ is accumulated with float32 atomics, and on a grid this small so are dK/dV (split key blocks): the order of
     # the additions varies from launch to launch, so the gradients are compared at that run-to-run spread (the
@@ -189,9 +217,10 @@ def test_backward_seqused_k_out_of_range_is_clamped(cuda_ext, causal, sq):
     check_grads(got, q, k, v, dout, causal, seqused_k=wild)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_strided_transformers_layout(cuda_ext, dtype, causal):
+def test_backward_strided_transformers_layout(cuda_ext, dtype, causal, kernel):
     """(B, S, H, D) projections viewed as (B, H, S, D), K sliced out of a longer buffer, dO transposed, gradient
     buffers in (B, S, H, D) order."""
     dt = DTYPES[dtype]
@@ -209,7 +238,8 @@ def test_backward_strided_transformers_layout(cuda_ext, dtype, causal):
     dq = torch.full((b, s, hq, d), float("nan"), dtype=dt, device="cuda").transpose(1, 2)
     dk = torch.full((b, sk, hkv, d), float("nan"), dtype=dt, device="cuda").transpose(1, 2)
     dv = torch.full((b, hkv, 400, d), float("nan"), dtype=dt, device="cuda")[:, :, 100:300]
-    cuda_ext.mha_bwd(dout, q, k, v, out, lse, None, dq, dk, dv, None, scale, causal)
+    with forced_kernel(cuda_ext, kernel):
+        cuda_ext.mha_bwd(dout, q, k, v, out, lse, None, dq, dk, dv, None, scale, causal)
     check_grads((dq, dk, dv), q, k, v, dout, causal)
 
 
