@@ -16,8 +16,11 @@
 //     dS^T = P^T (dP^T - dsum)
 //     dK  += dS^T Q      the same with Q
 //     dQ  += dS K        dS^T stored to this warpgroup's shared-memory tile and read back as a transposed A operand,
-//                        K MN-major; 64-column wgmmas, added into the float32 dQ buffer with atomics. Each
-//                        warpgroup adds the share of its own 64 keys: no exchange between warpgroups, no block barrier.
+//                        K MN-major; 64-column wgmmas. The float32 result goes to this warpgroup's dQ tile in
+//                        shared memory, and one thread has the copy engine add it into the float32 dQ buffer
+//                        (TMA reduce-add: whole 128-byte rows at L2, instead of 16-byte atomics from every thread,
+//                        which kept L2 87 % busy). Each warpgroup adds the share of its own 64 keys: no exchange
+//                        between warpgroups, no block barrier.
 // The two consumers work on the same step at their own pace and meet only at the slot barriers.
 //
 // Keys in [seqused_k, seqlen_k) are real memory that may hold anything: their K and V rows are zeroed in shared
@@ -49,10 +52,14 @@ struct Sm90BwdTraits {
     static constexpr int kTileBytesQ = kSlabs * kSlabBytesQ;    // Q or dO of one step
     static constexpr int kTileBytesKV = kSlabs * kSlabBytesKV;  // K or V of the block
     static constexpr int kTileBytesDS = 64 * kBlockM * 2;       // one consumer's dS^T: 64 keys x 64 queries
+    static constexpr int kBoxBytesDQ = kBlockM * 128;           // a float32 dQ box: 64 rows x 32 columns
+    static constexpr int kTileBytesDQ = kBlockM * kHeadDim * 4;  // one consumer's float32 dQ: kHeadDim / 32 boxes
     static constexpr int kNumBarriers = 1 + 2 * kStages;
-    // K, V; kStages x (Q, dO); two dS^T tiles; kStages x (lse, dsum); barriers; 1 KB to align to the swizzle atom.
-    static constexpr int kSmemBytes = 2 * kTileBytesKV + 2 * kStages * kTileBytesQ + kConsumers * kTileBytesDS +
-                                      kStages * 2 * kBlockM * 4 + kNumBarriers * 8 + 1024;
+    // K, V; kStages x (Q, dO); per consumer a dS^T tile and a dQ tile; kStages x (lse, dsum); barriers; 1 KB to
+    // align to the swizzle atom.
+    static constexpr int kSmemBytes = 2 * kTileBytesKV + 2 * kStages * kTileBytesQ +
+                                      kConsumers * (kTileBytesDS + kTileBytesDQ) + kStages * 2 * kBlockM * 4 +
+                                      kNumBarriers * 8 + 1024;
     // Registers after setmaxnreg: 128 x 40 + 256 x 232 = the 384 x 168 the block launches with (setmaxnreg.inc
     // draws on what .dec released). A consumer holds dK and dV (head_dim / 2 floats each), S^T and dP^T (32 each);
     // at 240 the producer's two loops would have 24 and spill, at 232 head_dim 128 fits without spills (ptxas).
@@ -63,10 +70,11 @@ struct Sm90BwdTraits {
     static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory a Hopper block can have");
 };
 
-// The kernel's parameters: the portable parameter struct plus the tensor maps of Q, K, V and dO.
+// The kernel's parameters: the portable parameter struct plus the tensor maps of Q, K, V, dO and the float32 dQ
+// accumulator.
 struct Sm90BwdParams {
     FlashBwdParams p;
-    TmaDesc tma_q, tma_k, tma_v, tma_do;
+    TmaDesc tma_q, tma_k, tma_v, tma_do, tma_dq;
 };
 
 template <typename Traits>
@@ -76,6 +84,7 @@ struct Sm90BwdSmem {
     uint8_t* q;   // [kStages][kTileBytesQ]
     uint8_t* dO;  // [kStages][kTileBytesQ]
     uint8_t* ds;  // [kConsumers][kTileBytesDS]
+    uint8_t* dq;  // [kConsumers][kTileBytesDQ]
     float* lse;   // [kStages][kBlockM]
     float* dsum;  // [kStages][kBlockM]
     uint64_t* bar_kv;
@@ -89,7 +98,8 @@ struct Sm90BwdSmem {
         q = v + Traits::kTileBytesKV;
         dO = q + Traits::kStages * Traits::kTileBytesQ;
         ds = dO + Traits::kStages * Traits::kTileBytesQ;
-        lse = reinterpret_cast<float*>(ds + Traits::kConsumers * Traits::kTileBytesDS);
+        dq = ds + Traits::kConsumers * Traits::kTileBytesDS;
+        lse = reinterpret_cast<float*>(dq + Traits::kConsumers * Traits::kTileBytesDQ);
         dsum = lse + Traits::kStages * Traits::kBlockM;
         bar_kv = reinterpret_cast<uint64_t*>(dsum + Traits::kStages * Traits::kBlockM);
         full = bar_kv + 1;
@@ -193,8 +203,9 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
         const SmemDesc bt_q = SmemDesc::make(sm.q, Traits::kSlabBytesQ, 1024);
         const SmemDesc bt_do = SmemDesc::make(sm.dO, Traits::kSlabBytesQ, 1024);
         const SmemDesc bt_k = SmemDesc::make(sm.k + wg * 64 * 128, Traits::kSlabBytesKV, 1024);
-        uint8_t* ds_tile = sm.ds + wg * Traits::kTileBytesDS;
-        const SmemDesc at_ds = SmemDesc::make(ds_tile, Traits::kTileBytesDS, 1024);
+        const SmemDesc at_ds = SmemDesc::make(sm.ds + wg * Traits::kTileBytesDS, Traits::kTileBytesDS, 1024);
+        const uint32_t ds_tile = smem_u32(sm.ds + wg * Traits::kTileBytesDS);
+        const uint32_t dq_tile = smem_u32(sm.dq + wg * Traits::kTileBytesDQ);
         auto k_step = [](int kk, int slab_bytes) { return static_cast<uint32_t>((kk / 4) * slab_bytes + (kk % 4) * 32); };
         const int key_row = key0 + warp * 16 + g;  // this thread's keys: key_row and key_row + 8
 
@@ -228,20 +239,22 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             if (key0 + 64 > b.seqlen_k || (kCausal && key0 + 63 > m0 + b.causal_offset)) {
                 mask_scores_t<kCausal>(acc_s, key_row, m0, b.seqlen_k, b.causal_offset, t);
             }
-            const float* lse = sm.lse + stage * kBlockM;
+            const uint32_t lse = smem_u32(sm.lse + stage * kBlockM + 2 * t);  // this thread's columns, as float2
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt) {
+                const float2 l = lds_f2(lse + nt * 32);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[nt][e] = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -lse[nt * 8 + 2 * t + (e & 1)]));
+                for (int e = 0; e < 4; ++e) acc_s[nt][e] = exp2f(fmaf(acc_s[nt][e], p.scale_log2, -(e & 1 ? l.y : l.x)));
+            }
             wgmma_wait<0>();  // dP^T is in
             fence_regs(dp_flat);
-            const float* dsum = sm.dsum + stage * kBlockM;
+            const uint32_t dsum = smem_u32(sm.dsum + stage * kBlockM + 2 * t);
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt) {
+                const float2 d = lds_f2(dsum + nt * 32);
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - dsum[nt * 8 + 2 * t + (e & 1)]);
+                for (int e = 0; e < 4; ++e) acc_dp[nt][e] = acc_s[nt][e] * (acc_dp[nt][e] - (e & 1 ? d.y : d.x));
+            }
             // P^T and dS^T as A fragments (bf16/fp16): dV += P^T dO and dK += dS^T Q, both issued together. (dV issued
             // before dS is computed would keep P^T's registers alive beside S^T and dP^T: head_dim 128 spills.)
             uint32_t pa[kBlockM / 16][1][4], dsa[kBlockM / 16][1][4];
@@ -263,24 +276,24 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
 
             // dS^T into this warpgroup's tile ([64 keys][64 queries], 128-byte swizzle): n-tile nt of rows g, g + 8
             // is k-step nt / 2's A fragment registers (nt % 2) * 2 + r. The previous step's dQ wgmma, the only
-            // reader, completed before that step's atomics.
+            // reader, completed before that step's dQ tile was written.
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = warp * 16 + g + 8 * r;
-                    *reinterpret_cast<uint32_t*>(ds_tile + row * 128 + ((nt ^ (row % 8)) * 16) + t * 4) =
-                        dsa[nt / 2][0][(nt % 2) * 2 + r];
+                    sts_u32(ds_tile + row * 128 + ((nt ^ (row % 8)) * 16) + t * 4, dsa[nt / 2][0][(nt % 2) * 2 + r]);
                 }
             fence_proxy_async();
-            named_barrier_sync(2 + wg, 128);  // the whole tile written before the warpgroup's wgmma reads it
+            // The previous step's dQ tile has been read by its reduce-add (so it may be rewritten below, after the
+            // barrier), and the whole dS^T tile is written before the warpgroup's wgmma reads it.
+            if (tid == 0) bulk_wait_read<0>();
+            named_barrier_sync(2 + wg, 128);
 
-            // dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] += dS K over this warpgroup's 64 keys (4 k-steps of 16 keys), one
-            // 64-column slab at a time (head_dim 128 has no registers for both).
-            const int q_row = m0 + warp * 16 + g;
-            float* dq_acc = p.dq_accum +
-                            ((static_cast<int64_t>(b.batch) * p.num_heads + step.x) * p.seqlen_q + q_row) * kHeadDim +
-                            2 * t;
+            // dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] = dS K over this warpgroup's 64 keys (4 k-steps of 16 keys), one
+            // 64-column slab at a time (head_dim 128 has no registers for both), into the dQ tile: float32 boxes of
+            // 64 rows x 32 columns in the 128-byte swizzle (TMA's layout; a warp's float2 stores take the minimum
+            // two wavefronts).
 #pragma unroll
             for (int h = 0; h < Traits::kSlabs; ++h) {
                 float acc_dq[kNT][4];
@@ -303,10 +316,27 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
                 }
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt)
-                    atomic_add_frag<kHeadDim>(dq_acc + h * 64 + nt * 8, acc_dq[nt], t, q_row < p.seqlen_q,
-                                              q_row + 8 < p.seqlen_q);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp * 16 + g + 8 * r;
+                        const int chunk = (nt % 4) * 2 + t / 2;  // 16-byte chunk of columns 8 (nt % 4) + 2t, +1
+                        sts_f2(dq_tile + (2 * h + nt / 4) * Traits::kBoxBytesDQ + row * 128 + ((chunk ^ (row % 8)) * 16) +
+                                   (t % 2) * 8,
+                               acc_dq[nt][2 * r], acc_dq[nt][2 * r + 1]);
+                    }
+            }
+            fence_proxy_async();
+            named_barrier_sync(2 + wg, 128);  // the dQ tile complete
+            if (tid == 0) {
+#pragma unroll
+                for (int bx = 0; bx < kHeadDim / 32; ++bx) {
+                    tma_reduce_add_4d(&params.tma_dq, sm.dq + wg * Traits::kTileBytesDQ + bx * Traits::kBoxBytesDQ,
+                                      bx * 32, m0, step.x, b.batch);
+                }
+                bulk_commit();
             }
         }
+        if (tid == 0) bulk_wait_read<0>();  // the last dQ tile read before the block's shared memory goes away
     }
 
     // Epilogue. Split: float32 partials by atomics. Otherwise dK (times the softmax scale) and dV straight from the

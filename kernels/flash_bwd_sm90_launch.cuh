@@ -12,7 +12,7 @@ namespace llm_attn {
 namespace sm90 {
 
 // 128 keys x 64 query rows a step, two stages of Q/dO: head_dim 128 K 32 KB + V 32 KB + 2 x (Q 16 + dO 16) + dS^T
-// 16 KB (+ lse/dsum, barriers, alignment) = 146 KB; head_dim 64 82 KB.
+// 16 KB + dQ 64 KB (+ lse/dsum, barriers, alignment) = 210 KB; head_dim 64 114 KB.
 template <int kHeadDim>
 using BwdConfig = Sm90BwdTraits<kHeadDim, 2>;
 
@@ -29,7 +29,10 @@ cudaError_t launch_bwd_dkdv(const FlashBwdParams& p, cudaStream_t stream) {
         make_tensor_map<T>(&sp.tma_k, p.k, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.k_batch_stride,
                            p.k_head_stride, p.k_row_stride, Traits::kBlockN) &&
         make_tensor_map<T>(&sp.tma_v, p.v, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.v_batch_stride,
-                           p.v_head_stride, p.v_row_stride, Traits::kBlockN);
+                           p.v_head_stride, p.v_row_stride, Traits::kBlockN) &&
+        make_tensor_map<float>(&sp.tma_dq, p.dq_accum, kHeadDim, p.seqlen_q, p.num_heads, p.batch,
+                               static_cast<int64_t>(p.num_heads) * p.seqlen_q * kHeadDim,
+                               static_cast<int64_t>(p.seqlen_q) * kHeadDim, kHeadDim, Traits::kBlockM);
     if (!ok) return cudaErrorInvalidValue;
     cudaError_t err = opt_in_dynamic_smem<flash_bwd_sm90_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
     if (err != cudaSuccess) return err;

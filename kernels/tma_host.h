@@ -44,8 +44,13 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return fn;
 }
 
+// The tensor-map element type of T: 0 bf16, 1 fp16, 2 fp32 (the backward's float32 dQ accumulator).
+template <typename T>
+constexpr int kTmaElem = std::is_same<T, half>::value ? 1 : std::is_same<T, float>::value ? 2 : 0;
+
 // A 4-D (head_dim, seq, heads, batch) map of a (batch, heads, seq, head_dim) tensor with element strides in
-// `strides` (batch, head, row), read in boxes of 64 columns x box_rows rows with the 128-byte swizzle.
+// `strides` (batch, head, row), in boxes of one 128-byte swizzle row of columns (64 bf16/fp16, 32 fp32) x box_rows
+// rows with the 128-byte swizzle.
 template <typename T>
 bool encode_tensor_map(TmaDesc* desc, const void* ptr, int head_dim, int seqlen, int heads, int batch,
                        int64_t batch_stride, int64_t head_stride, int64_t row_stride, int box_rows) {
@@ -55,15 +60,16 @@ bool encode_tensor_map(TmaDesc* desc, const void* ptr, int head_dim, int seqlen,
                                 static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
     // Strides in bytes of dims 1..3. A dim of size 1 is never stepped over, so any valid stride does for it (the
     // binding accepts any stride there).
-    auto bytes = [](int64_t stride, int size) { return static_cast<cuuint64_t>(size == 1 ? 16 : stride * 2); };
+    auto bytes = [](int64_t stride, int size) { return static_cast<cuuint64_t>(size == 1 ? 16 : stride * sizeof(T)); };
     const cuuint64_t strides[3] = {bytes(row_stride, seqlen), bytes(head_stride, heads), bytes(batch_stride, batch)};
-    const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+    const cuuint32_t box[4] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows), 1, 1};
     const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-    const CUtensorMapDataType dtype =
-        std::is_same<T, half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    const CUresult r = encode(reinterpret_cast<CUtensorMap*>(desc), dtype, 4, const_cast<void*>(ptr), dims, strides,
-                              box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    constexpr CUtensorMapDataType kTypes[3] = {CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                               CU_TENSOR_MAP_DATA_TYPE_FLOAT32};
+    const CUresult r = encode(reinterpret_cast<CUtensorMap*>(desc), kTypes[kTmaElem<T>], 4, const_cast<void*>(ptr),
+                              dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS;
 }
 
@@ -73,11 +79,11 @@ bool encode_tensor_map(TmaDesc* desc, const void* ptr, int head_dim, int seqlen,
 struct TmaKey {
     const void* ptr;
     int64_t batch_stride, head_stride, row_stride;
-    int head_dim, seqlen, heads, batch, box_rows, is_half;
+    int head_dim, seqlen, heads, batch, box_rows, elem;
     bool operator==(const TmaKey& o) const {
         return ptr == o.ptr && batch_stride == o.batch_stride && head_stride == o.head_stride &&
                row_stride == o.row_stride && head_dim == o.head_dim && seqlen == o.seqlen && heads == o.heads &&
-               batch == o.batch && box_rows == o.box_rows && is_half == o.is_half;
+               batch == o.batch && box_rows == o.box_rows && elem == o.elem;
     }
 };
 
@@ -94,8 +100,7 @@ bool make_tensor_map(TmaDesc* desc, const void* ptr, int head_dim, int seqlen, i
     constexpr int kSlots = 512;
     static Slot cache[kSlots] = {};
     static std::mutex lock;
-    const TmaKey key{ptr, batch_stride, head_stride, row_stride, head_dim, seqlen, heads, batch, box_rows,
-                     std::is_same<T, half>::value ? 1 : 0};
+    const TmaKey key{ptr, batch_stride, head_stride, row_stride, head_dim, seqlen, heads, batch, box_rows, kTmaElem<T>};
     uint64_t h = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)) >> 8;
     for (const int64_t x : {batch_stride, head_stride, row_stride, static_cast<int64_t>(seqlen),
                             static_cast<int64_t>(heads) << 32 | static_cast<int64_t>(batch) << 12 | box_rows})
