@@ -15,13 +15,11 @@
 //     dV  += P^T dO      wgmma m64n{head_dim}k16, P^T from registers (A), dO MN-major from shared memory
 //     dS^T = P^T (dP^T - dsum)
 //     dK  += dS^T Q      the same with Q
-//     dQ  += dS K        dS^T stored to this warpgroup's shared-memory tile and read back as a transposed A operand,
-//                        K MN-major; 64-column wgmmas. The float32 result goes to this warpgroup's dQ tile in
-//                        shared memory, and one thread has the copy engine add it into the float32 dQ buffer
-//                        (TMA reduce-add: whole 128-byte rows at L2, instead of 16-byte atomics from every thread,
-//                        which kept L2 87 % busy). Each warpgroup adds the share of its own 64 keys: no exchange
-//                        between warpgroups, no block barrier.
-// The two consumers work on the same step at their own pace and meet only at the slot barriers.
+//     dQ  += dS K        both warpgroups' dS^T stored to shared memory (one block barrier), read back as a transposed A
+//                        operand over the block's 128 keys, K MN-major; 64-column wgmmas, by one warpgroup per step
+//                        (they take turns). The float32 result goes to that warpgroup's dQ tile in shared memory,
+//                        and one thread has the copy engine add it into the float32 dQ buffer (TMA reduce-add: whole
+//                        128-byte rows at L2, instead of 16-byte atomics from every thread, which kept L2 87 % busy).
 //
 // Keys in [seqused_k, seqlen_k) are real memory that may hold anything: their K and V rows are zeroed in shared
 // memory after the load (dS K and V dO^T would turn NaN into NaN even with P = 0), and their scores are masked.
@@ -51,15 +49,14 @@ struct Sm90BwdTraits {
     static constexpr int kSlabBytesKV = kBlockN * 128;
     static constexpr int kTileBytesQ = kSlabs * kSlabBytesQ;    // Q or dO of one step
     static constexpr int kTileBytesKV = kSlabs * kSlabBytesKV;  // K or V of the block
-    static constexpr int kTileBytesDS = 64 * kBlockM * 2;       // one consumer's dS^T: 64 keys x 64 queries
+    static constexpr int kTileBytesDS = kBlockN * kBlockM * 2;  // a step's dS^T: 128 keys x 64 queries
     static constexpr int kBoxBytesDQ = kBlockM * 128;           // a float32 dQ box: 64 rows x 32 columns
     static constexpr int kTileBytesDQ = kBlockM * kHeadDim * 4;  // one consumer's float32 dQ: kHeadDim / 32 boxes
     static constexpr int kNumBarriers = 1 + 2 * kStages;
-    // K, V; kStages x (Q, dO); per consumer a dS^T tile and a dQ tile; kStages x (lse, dsum); barriers; 1 KB to
-    // align to the swizzle atom.
-    static constexpr int kSmemBytes = 2 * kTileBytesKV + 2 * kStages * kTileBytesQ +
-                                      kConsumers * (kTileBytesDS + kTileBytesDQ) + kStages * 2 * kBlockM * 4 +
-                                      kNumBarriers * 8 + 1024;
+    // K, V; kStages x (Q, dO); two dS^T buffers; per consumer a dQ tile; kStages x (lse, dsum); barriers; 1 KB
+    // to align to the swizzle atom.
+    static constexpr int kSmemBytes = 2 * kTileBytesKV + 2 * kStages * kTileBytesQ + 2 * kTileBytesDS +
+                                      kConsumers * kTileBytesDQ + kStages * 2 * kBlockM * 4 + kNumBarriers * 8 + 1024;
     // Registers after setmaxnreg: 128 x 40 + 256 x 232 = the 384 x 168 the block launches with (setmaxnreg.inc
     // draws on what .dec released). A consumer holds dK and dV (head_dim / 2 floats each), S^T and dP^T (32 each);
     // at 240 the producer's two loops would have 24 and spill, at 232 head_dim 128 fits without spills (ptxas).
@@ -83,7 +80,7 @@ struct Sm90BwdSmem {
     uint8_t* v;
     uint8_t* q;   // [kStages][kTileBytesQ]
     uint8_t* dO;  // [kStages][kTileBytesQ]
-    uint8_t* ds;  // [kConsumers][kTileBytesDS]
+    uint8_t* ds;  // [2][kTileBytesDS]
     uint8_t* dq;  // [kConsumers][kTileBytesDQ]
     float* lse;   // [kStages][kBlockM]
     float* dsum;  // [kStages][kBlockM]
@@ -98,7 +95,7 @@ struct Sm90BwdSmem {
         q = v + Traits::kTileBytesKV;
         dO = q + Traits::kStages * Traits::kTileBytesQ;
         ds = dO + Traits::kStages * Traits::kTileBytesQ;
-        dq = ds + Traits::kConsumers * Traits::kTileBytesDS;
+        dq = ds + 2 * Traits::kTileBytesDS;
         lse = reinterpret_cast<float*>(dq + Traits::kConsumers * Traits::kTileBytesDQ);
         dsum = lse + Traits::kStages * Traits::kBlockM;
         bar_kv = reinterpret_cast<uint64_t*>(dsum + Traits::kStages * Traits::kBlockM);
@@ -202,9 +199,9 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
         const SmemDesc b_do = SmemDesc::make(sm.dO, 16, 1024);
         const SmemDesc bt_q = SmemDesc::make(sm.q, Traits::kSlabBytesQ, 1024);
         const SmemDesc bt_do = SmemDesc::make(sm.dO, Traits::kSlabBytesQ, 1024);
-        const SmemDesc bt_k = SmemDesc::make(sm.k + wg * 64 * 128, Traits::kSlabBytesKV, 1024);
-        const SmemDesc at_ds = SmemDesc::make(sm.ds + wg * Traits::kTileBytesDS, Traits::kTileBytesDS, 1024);
-        const uint32_t ds_tile = smem_u32(sm.ds + wg * Traits::kTileBytesDS);
+        const SmemDesc bt_k = SmemDesc::make(sm.k, Traits::kSlabBytesKV, 1024);
+        const SmemDesc at_ds = SmemDesc::make(sm.ds, Traits::kTileBytesDS, 1024);
+        const uint32_t ds_base = smem_u32(sm.ds);
         const uint32_t dq_tile = smem_u32(sm.dq + wg * Traits::kTileBytesDQ);
         auto k_step = [](int kk, int slab_bytes) { return static_cast<uint32_t>((kk / 4) * slab_bytes + (kk % 4) * 32); };
         const int key_row = key0 + warp * 16 + g;  // this thread's keys: key_row and key_row + 8
@@ -274,9 +271,11 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             }
             wgmma_commit();
 
-            // dS^T into this warpgroup's tile ([64 keys][64 queries], 128-byte swizzle): n-tile nt of rows g, g + 8
-            // is k-step nt / 2's A fragment registers (nt % 2) * 2 + r. The previous step's dQ wgmma, the only
-            // reader, completed before that step's dQ tile was written.
+            // dS^T into this warpgroup's half of this step's dS^T buffer (two buffers, by step parity; each
+            // [128 keys][64 queries], 128-byte swizzle, this warpgroup's 64 keys from row 64 wg): n-tile nt of rows
+            // g, g + 8 is k-step nt / 2's A fragment registers (nt % 2) * 2 + r. The buffer's last reader, the dQ
+            // wgmma two steps back, finished before its warpgroup reached the previous step's block barrier.
+            const uint32_t ds_tile = ds_base + (i & 1) * Traits::kTileBytesDS + wg * 64 * 128;
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -285,23 +284,35 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
                     sts_u32(ds_tile + row * 128 + ((nt ^ (row % 8)) * 16) + t * 4, dsa[nt / 2][0][(nt % 2) * 2 + r]);
                 }
             fence_proxy_async();
-            // The previous step's dQ tile has been read by its reduce-add (so it may be rewritten below, after the
-            // barrier), and the whole dS^T tile is written before the warpgroup's wgmma reads it.
+            // This warpgroup's previous dQ tile has been read by its reduce-add (it may be rewritten below), and
+            // both warpgroups' dS^T are written before the dQ wgmma reads them.
             if (tid == 0) bulk_wait_read<0>();
-            named_barrier_sync(2 + wg, 128);
+            named_barrier_sync(1, 256);
 
-            // dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] = dS K over this warpgroup's 64 keys (4 k-steps of 16 keys), one
-            // 64-column slab at a time (head_dim 128 has no registers for both), into the dQ tile: float32 boxes of
-            // 64 rows x 32 columns in the 128-byte swizzle (TMA's layout; a warp's float2 stores take the minimum
-            // two wavefronts).
+            // dQ of the step, by one warpgroup, the two taking turns by step parity (the other runs ahead into the
+            // next step's S^T and dP^T): dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] = dS K over the block's 128 keys
+            // (8 k-steps of 16), one 64-column slab at a time (head_dim 128 has no registers for both), into this
+            // warpgroup's dQ tile: float32 boxes of 64 rows x 32 columns in the 128-byte swizzle (TMA's layout; a
+            // warp's float2 stores take the minimum two wavefronts). One thread then has the copy engine add the
+            // tile into the float32 dQ buffer. (Each warpgroup adding the share of its own 64 keys every step
+            // moved twice the bytes through L2, which ncu showed 87 % busy.)
+            if ((i & 1) != wg) {
+                wgmma_wait<0>();  // dV, dK and the reads of Q, dO are done: this warp releases the slot
+                fence_regs(dk_flat);
+                fence_regs(dv_flat);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&sm.empty[stage]);
+                continue;
+            }
+            const SmemDesc a_ds = at_ds + (i & 1) * Traits::kTileBytesDS;
 #pragma unroll
             for (int h = 0; h < Traits::kSlabs; ++h) {
                 float acc_dq[kNT][4];
                 float(&dq_flat)[32] = *reinterpret_cast<float(*)[32]>(&acc_dq[0][0]);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk) {
-                    Wgmma<T, 64>::template ss<1, 1>(dq_flat, (at_ds + kk * 16 * 128).u64(),
+                for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+                    Wgmma<T, 64>::template ss<1, 1>(dq_flat, (a_ds + kk * 16 * 128).u64(),
                                                     (bt_k + h * Traits::kSlabBytesKV + kk * 16 * 128).u64(), kk > 0);
                 }
                 wgmma_commit();
