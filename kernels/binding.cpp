@@ -309,8 +309,12 @@ int64_t set_tile(int64_t tile) {
 
 
 // ---- Backward ------------------------------------------------------------------------------------------------------
-// Key-block split override for the backward (llm_attn.backward.force_bwd_splits): 0 = automatic.
-int g_bwd_splits = 0;
+// Key-block split override for the backward (llm_attn.backward.force_bwd_splits): 0 = automatic. Starts from
+// LLM_ATTN_BWD_SPLITS (a count; kernel A/B runs of one build: experiments/kernel_ab.py variants), else 0.
+int g_bwd_splits = [] {
+    const char* v = std::getenv("LLM_ATTN_BWD_SPLITS");
+    return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : 0;
+}();
 
 int64_t set_bwd_splits(int64_t splits) {
     if (splits < 0) return -1;
@@ -320,7 +324,7 @@ int64_t set_bwd_splits(int64_t splits) {
 }
 
 // The backward's dK/dV kernel forced (llm_attn.backward.force_bwd_tile): a BwdTileId (flash.h). Starts from
-// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper (kernel A/B runs of one build: experiments/kernel_ab.py variants),
+// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper|hopper_own_dq|hopper_shared_dq (kernel A/B runs of one build: experiments/kernel_ab.py variants),
 // else kBwdAuto; hopper off a compute capability 9.0 GPU then fails the backward with the binding's clear error.
 int bwd_tile_from_env() {
     const char* v = std::getenv("LLM_ATTN_BWD_TILE");
@@ -328,14 +332,17 @@ int bwd_tile_from_env() {
     if (std::strcmp(v, "portable") == 0) return llm_attn::kBwdPortable;
     if (std::strcmp(v, "narrow") == 0) return llm_attn::kBwdNarrow;
     if (std::strcmp(v, "hopper") == 0) return llm_attn::kBwdHopper;
-    TORCH_WARN("llm_attn: LLM_ATTN_BWD_TILE=", v, " is not auto, portable, narrow or hopper; ignored");
+    if (std::strcmp(v, "hopper_own_dq") == 0) return llm_attn::kBwdHopperOwnDq;
+    if (std::strcmp(v, "hopper_shared_dq") == 0) return llm_attn::kBwdHopperSharedDq;
+    TORCH_WARN("llm_attn: LLM_ATTN_BWD_TILE=", v, " is not auto, portable, narrow, hopper, hopper_own_dq or "
+               "hopper_shared_dq; ignored");
     return llm_attn::kBwdAuto;
 }
 int g_bwd_tile = bwd_tile_from_env();
 
 // Returns the previous id; an unknown id changes nothing and returns -1 (force_bwd_tile validates names first).
 int64_t set_bwd_tile(int64_t tile) {
-    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdHopper) return -1;
+    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdHopperSharedDq) return -1;
     const int prev = g_bwd_tile;
     g_bwd_tile = static_cast<int>(tile);
     return prev;
@@ -432,7 +439,7 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
     p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
     p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
-    CHECK_BWD(g_bwd_tile != llm_attn::kBwdHopper || llm_attn::flash_fwd_sm90_available(),
+    CHECK_BWD(g_bwd_tile < llm_attn::kBwdHopper || llm_attn::flash_fwd_sm90_available(),
               "the Hopper backward was forced (force_bwd_tile('hopper')) but needs a compute capability 9.0 GPU and a "
               "build with sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
     llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits,

@@ -24,7 +24,7 @@ static BwdTileDims bwd_tile(int head_dim, bool narrow) {
 
 void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int force_tile) {
     const BwdTileDims wide = bwd_tile(p.head_dim, false);
-    p.hopper = force_tile == kBwdHopper || (force_tile == kBwdAuto && flash_fwd_sm90_available());
+    p.hopper = force_tile >= kBwdHopper || (force_tile == kBwdAuto && flash_fwd_sm90_available());
     p.narrow = !p.hopper && (force_tile == kBwdNarrow ||
                              max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n));
     // The Hopper kernel (flash_bwd_sm90_kernel.cuh): 128 keys, 64 query rows a step, one block of 8 consumer warps
@@ -66,6 +66,11 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
     splits = std::max(1L, std::min({splits, max_iters, 65535L / p.batch}));
     p.iters_per_split = static_cast<int>((max_iters + splits - 1) / splits);
     p.num_splits = static_cast<int>((max_iters + p.iters_per_split - 1) / p.iters_per_split);
+    // The Hopper kernel's dQ over the block's 128 keys by one warpgroup a step, where L2 is what limits: more than
+    // one wave of blocks of at least 32 steps. H200, hd128 32/8 heads, against each warpgroup adding its own keys'
+    // share: 1.04-1.15x at S 4096-16384, 0.72-0.83x at S 1024-2048 (one wave, or split blocks of 8-16 steps).
+    p.dq_shared = force_tile == kBwdHopperSharedDq ||
+                  (force_tile != kBwdHopperOwnDq && p.iters_per_split >= 32 && blocks * p.num_splits > num_sms);
 }
 
 template <typename T, int D>

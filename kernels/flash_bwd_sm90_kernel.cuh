@@ -15,11 +15,12 @@
 //     dV  += P^T dO      wgmma m64n{head_dim}k16, P^T from registers (A), dO MN-major from shared memory
 //     dS^T = P^T (dP^T - dsum)
 //     dK  += dS^T Q      the same with Q
-//     dQ  += dS K        both warpgroups' dS^T stored to shared memory (one block barrier), read back as a transposed A
-//                        operand over the block's 128 keys, K MN-major; 64-column wgmmas, by one warpgroup per step
-//                        (they take turns). The float32 result goes to that warpgroup's dQ tile in shared memory,
-//                        and one thread has the copy engine add it into the float32 dQ buffer (TMA reduce-add: whole
-//                        128-byte rows at L2, instead of 16-byte atomics from every thread, which kept L2 87 % busy).
+//     dQ  += dS K        dS^T stored to shared memory, read back as a transposed A operand, K MN-major; 64-column
+//                        wgmmas: over the block's 128 keys by one warpgroup per step, the two taking turns (one
+//                        block barrier a step), or each warpgroup over its own 64 keys (FlashBwdParams::dq_shared).
+//                        The float32 result goes to the warpgroup's dQ tile in shared memory, and one thread has the
+//                        copy engine add it into the float32 dQ buffer (TMA reduce-add: whole 128-byte rows at L2,
+//                        instead of 16-byte atomics from every thread, which kept L2 87 % busy).
 //
 // Keys in [seqused_k, seqlen_k) are real memory that may hold anything: their K and V rows are zeroed in shared
 // memory after the load (dS K and V dO^T would turn NaN into NaN even with P = 0), and their scores are masked.
@@ -202,6 +203,7 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
         const SmemDesc bt_k = SmemDesc::make(sm.k, Traits::kSlabBytesKV, 1024);
         const SmemDesc at_ds = SmemDesc::make(sm.ds, Traits::kTileBytesDS, 1024);
         const uint32_t ds_base = smem_u32(sm.ds);
+        const bool dq_shared = p.dq_shared;
         const uint32_t dq_tile = smem_u32(sm.dq + wg * Traits::kTileBytesDQ);
         auto k_step = [](int kk, int slab_bytes) { return static_cast<uint32_t>((kk / 4) * slab_bytes + (kk % 4) * 32); };
         const int key_row = key0 + warp * 16 + g;  // this thread's keys: key_row and key_row + 8
@@ -285,18 +287,26 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
                 }
             fence_proxy_async();
             // This warpgroup's previous dQ tile has been read by its reduce-add (it may be rewritten below), and
-            // both warpgroups' dS^T are written before the dQ wgmma reads them.
+            // the dS^T that the dQ wgmma reads is written: both warpgroups' (shared dQ: one block barrier), or this
+            // warpgroup's own (each its own dQ: its own barrier).
             if (tid == 0) bulk_wait_read<0>();
-            named_barrier_sync(1, 256);
+            if (dq_shared) {
+                named_barrier_sync(1, 256);
+            } else {
+                named_barrier_sync(2 + wg, 128);
+            }
 
-            // dQ of the step, by one warpgroup, the two taking turns by step parity (the other runs ahead into the
-            // next step's S^T and dP^T): dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] = dS K over the block's 128 keys
-            // (8 k-steps of 16), one 64-column slab at a time (head_dim 128 has no registers for both), into this
-            // warpgroup's dQ tile: float32 boxes of 64 rows x 32 columns in the 128-byte swizzle (TMA's layout; a
-            // warp's float2 stores take the minimum two wavefronts). One thread then has the copy engine add the
-            // tile into the float32 dQ buffer. (Each warpgroup adding the share of its own 64 keys every step
-            // moved twice the bytes through L2, which ncu showed 87 % busy.)
-            if ((i & 1) != wg) {
+            // dQ of the step: dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] = dS K, one 64-column slab at a time (head_dim 128
+            // has no registers for both), into this warpgroup's dQ tile (float32 boxes of 64 rows x 32 columns in
+            // the 128-byte swizzle: TMA's layout; a warp's float2 stores take the minimum two wavefronts); one
+            // thread then has the copy engine add the tile into the float32 dQ buffer. Two ways (dq_shared, chosen
+            // per launch by flash_bwd_set_splits):
+            //   shared: over the block's 128 keys (8 k-steps of 16) by one warpgroup, the two taking turns by step
+            //     parity (the other runs ahead into the next step's S^T and dP^T). Half the bytes through L2 of
+            //     each warpgroup adding the share of its own keys, which left L2 87 % busy at long S.
+            //   own: each warpgroup over its own 64 keys every step (4 k-steps), no block barrier: blocks of few
+            //     steps and grids of at most one wave, where L2 is not the limit and the lock-step costs.
+            if (dq_shared && (i & 1) != wg) {
                 wgmma_wait<0>();  // dV, dK and the reads of Q, dO are done: this warp releases the slot
                 fence_regs(dk_flat);
                 fence_regs(dv_flat);
@@ -309,11 +319,20 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             for (int h = 0; h < Traits::kSlabs; ++h) {
                 float acc_dq[kNT][4];
                 float(&dq_flat)[32] = *reinterpret_cast<float(*)[32]>(&acc_dq[0][0]);
+                const SmemDesc b_k = bt_k + h * Traits::kSlabBytesKV;
                 wgmma_fence();
+                if (dq_shared) {
 #pragma unroll
-                for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-                    Wgmma<T, 64>::template ss<1, 1>(dq_flat, (a_ds + kk * 16 * 128).u64(),
-                                                    (bt_k + h * Traits::kSlabBytesKV + kk * 16 * 128).u64(), kk > 0);
+                    for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+                        Wgmma<T, 64>::template ss<1, 1>(dq_flat, (a_ds + kk * 16 * 128).u64(),
+                                                        (b_k + kk * 16 * 128).u64(), kk > 0);
+                    }
+                } else {
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+                        Wgmma<T, 64>::template ss<1, 1>(dq_flat, (a_ds + (wg * 4 + kk) * 16 * 128).u64(),
+                                                        (b_k + (wg * 4 + kk) * 16 * 128).u64(), kk > 0);
+                    }
                 }
                 wgmma_commit();
                 wgmma_wait<0>();

@@ -109,7 +109,7 @@ def force_bwd_splits(splits: int):
 
 
 # force_bwd_tile's names, by their BwdTileId (kernels/flash.h).
-BWD_TILES = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3}
+BWD_TILES = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_dq": 4, "hopper_shared_dq": 5}
 
 
 @contextlib.contextmanager
@@ -120,12 +120,14 @@ def force_bwd_tile(tile: str):
       portable one with the tile the device's shared memory allows;
     - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU;
     - 'narrow' the portable kernel's narrow tile (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on any device;
-    - 'hopper' the Hopper kernel (compute capability 9.0 and an extension built for it only: ValueError elsewhere).
+    - 'hopper' the Hopper kernel (compute capability 9.0 and an extension built for it only: ValueError elsewhere),
+      'hopper_own_dq' / 'hopper_shared_dq' with its dQ way forced (each warpgroup over its own keys, or one
+      warpgroup a step over the block's; 'hopper' chooses by the shapes).
     """
     if tile not in BWD_TILES:
         raise ValueError(f"tile must be one of {', '.join(map(repr, BWD_TILES))}, got {tile!r}")
     ext = get_ext()
-    if tile == "hopper" and not ext.sm90_available():
+    if tile.startswith("hopper") and not ext.sm90_available():
         raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and an extension built for it "
                          "(LLM_ATTN_CUDA_ARCHS containing 9.0)")
     prev = ext.set_bwd_tile(BWD_TILES[tile])

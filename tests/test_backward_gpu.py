@@ -84,14 +84,15 @@ def _qkv(b, hq, hkv, sq, sk, d, dt, seed):
 
 
 # The dK/dV kernels every grid runs on: the portable one (what every GPU but compute capability 9.0 runs) and the
-# Hopper one (what 9.0 runs; skipped elsewhere), each forced (llm_attn.backward.force_bwd_tile).
-KERNELS = ["portable", "hopper"]
+# Hopper one (what 9.0 runs; skipped elsewhere) with each of its two dQ ways, each forced
+# (llm_attn.backward.force_bwd_tile).
+KERNELS = ["portable", "hopper_own_dq", "hopper_shared_dq"]
 
 
 def forced_kernel(cuda_ext, kernel):
     from llm_attn.backward import force_bwd_tile
 
-    if kernel == "hopper" and not cuda_ext.sm90_available():
+    if kernel.startswith("hopper") and not cuda_ext.sm90_available():
         pytest.skip("the Hopper backward needs a compute capability 9.0 GPU and an sm_90a build")
     return force_bwd_tile(kernel)
 
@@ -140,7 +141,7 @@ def test_backward_narrow_tile(cuda_ext, dtype, causal, heads, splits, sq, sk):
 def test_force_bwd_tile_rejects_unknown_names():
     from llm_attn.backward import force_bwd_tile
 
-    with pytest.raises(ValueError, match="'auto', 'portable', 'narrow', 'hopper'"):
+    with pytest.raises(ValueError, match="'auto', 'portable', 'narrow', 'hopper', 'hopper_own_dq', 'hopper_shared_dq'"):
         with force_bwd_tile("wide"):
             pass
 
