@@ -324,7 +324,7 @@ int64_t set_bwd_splits(int64_t splits) {
 }
 
 // The backward's dK/dV kernel forced (llm_attn.backward.force_bwd_tile): a BwdTileId (flash.h). Starts from
-// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper|hopper_own_dq|hopper_shared_dq (kernel A/B runs of one build: experiments/kernel_ab.py variants),
+// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper|hopper_own_dq|hopper_shared_dq|portable_separate_dq (kernel A/B runs of one build: experiments/kernel_ab.py variants),
 // else kBwdAuto; hopper off a compute capability 9.0 GPU then fails the backward with the binding's clear error.
 int bwd_tile_from_env() {
     const char* v = std::getenv("LLM_ATTN_BWD_TILE");
@@ -334,15 +334,16 @@ int bwd_tile_from_env() {
     if (std::strcmp(v, "hopper") == 0) return llm_attn::kBwdHopper;
     if (std::strcmp(v, "hopper_own_dq") == 0) return llm_attn::kBwdHopperOwnDq;
     if (std::strcmp(v, "hopper_shared_dq") == 0) return llm_attn::kBwdHopperSharedDq;
-    TORCH_WARN("llm_attn: LLM_ATTN_BWD_TILE=", v, " is not auto, portable, narrow, hopper, hopper_own_dq or "
-               "hopper_shared_dq; ignored");
+    if (std::strcmp(v, "portable_separate_dq") == 0) return llm_attn::kBwdPortableSeparateDq;
+    TORCH_WARN("llm_attn: LLM_ATTN_BWD_TILE=", v, " is not auto, portable, narrow, hopper, hopper_own_dq, "
+               "hopper_shared_dq or portable_separate_dq; ignored");
     return llm_attn::kBwdAuto;
 }
 int g_bwd_tile = bwd_tile_from_env();
 
 // Returns the previous id; an unknown id changes nothing and returns -1 (force_bwd_tile validates names first).
 int64_t set_bwd_tile(int64_t tile) {
-    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdHopperSharedDq) return -1;
+    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortableSeparateDq) return -1;
     const int prev = g_bwd_tile;
     g_bwd_tile = static_cast<int>(tile);
     return prev;
@@ -424,7 +425,7 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
 
     const c10::cuda::CUDAGuard guard(q.device());
     auto f32 = q.options().dtype(at::kFloat);
-    at::Tensor dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32);
+    at::Tensor dq_accum;  // after the split: the separate dQ kernel needs none
     at::Tensor dsum = at::empty({batch, num_heads, seqlen_q}, f32);
     at::Tensor lse_log2 = at::empty({batch, num_heads, seqlen_q}, f32);
 
@@ -432,18 +433,22 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     set_shared_params(p, q, k, v, out, lse, seqused_k, scale, causal);
     p.dout = dout.data_ptr(), p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
-    p.dq_accum = dq_accum.data_ptr<float>();
     p.dsum = dsum.data_ptr<float>();
     p.lse_log2 = lse_log2.data_ptr<float>();
     p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
     p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
     p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
     p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
-    CHECK_BWD(g_bwd_tile < llm_attn::kBwdHopper || llm_attn::flash_fwd_sm90_available(),
+    CHECK_BWD(g_bwd_tile < llm_attn::kBwdHopper || g_bwd_tile > llm_attn::kBwdHopperSharedDq ||
+                  llm_attn::flash_fwd_sm90_available(),
               "the Hopper backward was forced (force_bwd_tile('hopper')) but needs a compute capability 9.0 GPU and a "
               "build with sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
     llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits,
                                    g_bwd_tile);
+    if (!p.dq_separate) {
+        dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32);
+        p.dq_accum = dq_accum.data_ptr<float>();
+    }
     at::Tensor dk_accum, dv_accum;
     if (p.num_splits > 1) {
         dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);

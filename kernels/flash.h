@@ -128,6 +128,9 @@ struct FlashBwdParams {
     // The Hopper kernel's dQ (flash_bwd_sm90_kernel.cuh): over the block's 128 keys by one warpgroup a step (true),
     // or by each warpgroup over its own 64 keys (set by flash_bwd_set_splits).
     bool dq_shared;
+    // The portable kernels' dQ: by a separate kernel without atomics (flash_bwd_dq_kernel, writes dq; dq_accum
+    // unused), or by the dK/dV kernel's float32 atomics (set by flash_bwd_set_splits).
+    bool dq_separate;
     float* __restrict__ dk_accum;
     float* __restrict__ dv_accum;
 };
@@ -141,14 +144,16 @@ constexpr int bwd_smem_bytes(int head_dim, int block_m, int block_n) {
 // Which dK/dV kernel a backward runs (llm_attn.backward.force_bwd_tile; tests, benchmarks): kBwdAuto chooses by the
 // device; kBwdPortable the portable kernel with the device's tile; kBwdNarrow its narrow tile on any device;
 // kBwdHopper the sm_90a kernel (compute capability 9.0 only: the binding refuses it elsewhere), with its dQ way
-// chosen by the shapes, or forced: kBwdHopperOwnDq, kBwdHopperSharedDq (FlashBwdParams::dq_shared).
+// chosen by the shapes, or forced: kBwdHopperOwnDq, kBwdHopperSharedDq (FlashBwdParams::dq_shared); the portable
+// kernel's dQ by atomics is kBwdPortable's, without them kBwdPortableSeparateDq.
 enum BwdTileId : int {
     kBwdAuto = 0,
     kBwdPortable = 1,
     kBwdNarrow = 2,
     kBwdHopper = 3,
     kBwdHopperOwnDq = 4,
-    kBwdHopperSharedDq = 5
+    kBwdHopperSharedDq = 5,
+    kBwdPortableSeparateDq = 6  // the portable kernel with the separate dQ kernel (FlashBwdParams::dq_separate)
 };
 
 // The kernel (BwdTileId) and split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets hopper,

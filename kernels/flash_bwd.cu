@@ -24,7 +24,8 @@ static BwdTileDims bwd_tile(int head_dim, bool narrow) {
 
 void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int force_tile) {
     const BwdTileDims wide = bwd_tile(p.head_dim, false);
-    p.hopper = force_tile >= kBwdHopper || (force_tile == kBwdAuto && flash_fwd_sm90_available());
+    p.hopper = (force_tile >= kBwdHopper && force_tile <= kBwdHopperSharedDq) ||
+               (force_tile == kBwdAuto && flash_fwd_sm90_available());
     p.narrow = !p.hopper && (force_tile == kBwdNarrow ||
                              max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n));
     // The Hopper kernel (flash_bwd_sm90_kernel.cuh): 128 keys, 64 query rows a step, one block of 8 consumer warps
@@ -71,6 +72,12 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
     // share: 1.04-1.15x at S 4096-16384, 0.72-0.83x at S 1024-2048 (one wave, or split blocks of 8-16 steps).
     p.dq_shared = force_tile == kBwdHopperSharedDq ||
                   (force_tile != kBwdHopperOwnDq && p.iters_per_split >= 32 && blocks * p.num_splits > num_sms);
+    // The portable kernels' dQ without atomics (flash_bwd_dq_kernel) only when forced: measured against the atomics
+    // on the H200 (portable kernels forced, bf16, 32/8 heads hd128 and 4 x 32 heads hd64), it is 0.92-0.96x at
+    // S 2048-4096 (it recomputes S and dP) and within the benchmark's run-to-run spread at S 512-1024 (medians
+    // 0.88-1.26x, rounds 0.66-2.05x): no shape where it reliably wins (kernels/NOTES.md "Backward: dQ without
+    // atomics").
+    p.dq_separate = !p.hopper && force_tile == kBwdPortableSeparateDq;
 }
 
 template <typename T, int D>

@@ -423,7 +423,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                     });
                 }
                 // dS^T to shared memory for dQ (the previous step's dQ reads finished before this step's first
-                // barrier).
+                // barrier); not when a separate kernel computes dQ.
+                if (params.dq_separate) continue;
 #pragma unroll
                 for (int i = 0; i < kSNT; ++i) {
                     const int nt = sl * kSNT + i;
@@ -434,6 +435,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                 }
             }
             __syncthreads();  // dS^T complete; every warp is done with Q, dO, lse, dsum of this step
+            if (params.dq_separate) continue;
 
             // dQ[m0 + 16 dq_mt .. +16, dq_col0 .. + kColsDQ] += dS K, 32 columns at a time; A fragments (dS) loaded
             // once.
@@ -518,6 +520,155 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_kernel(const FlashBwdParams params) {
     flash_bwd_dkdv_block<T, Traits, kCausal>(params);
+}
+
+// ---- 4. dQ without atomics (FlashBwdParams::dq_separate) -------------------------------------------------------
+// One block per (64-query block, query head, batch), 4 warps of 16 query rows, walking the key blocks its rows see
+// (64 keys a step, K and V double-buffered by cp.async). Per step it recomputes S = Q K^T and dP = dO V^T (rows =
+// queries, as the forward), P = exp2(S - lse), dS = P (dP - dsum), and adds dS K into register accumulators: dQ is
+// owned by one block, written once in the input dtype, no float32 buffer, no atomics, no conversion. The price is
+// recomputing S and dP a second time (the dK/dV kernel skips its dQ step then): 4 GEMMs here against 1 there.
+template <int kHeadDim_>
+struct BwdDqTraits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4, kThreads = 128;
+    static constexpr int kChunks = kHeadDim / 8;
+    static constexpr int kTile = 64 * kHeadDim;  // elements of one [64][kHeadDim] tile
+    // Q, dO, two stages of (K, V): 96 KB for head_dim 128 (within sm_86/89's 99 KB), 48 KB for 64.
+    static constexpr int kSmemBytes = 6 * kTile * 2;
+};
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kThreads) flash_bwd_dq_kernel(const FlashBwdParams params) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kTile = Traits::kTile;
+    constexpr int kNT = Traits::kBlockN / 8;  // n-tiles of S per warp
+    constexpr int kDT = kHeadDim / 8;         // n-tiles of dQ
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);  // then dO, then stage s: K at 2 + 2 s, V at 3 + 2 s (tiles)
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // Causal: heads in x and query blocks counting down in y (the longest blocks, the last rows, first).
+    const int m_block = kCausal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
+    const int head = kCausal ? blockIdx.x : blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (params.num_heads / params.num_kv_heads);
+    const int seqlen_q = params.seqlen_q;
+    const int kv_len = params.seqused_k ? max(0, min(params.seqused_k[batch], params.seqlen_k)) : params.seqlen_k;
+    const int causal_offset = kv_len - seqlen_q;
+    const int m0 = m_block * Traits::kBlockM;
+    int n_end = kv_len;
+    if (kCausal) n_end = min(n_end, m0 + Traits::kBlockM + causal_offset);
+    const int n_blocks = n_end > 0 ? (n_end + Traits::kBlockN - 1) / Traits::kBlockN : 0;
+
+    const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride + head * params.q_head_stride +
+                     static_cast<int64_t>(m0) * params.q_row_stride;
+    const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
+                      head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
+    const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
+    const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
+    auto load_kv = [&](int n_block, int stage) {
+        const int n0 = n_block * Traits::kBlockN;
+        load_tile_async<Traits, Traits::kBlockN>(sQ + (2 + 2 * stage) * kTile, k_ptr + static_cast<int64_t>(n0) * params.k_row_stride,
+                                                 params.k_row_stride, kv_len - n0, tid);
+        load_tile_async<Traits, Traits::kBlockN>(sQ + (3 + 2 * stage) * kTile, v_ptr + static_cast<int64_t>(n0) * params.v_row_stride,
+                                                 params.v_row_stride, kv_len - n0, tid);
+    };
+    load_tile_async<Traits, Traits::kBlockM>(sQ, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
+    load_tile_async<Traits, Traits::kBlockM>(sQ + kTile, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
+    if (n_blocks > 0) load_kv(0, 0);
+    cp_async_commit();
+
+    // This thread's rows m0 + 16 warp + g (+ 8): lse (base 2) and dsum; rows past the end are not stored.
+    const int row0 = m0 + warp * 16 + g;
+    float lse[2], dsum[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = min(row0 + 8 * r, seqlen_q - 1);
+        const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + row;
+        lse[r] = params.lse_log2[idx];
+        dsum[r] = params.dsum[idx];
+    }
+
+    // Fragment addressing (as the dK/dV kernel's, with queries as the A rows and keys as B): A = Q / dO rows of
+    // this warp; B = K / V rows (S, dP); B transposed = K rows along the reduction (dQ).
+    const uint32_t smem = smem_u32(sQ);
+    const SwzCols cols(lane);
+    const int cbit_a = ((lane / 16) ^ (lane & 1)) * 8;
+    const LdsmAddr<kHeadDim> addr_a(smem, warp * 16 + lane % 16, cols, cbit_a);
+    const LdsmAddr<kHeadDim> addr_b(smem, (lane % 8) + (lane / 16) * 8, cols, (((lane / 8) % 2) ^ (lane & 1)) * 8);
+    const LdsmAddr<kHeadDim> addr_bt(smem, (lane % 8) + ((lane / 8) % 2) * 8, cols, cbit_a);
+
+    float acc_dq[kDT][4];
+#pragma unroll
+    for (int i = 0; i < kDT; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
+
+    for (int n_block = 0; n_block < n_blocks; ++n_block) {
+        const int stage = n_block & 1;
+        const int kOffK = (2 + 2 * stage) * kTile, kOffV = kOffK + kTile;
+        // The next key block into the other stage: every warp finished reading it in the previous step (before
+        // that step's closing barrier).
+        if (n_block + 1 < n_blocks) load_kv(n_block + 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        // S = Q K^T and dP = dO V^T: this warp's 16 queries x 64 keys each.
+        float acc_s[1][kNT][4], acc_dp[1][kNT][4];
+#pragma unroll
+        for (int i = 0; i < kNT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[0][i][e] = acc_dp[0][i][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            uint32_t aq[4], ado[4];
+            ldsm_x4(aq, addr_a(kk, 0));
+            ldsm_x4(ado, addr_a(kk, kTile));
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                uint32_t b[4];
+                ldsm_x4(b, addr_b(kk, kOffK + np * 16 * kHeadDim));
+                mma_16816<T>(acc_s[0][2 * np], aq, b[0], b[1]);
+                mma_16816<T>(acc_s[0][2 * np + 1], aq, b[2], b[3]);
+                ldsm_x4(b, addr_b(kk, kOffV + np * 16 * kHeadDim));
+                mma_16816<T>(acc_dp[0][2 * np], ado, b[0], b[1]);
+                mma_16816<T>(acc_dp[0][2 * np + 1], ado, b[2], b[3]);
+            }
+        }
+        const int n0 = n_block * Traits::kBlockN;
+        if (n0 + Traits::kBlockN > kv_len || (kCausal && n0 + Traits::kBlockN - 1 > m0 + warp * 16 + causal_offset)) {
+            mask_scores<kCausal>(acc_s, n0, m0 + warp * 16, kv_len, causal_offset, lane);
+        }
+        // dS = P (dP - dsum), P = exp2(S scale log2e - lse), in acc_dp.
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                acc_dp[0][nt][e] = exp2f(fmaf(acc_s[0][nt][e], params.scale_log2, -lse[r])) * (acc_dp[0][nt][e] - dsum[r]);
+            }
+        // dQ += dS K (K rows along the reduction: ldmatrix.trans).
+#pragma unroll
+        for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+            mma_c_as_a<T>(*reinterpret_cast<float(*)[1][kDT][4]>(&acc_dq[0][0]), acc_dp, kk, [&](uint32_t (&b)[4], int dp) {
+                ldsm_x4_t(b, addr_bt(dp, kOffK + kk * 16 * kHeadDim));
+            });
+        }
+        __syncthreads();  // every warp is done with this stage's K and V
+    }
+
+    // dq = scale * dQ in the input dtype; rows past the end are not stored (rows that saw no key store 0).
+    T* dq = reinterpret_cast<T*>(params.dq) + batch * params.dq_batch_stride + head * params.dq_head_stride + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row >= seqlen_q) continue;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            *reinterpret_cast<uint32_t*>(dq + static_cast<int64_t>(row) * params.dq_row_stride + dt * 8) =
+                pack2<T>(acc_dq[dt][2 * r] * params.scale, acc_dq[dt][2 * r + 1] * params.scale);
+        }
+    }
 }
 
 }  // namespace llm_attn

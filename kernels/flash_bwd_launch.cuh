@@ -54,8 +54,10 @@ cudaError_t run_flash_bwd_common(FlashBwdParams& params, cudaStream_t stream, La
     if (err != cudaSuccess) return err;
 
     constexpr int kConvThreads = 256;
-    const int64_t conv_blocks = (rows * kChunks + kConvThreads - 1) / kConvThreads;
-    flash_bwd_convert_dq_kernel<T, kHeadDim><<<static_cast<unsigned>(conv_blocks), kConvThreads, 0, stream>>>(params);
+    if (!params.dq_separate) {
+        const int64_t conv_blocks = (rows * kChunks + kConvThreads - 1) / kConvThreads;
+        flash_bwd_convert_dq_kernel<T, kHeadDim><<<static_cast<unsigned>(conv_blocks), kConvThreads, 0, stream>>>(params);
+    }
     if (params.num_splits == 1) return cudaGetLastError();
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -65,17 +67,32 @@ cudaError_t run_flash_bwd_common(FlashBwdParams& params, cudaStream_t stream, La
     return cudaGetLastError();
 }
 
+// The separate dQ kernel (dq_separate): one block per (64-query block, query head, batch), writing dq itself.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_flash_bwd_dq(FlashBwdParams& params, cudaStream_t stream) {
+    using Traits = BwdDqTraits<kHeadDim>;
+    cudaError_t err = opt_in_dynamic_smem<flash_bwd_dq_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
+    if (err != cudaSuccess) return err;
+    const int m_blocks = (params.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    const dim3 grid(kCausal ? params.num_heads : m_blocks, kCausal ? m_blocks : params.num_heads, params.batch);
+    flash_bwd_dq_kernel<T, Traits, kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+    return cudaGetLastError();
+}
+
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     using Tile = BwdConfigOf<kHeadDim, BwdTile>;
     using Narrow = BwdConfigOf<kHeadDim, BwdTileNarrow>;
     return run_flash_bwd_common<T, kHeadDim>(params, stream, [&] {
+        cudaError_t err;
         if constexpr (std::is_same_v<Tile, Narrow>) {
-            return launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
+            err = launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
         } else {
-            return params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream)
-                                 : launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
+            err = params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream)
+                                : launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
         }
+        if (err != cudaSuccess || !params.dq_separate) return err;
+        return launch_flash_bwd_dq<T, kHeadDim, kCausal>(params, stream);
     });
 }
 

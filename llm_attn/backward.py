@@ -109,7 +109,8 @@ def force_bwd_splits(splits: int):
 
 
 # force_bwd_tile's names, by their BwdTileId (kernels/flash.h).
-BWD_TILES = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_dq": 4, "hopper_shared_dq": 5}
+BWD_TILES = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_dq": 4, "hopper_shared_dq": 5,
+             "portable_separate_dq": 6}
 
 
 @contextlib.contextmanager
@@ -118,7 +119,8 @@ def force_bwd_tile(tile: str):
 
     - 'auto' (the default) chooses by the device: the Hopper kernel (wgmma/TMA) on compute capability 9.0, else the
       portable one with the tile the device's shared memory allows;
-    - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU;
+    - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU, dQ by float32 atomics;
+      'portable_separate_dq' with dQ by a separate kernel instead, without atomics;
     - 'narrow' the portable kernel's narrow tile (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on any device;
     - 'hopper' the Hopper kernel (compute capability 9.0 and an extension built for it only: ValueError elsewhere),
       'hopper_own_dq' / 'hopper_shared_dq' with its dQ way forced (each warpgroup over its own keys, or one

@@ -57,8 +57,8 @@ for dtype, shape, tile in runs:
 ext.set_tile(0)
 
 # Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k, on each dK/dV kernel
-# (BwdTileId, kernels/flash.h: 1 the portable one, 2 its narrow tile as sm_86/89 run it, 4 and 5 the Hopper one with
-# each of its dQ ways, where the GPU runs it). With --hopper only the Hopper backward's (its TMA/mbarrier/
+# (BwdTileId, kernels/flash.h: 1 the portable one, 6 with the separate dQ kernel, 2 its narrow tile as sm_86/89 run
+# it, 4 and 5 the Hopper one with each of its dQ ways, where the GPU runs it). With --hopper only the Hopper backward's (its TMA/mbarrier/
 # warp-specialised pipeline).
 BWD_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 8, 2, 17, 129, 64, True, None),
@@ -66,7 +66,7 @@ BWD_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 4, 4, 100, 300, 128, False, [200]),
     (2, 8, 2, 70, 700, 64, True, [700, 5]),
 ]
-bwd_kernels = (1, 2, 4, 5) if ext.sm90_available() else (1, 2)
+bwd_kernels = (1, 6, 2, 4, 5) if ext.sm90_available() else (1, 6, 2)
 if "--hopper" in sys.argv:
     bwd_kernels = (4, 5)
 for dtype, kernel, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(

@@ -83,10 +83,10 @@ def _qkv(b, hq, hkv, sq, sk, d, dt, seed):
     return q, k, v, dout
 
 
-# The dK/dV kernels every grid runs on: the portable one (what every GPU but compute capability 9.0 runs) and the
-# Hopper one (what 9.0 runs; skipped elsewhere) with each of its two dQ ways, each forced
-# (llm_attn.backward.force_bwd_tile).
-KERNELS = ["portable", "hopper_own_dq", "hopper_shared_dq"]
+# The kernels every grid runs on, each forced (llm_attn.backward.force_bwd_tile): the portable one (what every GPU
+# but compute capability 9.0 runs) with dQ by atomics and by the separate dQ kernel, and the Hopper one (what 9.0
+# runs; skipped elsewhere) with each of its two dQ ways.
+KERNELS = ["portable", "portable_separate_dq", "hopper_own_dq", "hopper_shared_dq"]
 
 
 def forced_kernel(cuda_ext, kernel):
@@ -141,7 +141,8 @@ def test_backward_narrow_tile(cuda_ext, dtype, causal, heads, splits, sq, sk):
 def test_force_bwd_tile_rejects_unknown_names():
     from llm_attn.backward import force_bwd_tile
 
-    with pytest.raises(ValueError, match="'auto', 'portable', 'narrow', 'hopper', 'hopper_own_dq', 'hopper_shared_dq'"):
+    with pytest.raises(ValueError, match="'auto', 'portable', 'narrow', 'hopper', 'hopper_own_dq', 'hopper_shared_dq', "
+                                         "'portable_separate_dq'"):
         with force_bwd_tile("wide"):
             pass
 
