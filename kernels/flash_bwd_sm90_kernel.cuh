@@ -7,7 +7,7 @@
 //   warpgroup 0, the producer: one thread loads K and V once, then Q and dO of each step (64 query rows of one query
 //     head) into a kStages-deep ring of shared-memory slots by TMA; warp 1 copies the step's 64 lse and dsum values
 //     next to them. A slot's "full" mbarrier completes on the TMA bytes plus warp 1's 32 arrivals, its "empty" one
-//     when all 8 consumer warps are done with it.
+//     when all 256 consumer threads are done with it.
 //   warpgroups 1-2, the consumers: 64 keys each (wgmma's M). Per step, for its keys x the step's 64 queries:
 //     S^T  = K Q^T       wgmma m64n64k16, both from shared memory
 //     dP^T = V dO^T      the same
@@ -307,11 +307,10 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             //   own: each warpgroup over its own 64 keys every step (4 k-steps), no block barrier: blocks of few
             //     steps and grids of at most one wave, where L2 is not the limit and the lock-step costs.
             if (dq_shared && (i & 1) != wg) {
-                wgmma_wait<0>();  // dV, dK and the reads of Q, dO are done: this warp releases the slot
+                wgmma_wait<0>();  // dV, dK and the reads of Q, dO, lse, dsum are done: this thread releases the slot
                 fence_regs(dk_flat);
                 fence_regs(dv_flat);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&sm.empty[stage]);
+                mbar_arrive(&sm.empty[stage]);
                 continue;
             }
             const SmemDesc a_ds = at_ds + (i & 1) * Traits::kTileBytesDS;
@@ -338,11 +337,10 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
                 wgmma_wait<0>();
                 fence_regs(dq_flat);
                 if (h == 0) {
-                    // dV, dK and the reads of Q, dO are done: this warp releases the slot.
+                    // dV, dK and the reads of Q, dO, lse, dsum are done: this thread releases the slot.
                     fence_regs(dk_flat);
                     fence_regs(dv_flat);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(&sm.empty[stage]);
+                    mbar_arrive(&sm.empty[stage]);
                 }
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt)
@@ -410,7 +408,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int s = 0; s < Traits::kStages; ++s) {
             mbar_init(&sm.full[s], 1 + 32);  // the TMA thread's expect_tx, then warp 1's 32 lanes
-            mbar_init(&sm.empty[s], Traits::kConsumerWarps);
+            // Every consumer thread arrives (its own lse/dsum reads are ordinary shared loads that warp 1's next
+            // writes must follow; one arrival per warp after __syncwarp left racecheck reporting those as races).
+            mbar_init(&sm.empty[s], Traits::kConsumerWarps * 32);
         }
         fence_barrier_init();
     }
