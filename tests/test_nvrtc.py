@@ -354,8 +354,10 @@ def test_hopper_choice_mirrors_the_extension():
                                           "dim3(m_blocks, p.num_heads, p.batch);"),
             ("flash_fwd_sm90_launch.cuh", "if (block_n == 176) return launch_tile<T, Config<128, 176>, kCausal>(p, "
                                           "stream);"),
-            ("flash_fwd_sm90_launch.cuh", "const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};"),
-            ("flash_fwd_sm90_launch.cuh", "CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, "
+            # the tensor maps (tma_host.h, shared with the backward): boxes of one 128-byte row of columns (64
+            # bf16/fp16, what _nvrtc_sm90.py encodes) x box_rows
+            ("tma_host.h", "const cuuint32_t box[4] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows), 1, 1};"),
+            ("tma_host.h", "CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, "
                                           "CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);"),
             ("flash_fwd_sm90_kernel.cuh", "kSmemBytes = kTileBytesQ + 2 * kStages * kTileBytesKV + kNumBarriers * 8 "
                                           "+ 1024;")):
