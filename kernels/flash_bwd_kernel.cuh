@@ -423,8 +423,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                     });
                 }
                 // dS^T to shared memory for dQ (the previous step's dQ reads finished before this step's first
-                // barrier); not when a separate kernel computes dQ.
-                if (params.dq_separate) continue;
+                // barrier). (Also when a separate kernel computes dQ: skipping it costs NVRTC's build a spill.)
 #pragma unroll
                 for (int i = 0; i < kSNT; ++i) {
                     const int nt = sl * kSNT + i;

@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import cpu_check_here
 
-from llm_attn import _plan
+from llm_attn import _kernel_table, _plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ["sm_80", "sm_86", "sm_87", "sm_89", "sm_90"]
@@ -67,17 +67,21 @@ def test_every_instantiation_compiles_without_local_memory(arch, request):
     assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
 
 
-# The backward's instantiations (kernels/flash_bwd_launch.cuh: BwdConfig<D> = BwdTraits<D, D == 128 ? 32 : 64, 64, 4,
-# 1>). The NVRTC backend does not launch them (backward() needs the compiled extension), but they are compiled here
-# for every arch so that they stay NVRTC-compilable and spill-free, as check_ptxas.sh keeps them under nvcc.
+# The portable backward's instantiations (kernels/flash_bwd_launch.cuh: the dK/dV kernel with each head_dim's tile
+# and narrow tile, kernel_tiles.h's BwdTile<D> / BwdTileNarrow<D>, mirrored in _kernel_table; the separate dQ
+# kernel). The NVRTC backend does not launch them (backward() needs the compiled extension), but they are compiled
+# here for every arch so that they stay NVRTC-compilable and spill-free, as check_ptxas.sh keeps them under nvcc.
 BWD_KERNELS = [
     name
     for d in (64, 128) for t in ("half", "__nv_bfloat16")
     for name in (f"llm_attn::flash_bwd_preprocess_kernel<{t}, {d}>",
                  f"llm_attn::flash_bwd_convert_dq_kernel<{t}, {d}>",
                  f"llm_attn::flash_bwd_convert_dkdv_kernel<{t}, {d}>",
-                 *(f"llm_attn::flash_bwd_dkdv_kernel<{t}, llm_attn::BwdTraits<{d}, {32 if d == 128 else 64}, 64, 4, 1>, "
-                   f"{c}>" for c in ("false", "true")))
+                 *(f"llm_attn::flash_bwd_dkdv_kernel<{t}, llm_attn::BwdTraits<{d}, {tile['block_m']}, "
+                   f"{tile['block_n']}, {tile['n_warps']}, {tile['split_dp']}>, {c}>"
+                   for tile in {str(x): x for x in (_kernel_table.BWD_TILES[d], _kernel_table.BWD_NARROW[d])}.values()
+                   for c in ("false", "true")),
+                 *(f"llm_attn::flash_bwd_dq_kernel<{t}, llm_attn::BwdDqTraits<{d}>, {c}>" for c in ("false", "true")))
 ]
 
 
