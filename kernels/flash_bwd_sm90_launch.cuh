@@ -22,14 +22,9 @@ cudaError_t launch_bwd_dkdv(const FlashBwdParams& p, cudaStream_t stream) {
     Sm90BwdParams sp;
     sp.p = p;
     const bool ok =
-        make_tensor_map<T>(&sp.tma_q, p.q, kHeadDim, p.seqlen_q, p.num_heads, p.batch, p.q_batch_stride,
-                           p.q_head_stride, p.q_row_stride, Traits::kBlockM) &&
+        make_qkv_maps<T>(p, kHeadDim, Traits::kBlockM, Traits::kBlockN, &sp.tma_q, &sp.tma_k, &sp.tma_v) &&
         make_tensor_map<T>(&sp.tma_do, p.dout, kHeadDim, p.seqlen_q, p.num_heads, p.batch, p.do_batch_stride,
                            p.do_head_stride, p.do_row_stride, Traits::kBlockM) &&
-        make_tensor_map<T>(&sp.tma_k, p.k, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.k_batch_stride,
-                           p.k_head_stride, p.k_row_stride, Traits::kBlockN) &&
-        make_tensor_map<T>(&sp.tma_v, p.v, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.v_batch_stride,
-                           p.v_head_stride, p.v_row_stride, Traits::kBlockN) &&
         make_tensor_map<float>(&sp.tma_dq, p.dq_accum, kHeadDim, p.seqlen_q, p.num_heads, p.batch,
                                static_cast<int64_t>(p.num_heads) * p.seqlen_q * kHeadDim,
                                static_cast<int64_t>(p.seqlen_q) * kHeadDim, kHeadDim, Traits::kBlockM);

@@ -27,12 +27,7 @@ cudaError_t launch_tile(const FlashFwdParams& p, cudaStream_t stream) {
     sp.p = p;
     sp.pingpong = pingpong;
     const bool ok =
-        make_tensor_map<T>(&sp.tma_q, p.q, kHeadDim, p.seqlen_q, p.num_heads, p.batch, p.q_batch_stride,
-                           p.q_head_stride, p.q_row_stride, Traits::kBlockM) &&
-        make_tensor_map<T>(&sp.tma_k, p.k, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.k_batch_stride,
-                           p.k_head_stride, p.k_row_stride, Traits::kBlockN) &&
-        make_tensor_map<T>(&sp.tma_v, p.v, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.v_batch_stride,
-                           p.v_head_stride, p.v_row_stride, Traits::kBlockN) &&
+        make_qkv_maps<T>(p, kHeadDim, Traits::kBlockM, Traits::kBlockN, &sp.tma_q, &sp.tma_k, &sp.tma_v) &&
         make_tensor_map<T>(&sp.tma_o, p.o, kHeadDim, p.seqlen_q, p.num_heads, p.batch, p.o_batch_stride,
                            p.o_head_stride, p.o_row_stride, 64);
     if (!ok) return cudaErrorInvalidValue;

@@ -120,5 +120,17 @@ bool make_tensor_map(TmaDesc* desc, const void* ptr, int head_dim, int seqlen, i
     return true;
 }
 
+// The Q, K and V maps of a launch (FlashFwdParams and FlashBwdParams name those fields alike): boxes of q_box_rows
+// query rows and kv_box_rows key rows.
+template <typename T, typename Params>
+bool make_qkv_maps(const Params& p, int head_dim, int q_box_rows, int kv_box_rows, TmaDesc* q, TmaDesc* k, TmaDesc* v) {
+    return make_tensor_map<T>(q, p.q, head_dim, p.seqlen_q, p.num_heads, p.batch, p.q_batch_stride, p.q_head_stride,
+                              p.q_row_stride, q_box_rows) &&
+           make_tensor_map<T>(k, p.k, head_dim, p.seqlen_k, p.num_kv_heads, p.batch, p.k_batch_stride, p.k_head_stride,
+                              p.k_row_stride, kv_box_rows) &&
+           make_tensor_map<T>(v, p.v, head_dim, p.seqlen_k, p.num_kv_heads, p.batch, p.v_batch_stride, p.v_head_stride,
+                              p.v_row_stride, kv_box_rows);
+}
+
 }  // namespace sm90
 }  // namespace llm_attn
