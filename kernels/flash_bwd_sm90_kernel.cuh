@@ -276,7 +276,8 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             // dS^T into this warpgroup's half of this step's dS^T buffer (two buffers, by step parity; each
             // [128 keys][64 queries], 128-byte swizzle, this warpgroup's 64 keys from row 64 wg): n-tile nt of rows
             // g, g + 8 is k-step nt / 2's A fragment registers (nt % 2) * 2 + r. The buffer's last reader, the dQ
-            // wgmma two steps back, finished before its warpgroup reached the previous step's block barrier.
+            // wgmma two steps back, has finished: shared dQ, its warpgroup waited for it before the previous step's
+            // block barrier; own dQ, it was this warpgroup's own, waited for in that step.
             const uint32_t ds_tile = ds_base + (i & 1) * Traits::kTileBytesDS + wg * 64 * 128;
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
