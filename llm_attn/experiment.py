@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_attn.harness.results import (  # noqa: PLC0415
         iter_rows,
         output_file_problem,
+        repair_cut_rows,
         results_file_problem,
     )
 
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         problem = session.resource_problem(cfg.model_spec, device, cfg.dtype)
         if problem:
             fail(parser, f"model {cfg.model_spec}: {problem}")
+    note = repair_cut_rows(out)  # every check has passed: a row cut by a killed run moves to <out>.corrupt
+    if note:
+        print(note, file=sys.stderr, flush=True)
 
     status = 0
     for cfg in configs:

@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     from llm_attn.harness import session  # noqa: PLC0415
     from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
     from llm_attn.harness.impls import available_impls, unavailable_reason  # noqa: PLC0415
-    from llm_attn.harness.results import output_file_problem, results_file_problem  # noqa: PLC0415
+    from llm_attn.harness.results import (  # noqa: PLC0415
+        output_file_problem,
+        repair_cut_rows,
+        results_file_problem,
+    )
     from llm_attn.harness.sweep import DEFAULT_MEASUREMENTS, SweepConfig  # noqa: PLC0415
 
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
@@ -198,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         except PromptsError as e:
             parser.error(str(e))
     # -- end prompts --
+    # Every check has passed: the first write.
+    note = repair_cut_rows(args.out)  # a row cut by a killed run or a full disk: moved to <out>.corrupt
+    if note:
+        print(note, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     print(f"loading model {spec!r} on {device} ({dtype}) ...", file=sys.stderr, flush=True)
     try:

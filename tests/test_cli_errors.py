@@ -136,12 +136,64 @@ def test_out_check_accepts_real_rows_and_a_row_cut_by_a_crash(tmp_path):
     f = tmp_path / "rows.jsonl"
     f.write_text(good)
     assert results_file_problem(f) is None
-    f.write_text(good + '{"schema": "llm_attn.ttft/2", "kind": "tt')  # the writer terminates it and goes on
+    f.write_text(good + '{"schema": "llm_attn.ttft/2", "kind": "tt')  # repair_cut_rows moves it aside
     assert results_file_problem(f) is None
     f.write_text(good + "garbage\n" + good)
     n = good.count("\n") + 1
     assert results_file_problem(f) == f"{f}:{n}: not a JSON row; remove or fix that line"
     assert results_file_problem(tmp_path / "absent.jsonl") is None
+
+
+# -- issue 35 item 3: a row cut by a killed writer is moved to <out>.corrupt, said in one line, and the run goes on --
+def test_resume_after_a_killed_writer_moves_the_cut_row_aside_and_goes_on(tmp_path):
+    from llm_attn.harness.results import iter_rows, point_key
+
+    out = tmp_path / "rows.jsonl"
+    run = ("llm_attn.ttft", "--device", "cpu", "--seq", "16", "--impl", "sdpa", "llm_attn", "--measure", "ttft",
+           "--repeats", "2", "--warmup", "0", "--no-progress", "--out", str(out), "--resume")
+    proc = cli(*run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = out.read_bytes().splitlines(keepends=True)
+    assert len(rows) == 2
+    cut = rows[1][:len(rows[1]) // 2]  # as a writer killed in the middle of its write(2) leaves the file
+    out.write_bytes(rows[0] + cut)
+
+    proc = cli(*run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in error_lines(proc) if ".corrupt" in line]
+    assert said == [f"{out}: moved a row cut by an interrupted write (a killed run or a full disk; line 2) to "
+                    f"{out}.corrupt; its point is measured again"], proc.stderr
+    assert (tmp_path / "rows.jsonl.corrupt").read_bytes() == cut + b"\n"
+    got = list(iter_rows(out, strict=True))  # every line a whole row
+    assert len(got) == 2 and len({point_key(r) for r in got}) == 2 and got[0] == json.loads(rows[0])
+    assert "1 measurements already in" in proc.stdout
+
+    proc = cli(*run)  # the same command again: nothing to repair, nothing to measure, and no edit by hand
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ".corrupt" not in proc.stderr and "2 measurements already in" in proc.stdout
+    assert (tmp_path / "rows.jsonl.corrupt").read_bytes() == cut + b"\n"
+
+
+def test_repair_moves_cut_rows_and_keeps_every_whole_row(tmp_path):
+    from llm_attn.harness.results import iter_rows, repair_cut_rows, results_file_problem
+
+    good = (FIXTURES / "rtx-4060-ti" / "default.jsonl").read_text().splitlines(keepends=True)
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(good))
+    assert repair_cut_rows(f) is None and repair_cut_rows(tmp_path / "absent.jsonl") is None
+    assert not (tmp_path / "rows.jsonl.corrupt").exists()
+    # A cut row that an older version terminated and appended after, in the middle, and a cut last line.
+    mid, last = '{"schema":"llm_attn.ttft/2","kind":"decode_gr', '{"schema":"llm_at'
+    f.write_text("".join(good[:2]) + mid + "\n" + "".join(good[2:]) + last)
+    assert results_file_problem(f) is None
+    note = repair_cut_rows(f)
+    assert note == (f"{f}: moved 2 rows cut by an interrupted write (a killed run or a full disk; line 3, "
+                    f"{len(good) + 2}) to {f}.corrupt; its point is measured again")
+    assert f.read_text() == "".join(good) and len(list(iter_rows(f, strict=True))) == len(good)
+    assert (tmp_path / "rows.jsonl.corrupt").read_text() == mid + "\n" + last + "\n"
+    assert repair_cut_rows(f) is None
+    f.write_text("these are my notes, not rows")  # not a cut row: left for results_file_problem to refuse
+    assert repair_cut_rows(f) is None and "not a results file" in results_file_problem(f)
 
 
 # -- rows 5-6: the report skips corrupt lines with a warning naming them; --strict fails ----------------------------

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -159,20 +160,15 @@ class ResultWriter:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._repair_partial_last_line()
+            # A row cut by a kill or a full disk would glue itself to the next row written: move it aside first.
+            # The command lines do this before the model loads and say so; here it is said if it was left to do.
+            note = repair_cut_rows(self.path)
+            if note:
+                print(note, file=sys.stderr, flush=True)
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         except OSError as e:
             raise OutputWriteError(self.path, e) from e
         self.rows_written = 0
-
-    def _repair_partial_last_line(self) -> None:
-        # A kill in the middle of a write can leave a line without its newline; appending after it would glue two
-        # rows into one unparsable line. Terminate it so that only the broken row is lost.
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with open(self.path, "rb+") as fh:
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":
-                    fh.write(b"\n")
 
     def write(self, row: dict) -> None:
         line = json.dumps(jsonable(row), allow_nan=False, separators=(",", ":"))
@@ -243,12 +239,72 @@ def result_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return files
 
 
+# Every row the writer writes starts with these bytes (``schema`` is the first key of a row).
+ROW_START = b'{"schema":"llm_attn.ttft/'
+
+
+def _cut_rows(data: bytes) -> list[tuple[int, int, int]]:
+    """(line number, start offset, end offset) of the rows that a killed writer or a full disk left unfinished: lines
+    that are not JSON and are either the file's last line without its newline (after at least one line, or starting
+    like a row) or start like a row (a cut row that an older version terminated and appended after)."""
+    cut, start, lineno = [], 0, 0
+    while start < len(data):
+        end = data.find(b"\n", start)
+        end = len(data) if end < 0 else end + 1
+        lineno += 1
+        raw = data[start:end].strip()
+        if raw:
+            try:
+                json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                unterminated = end == len(data) and not data.endswith(b"\n")
+                row_like = raw.startswith(ROW_START) or ROW_START.startswith(raw)
+                if row_like or (unterminated and start > 0):
+                    cut.append((lineno, start, end))
+        start = end
+    return cut
+
+
+def repair_cut_rows(path: str | os.PathLike) -> str | None:
+    """Move the rows cut by an interrupted write (``_cut_rows``: a killed writer, a full disk) from ``path`` to
+    ``<path>.corrupt`` (appended there, one per line), so that the file holds whole rows only and a run can append
+    to it and resume from it. Returns the one line that says what was moved, or None when nothing was cut."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    data = p.read_bytes()
+    cut = _cut_rows(data)
+    if not cut:
+        return None
+    corrupt = p.with_name(p.name + ".corrupt")
+    with open(corrupt, "ab") as fh:
+        for _, start, end in cut:
+            fh.write(data[start:end].rstrip(b"\n") + b"\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if len(cut) == 1 and cut[0][2] == len(data):  # the common case, the last line: cut it off in place
+        with open(p, "rb+") as fh:
+            fh.truncate(cut[0][1])
+    else:
+        keep, pos = [], 0
+        for _, start, end in cut:
+            keep.append(data[pos:start])
+            pos = end
+        keep.append(data[pos:])
+        tmp = p.with_name(p.name + ".repairing")
+        tmp.write_bytes(b"".join(keep))
+        os.replace(tmp, p)
+    what = "a row" if len(cut) == 1 else f"{len(cut)} rows"
+    return (f"{p}: moved {what} cut by an interrupted write (a killed run or a full disk; line "
+            f"{', '.join(str(n) for n, _, _ in cut)}) to {corrupt}; its point is measured again")
+
+
 def results_file_problem(path: str | os.PathLike) -> str | None:
     """Why an existing file cannot be appended to or resumed from as a results file, naming the file and line;
     None when it does not exist, is empty, or every line is a row of a readable schema with the fields resume reads
     (``point_key``). Checked before the model loads: a run must not append after garbage, and --resume must not fail
-    half-way on a row it cannot read. A last line cut by a crash (no newline, not JSON) is allowed: the writer
-    terminates it and only that row is lost."""
+    half-way on a row it cannot read. Rows cut by an interrupted write (``_cut_rows``) are allowed: ``repair_cut_rows``
+    moves them aside before anything is appended, and only those points are measured again."""
     p = Path(path)
     if not p.is_file():
         return None
@@ -256,17 +312,14 @@ def results_file_problem(path: str | os.PathLike) -> str | None:
         data = p.read_bytes()
     except OSError as e:
         return f"{p}: cannot read it: {e.strerror or e}"
-    lines = data.split(b"\n")
+    cut = {lineno for lineno, _, _ in _cut_rows(data)}
     rows = 0
-    for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip() or lineno in cut:
             continue
-        cut = lineno == len(lines) and not data.endswith(b"\n")
         try:
             row = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            if cut and rows:
-                continue
             if not rows:
                 return f"{p}:{lineno}: not a results file (the line is not JSON); give another --out"
             return f"{p}:{lineno}: not a JSON row; remove or fix that line"
