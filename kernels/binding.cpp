@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "flash.h"
+#include "flash_fp8.h"
 
 namespace {
 
@@ -290,6 +291,38 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q, const at::
     return {out, lse};
 }
 
+// The FP8 forward (kernels/flash_fp8.h): the same inputs as mha_fwd_alloc, quantised by the kernel's pre-pass into
+// workspaces made here (e4m3 Q, K, V^T in one byte buffer; their scales and the zeroed channel statistics in one
+// float32 buffer), so the quantisation is part of every call.
+std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
+    const c10::cuda::CUDAGuard guard(q.device());
+    TORCH_CHECK(llm_attn::flash_fwd_fp8_available(),
+                "llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) and a build with "
+                "sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
+    at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+    at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    llm_attn::FlashFwdFp8Params f{};
+    set_shared_params(f.p, q, k, v, out, lse, seqused_k, scale, causal);
+    f.p.num_splits = 1;
+    const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hkv = k.size(1), sk = k.size(2);
+    const int64_t q_blocks = (sq + llm_attn::kFp8QBlock - 1) / llm_attn::kFp8QBlock;
+    const int64_t k_blocks = (sk + llm_attn::kFp8KBlock - 1) / llm_attn::kFp8KBlock;
+    const int64_t pad = llm_attn::fp8_seqlen_k_pad(static_cast<int>(sk));
+    const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d, n_vt8 = b * hkv * d * pad;  // multiples of 64
+    at::Tensor bytes = at::empty({n_q8 + n_k8 + n_vt8}, q.options().dtype(at::kByte));
+    const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, n_vs = b * hkv * d;
+    at::Tensor floats = at::zeros({n_stats + n_qs + n_ks + n_vs}, q.options().dtype(at::kFloat));
+    uint8_t* base = bytes.data_ptr<uint8_t>();
+    f.q8 = base, f.k8 = base + n_q8, f.vt8 = base + n_q8 + n_k8;
+    float* fb = floats.data_ptr<float>();
+    f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats + n_qs + n_ks;
+    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd_fp8: kernel launch failed: ", cudaGetErrorString(err));
+    return {out, lse};
+}
+
 int64_t num_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q, int64_t seqlen_k,
                    int64_t head_dim, int64_t num_sms) {
     llm_attn::FlashFwdParams p{};
@@ -484,6 +517,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("num_splits", &num_splits, "KV splits the forward would use for these shapes (1 = none)");
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
+    m.def("mha_fwd_fp8", &mha_fwd_fp8, "FP8 (e4m3) attention forward, quantisation included; returns (out, lse)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("fp8_available", [] { return llm_attn::flash_fwd_fp8_available(); },
+          "Whether the current device runs the FP8 (sm_90a) forward of this build");
     m.def("sm90_available", [] { return llm_attn::flash_fwd_sm90_available(); },
           "Whether the current device runs the Hopper (sm_90a) prefill kernel of this build");
     m.def("mha_bwd", &mha_bwd, "FlashAttention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"),

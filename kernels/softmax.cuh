@@ -20,7 +20,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Online-softmax state of one thread: its two rows (g, g + 8) of each of kMT m16 tiles, the running max in the
 // base-2 scaled domain, the running (per-thread partial) sum, and the O accumulators of kDT n-tiles per tile.
-template <int kMT, int kDT>
+// kRescaleLog2_: how far a row's max may grow before O is rescaled (below); 0 keeps the exact running max, so P <= 1
+// (the FP8 kernel, whose e4m3 P needs a known range).
+template <int kMT, int kDT, int kRescaleLog2_ = 8>
 struct SoftmaxState {
     float row_max[kMT][2];
     float row_sum[kMT][2];
@@ -42,7 +44,7 @@ struct SoftmaxState {
     // P stays below 2^kRescaleLog2 (exact in fp32 sums, no overflow in fp16/bf16) and the O accumulators skip the
     // multiply by alpha — which otherwise sits on the critical path between S = QK^T and O += PV. The lse and the
     // final 1/sum use the same max the P values were computed with, so the result is the same softmax.
-    static constexpr float kRescaleLog2 = 8.f;
+    static constexpr float kRescaleLog2 = static_cast<float>(kRescaleLog2_);
 
     template <int kNT>
     __device__ __forceinline__ void update(float (&acc_s)[kMT][kNT][4], float scale_log2) {

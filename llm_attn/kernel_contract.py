@@ -24,6 +24,10 @@ KERNEL_MAX_CAUSAL_Q_LEN = KERNEL_MAX_GRID_YZ * 64
 KERNEL_MAX_SEQ_LEN = 1 << 30  # exclusive: lengths are int32 and offsets must not overflow
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PATHS = ("auto", "kernel", "reference")
+# flash_attn_func(precision=...): 'native' computes in the inputs' dtype; 'fp8' quantises Q, K, V to e4m3 in the call
+# (kernels/flash_fp8.h; llm_attn/quant_reference.py), on compute capability 9.0 only for the kernel.
+PRECISIONS = ("native", "fp8")
+FP8_KERNEL_CC = (9, 0)
 
 
 # ------------------------------------------------------------------------------ what the user-facing op checks
@@ -149,6 +153,24 @@ def check_inputs_full(q, k, v, causal, scale, seqused_k, path: str) -> bool:
     elif reference_problem(q.dtype):
         raise TypeError(f"unsupported dtype {q.dtype}; use one of {REFERENCE_DTYPES}")
     return use_kernel
+
+
+def fp8_problem(precision, q: torch.Tensor, use_kernel: bool, available: bool = True) -> str | None:
+    """Why ``precision`` cannot serve ``q`` (already checked by ``check_inputs``) on this path, or None. One line that
+    names what is supported."""
+    if precision not in PRECISIONS:
+        return f"precision must be one of {PRECISIONS}, got {precision!r}"
+    if precision != "fp8" or not use_kernel:
+        return None
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc != FP8_KERNEL_CC:
+        return (f"precision='fp8' needs an FP8 tensor-core kernel, which this project has for compute capability 9.0 "
+                f"(H100, H200) only; this GPU is sm_{cc[0]}{cc[1]}: use precision='native', or path='reference' "
+                f"(the same algorithm in PyTorch)")
+    if not available:
+        return ("precision='fp8' needs the AOT build compiled for sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0); this "
+                "build has no FP8 kernel for this GPU")
+    return None
 
 
 def aligned16(t: torch.Tensor) -> bool:

@@ -12,8 +12,8 @@ from typing import Literal
 import torch
 
 from llm_attn import _ext as _ext_mod
-from llm_attn import backward, reference
-from llm_attn._ext import get_ext
+from llm_attn import backward, quant_reference, reference
+from llm_attn._ext import KernelNotBuiltError, get_ext, kernel_build
 
 # The contract's names, re-exported for callers of llm_attn.ops.
 from llm_attn.kernel_contract import (  # noqa: E402,F401
@@ -21,8 +21,10 @@ from llm_attn.kernel_contract import (  # noqa: E402,F401
     KERNEL_HEAD_DIMS,
     KERNEL_MAX_CAUSAL_Q_LEN,
     REFERENCE_DTYPES,
+    PRECISIONS,
     aligned16,
     check_inputs,
+    fp8_problem,
 )
 
 Path = Literal["auto", "kernel", "reference"]
@@ -85,9 +87,60 @@ def _flash_fwd_fake(q, k, v, seqused_k, scale, causal, use_kernel):
 backward.register_autograd(_flash_fwd)  # its backward: the llm_attn::flash_bwd op of llm_attn.backward
 
 
+# ---- FP8 (e4m3) forward: kernels/flash_fp8.h on compute capability 9.0, llm_attn.quant_reference elsewhere ----
+def _fp8_reference_impl(q, k, v, seqused_k, scale, causal):
+    out, lse = _empty_outputs(q)
+    ref_out, ref_lse = quant_reference.attention_fp8(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,
+                                                     return_lse=True)
+    out.copy_(ref_out)
+    lse.copy_(ref_lse)
+    return out, lse
+
+
+def _fp8_kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
+    ext = ext or _current_ext()
+    if not hasattr(ext, "mha_fwd_fp8"):
+        raise KernelNotBuiltError("precision='fp8' runs in the AOT build only (llm_attn._C, built with nvcc for 9.0); "
+                                  f"this process uses the {kernel_build()} build")
+    if not _aligned16(q):
+        q = q.contiguous()
+    if not _aligned16(k):
+        k = k.contiguous()
+    if not _aligned16(v):
+        v = v.contiguous()
+    return ext.mha_fwd_fp8(q, k, v, seqused_k, float(scale), bool(causal))
+
+
+@torch.library.custom_op("llm_attn::flash_fwd_fp8", mutates_args=())
+def _flash_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
+                   scale: float, causal: bool, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fp8_reference_impl(q, k, v, seqused_k, scale, causal)
+
+
+@_flash_fwd_fp8.register_kernel("cuda")
+def _flash_fwd_fp8_cuda(q, k, v, seqused_k, scale, causal, use_kernel):
+    if not use_kernel:
+        return _fp8_reference_impl(q, k, v, seqused_k, scale, causal)
+    return _fp8_kernel_impl(q, k, v, seqused_k, scale, causal)
+
+
+@_flash_fwd_fp8.register_fake
+def _flash_fwd_fp8_fake(q, k, v, seqused_k, scale, causal, use_kernel):
+    return _empty_outputs(q)
+
+
+def _no_fp8_backward(ctx, grad_out, grad_lse):
+    raise RuntimeError("flash_attn_func(precision='fp8') is forward-only (inference): train with precision='native' "
+                       "(the bf16/fp16 kernel and its backward)")
+
+
+torch.library.register_autograd("llm_attn::flash_fwd_fp8", _no_fp8_backward)
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, return_lse: bool = False,
-                    seqused_k: torch.Tensor | None = None, path: Path = "auto", *, backend: Backend | None = None):
+                    seqused_k: torch.Tensor | None = None, path: Path = "auto", *, backend: Backend | None = None,
+                    precision: str = "native"):
     """FlashAttention forward.
 
     Args:
@@ -109,6 +162,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
            (the CUDA kernel, or an error that says why not) or 'reference'. How the kernel was built (aot or nvrtc)
            is ``llm_attn.kernel_build()``'s business, not this argument's.
         backend: the old name of ``path`` ('auto', 'cuda' = 'kernel', 'reference'); deprecated, still honoured.
+        precision: 'native' (default: the inputs' fp16/bf16 throughout) or 'fp8': Q, K, V quantised to e4m3 inside
+           the call (per-block scales, K smoothed by its channel mean; ``llm_attn.quant_reference`` states the
+           algorithm), fp32 accumulation and softmax, output in q's dtype. The kernel path needs a compute
+           capability 9.0 GPU (H100, H200) and the AOT build; the reference path runs the same algorithm in PyTorch
+           anywhere. Forward only: no gradient flows through it. Its accuracy is a measured number, not a promise:
+           ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
 
     Returns:
         out (batch, num_heads, q_len, head_dim) in q's dtype (stored as (batch, q_len, num_heads, head_dim), so
@@ -124,6 +183,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         warnings.warn("flash_attn_func(..., 'cuda') is deprecated: use path='kernel'", DeprecationWarning, stacklevel=2)
         path = "kernel"
     use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
+    if precision != "native":
+        return _flash_attn_fp8(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision)
     compiling = torch.compiler.is_compiling()
     ext = None
     if use_kernel and not compiling:  # traced code must not look up the build (the op does)
@@ -139,6 +200,29 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     else:
         out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel)
     return (out, lse) if return_lse else out
+
+
+def _flash_attn_fp8(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision):
+    problem = fp8_problem(precision, q, use_kernel)
+    if problem:
+        raise ValueError(problem)
+    ext = _current_ext() if use_kernel and not torch.compiler.is_compiling() else None
+    if use_kernel and ext is not None and not ext_fp8_available(ext):
+        raise ValueError(fp8_problem(precision, q, use_kernel, available=False))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not torch.compiler.is_compiling() and direct_call_allowed(q, k, v):
+        if use_kernel:
+            out, lse = _fp8_kernel_impl(q, k, v, seqused_k, scale, causal, ext)
+        else:
+            out, lse = _fp8_reference_impl(q, k, v, seqused_k, scale, causal)
+    else:
+        out, lse = _flash_fwd_fp8(q, k, v, seqused_k, scale, causal, use_kernel)
+    return (out, lse) if return_lse else out
+
+
+def ext_fp8_available(ext) -> bool:
+    """Whether this build runs the FP8 kernel on the current device (the AOT build with sm_90a on a 9.0 GPU)."""
+    return hasattr(ext, "fp8_available") and bool(ext.fp8_available())
 
 
 def direct_call_allowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

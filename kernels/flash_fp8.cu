@@ -1,0 +1,41 @@
+// Runtime -> compile-time dispatch of the FP8 forward (flash_fp8.h).
+#include "flash_fp8.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace llm_attn {
+
+int cc_major_current_device();
+
+bool flash_fwd_fp8_available() {
+    constexpr int kMaxDevices = 64;
+    static int cache[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return false;
+    if (cache[dev] == 0) {
+        int major = 0, minor = -1;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+        cache[dev] = major == 9 && minor == 0 && flash_fwd_fp8_built_<__nv_bfloat16, 128>() ? 2 : 1;
+    }
+    return cache[dev] == 2;
+}
+
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream) {
+    if (!flash_fwd_fp8_available()) return cudaErrorNotSupported;
+    const FlashFwdParams& p = params.p;
+#define LLM_ATTN_FP8_CAUSAL(T, D) \
+    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream) : run_flash_fwd_fp8_<T, D, false>(params, stream)
+    if (p.is_bf16) {
+        if (p.head_dim == 128) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 128);
+        if (p.head_dim == 64) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 64);
+    } else {
+        if (p.head_dim == 128) LLM_ATTN_FP8_CAUSAL(half, 128);
+        if (p.head_dim == 64) LLM_ATTN_FP8_CAUSAL(half, 64);
+    }
+#undef LLM_ATTN_FP8_CAUSAL
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace llm_attn

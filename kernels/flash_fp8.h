@@ -1,0 +1,51 @@
+// Plain C++ interface of the FP8 attention forward (Hopper, sm_90a): a quantising pre-pass (quant_fp8.cuh) and the
+// warp-specialised wgmma kernel on e4m3 operands (flash_fwd_fp8_sm90_kernel.cuh). No torch headers.
+//
+// What the call computes (llm_attn/quant_reference.py holds the same algorithm in PyTorch):
+//   Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448.
+//   K: smoothed by its per-channel mean over the valid keys (q . mean is the same for every key of a row, so no
+//      softmax row changes), then e4m3 with one scale per (batch, KV head, 128 keys).
+//   V: e4m3 with one scale per (batch, KV head, channel) over the valid keys, stored transposed (head_dim rows of
+//      keys: wgmma's fp8 B operand is K-major), keys permuted inside each group of 16 to match the registers that
+//      hold P (flash_fwd_fp8_sm90_kernel.cuh); keys past the valid ones are zero.
+//   S = (Q8 K8^T) * q_scale * k_scale in fp32; online softmax in fp32 (exact running max); P * 256 in e4m3;
+//   O = (P8 V8^T) * v_scale / (256 * rowsum(P)), rowsum over the unquantised P. LSE as the bf16 kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "flash.h"
+
+namespace llm_attn {
+
+// Workspace geometry: blocks of rows the scales cover.
+constexpr int kFp8QBlock = 64;    // query rows per Q scale (one consumer warpgroup's rows)
+constexpr int kFp8KBlock = 128;   // keys per K scale (the kernel's key tile)
+
+struct FlashFwdFp8Params {
+    FlashFwdParams p;  // the caller's q, k, v (fp16/bf16), o, lse, strides, shapes, seqused_k, scale, causal
+    // Workspaces, allocated by the caller (the binding), contiguous:
+    uint8_t* q8;         // (batch, num_heads, seqlen_q, head_dim) e4m3
+    float* q_scale;      // (batch, num_heads, ceil(seqlen_q / kFp8QBlock))
+    uint8_t* k8;         // (batch, num_kv_heads, seqlen_k, head_dim) e4m3, mean-subtracted
+    float* k_scale;      // (batch, num_kv_heads, ceil(seqlen_k / kFp8KBlock))
+    uint8_t* vt8;        // (batch, num_kv_heads, head_dim, seqlen_k_pad) e4m3; seqlen_k_pad = 128 * ceil(seqlen_k / 128)
+    float* v_scale;      // (batch, num_kv_heads, head_dim)
+    float* stats;        // (2, batch, num_kv_heads, head_dim): K's channel sums, then V's channel amax (as float
+                         // bits); ZERO before the launch
+};
+
+__host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) { return (seqlen_k + kFp8KBlock - 1) / kFp8KBlock * kFp8KBlock; }
+
+// Launches the pre-pass and the kernel on `stream`; never synchronises. cudaErrorNotSupported when this build has no
+// sm_90a code or the device is not compute capability 9.0 (the binding checks first and says so).
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream);
+// True when the current device is compute capability 9.0 and this build holds the FP8 kernel's sm_90a code.
+bool flash_fwd_fp8_available();
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+bool flash_fwd_fp8_built_();
+
+}  // namespace llm_attn

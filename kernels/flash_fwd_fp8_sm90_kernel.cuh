@@ -1,0 +1,290 @@
+// FP8 FlashAttention forward for Hopper (sm_90a): the bf16 kernel's structure (flash_fwd_sm90_kernel.cuh: a TMA
+// producer warpgroup, two consumer warpgroups of 64 query rows, software-pipelined and ping-ponged wgmma) on the
+// e4m3 operands the pre-pass writes (quant_fp8.cuh; flash_fp8.h says what is computed):
+//   S = Q8 K8^T      wgmma m64n128k32 e4m3, both operands K-major from shared memory; dequantised by the tile's
+//                    q_scale * k_scale folded into the softmax scale
+//   softmax          online, base 2, fp32, with the exact running max (SoftmaxState<.., 0>): P <= 1, so P * 256 fits
+//                    e4m3 (max 448) and keeps small probabilities out of its subnormals
+//   O += P8 V8       wgmma m64n{head_dim}k32 e4m3, P from registers, V^T (head_dim rows of 128 keys) from shared
+//                    memory. The fp8 A fragment wants keys 4t..4t+3 of each 16 in thread t's registers, where the
+//                    S accumulators hold keys 2t, 2t+1, 8+2t, 9+2t: rather than shuffle P between lanes, the pre-pass
+//                    wrote V^T with its keys in that order (vt_key_of_position), so P packs in place.
+// The epilogue multiplies O by v_scale / (256 rowsum) per channel and writes it straight from registers.
+#pragma once
+
+#include "flash_fp8.h"
+#include "flash_fwd_sm90_kernel.cuh"  // BlockInfo, mask_scores, SoftmaxState
+#include "hopper_fp8.cuh"
+
+namespace llm_attn {
+namespace sm90 {
+
+template <int kHeadDim_, int kStages_ = 2>
+struct Fp8Traits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kConsumers = 2;
+    static constexpr int kBlockM = 64 * kConsumers;
+    static constexpr int kBlockN = kFp8KBlock;  // 128 keys: one 128-byte V^T row, and the K scale's block
+    static constexpr int kStages = kStages_;
+    static constexpr int kThreads = 128 * (1 + kConsumers);
+    static constexpr int kConsumerThreads = 128 * kConsumers;
+    static constexpr int kConsumerWarps = 4 * kConsumers;
+    static constexpr int kRowBytes = kHeadDim;  // e4m3 Q/K rows: 64 or 128 bytes, swizzled as wide
+    static constexpr int kTileBytesQ = kBlockM * kRowBytes;
+    static constexpr int kTileBytesK = kBlockN * kRowBytes;
+    static constexpr int kTileBytesV = kHeadDim * kBlockN;  // V^T: head_dim rows of 128 key bytes
+    static constexpr int kNumBarriers = 1 + 4 * kStages;
+    static constexpr int kSmemBytes = kTileBytesQ + kStages * (kTileBytesK + kTileBytesV) + kNumBarriers * 8 + 1024;
+    static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    static constexpr float kPScale = 256.f;  // P in [0, 1] -> [0, 256] in e4m3
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+    static_assert(kBlockM == kFp8QBlock * kConsumers, "one Q scale per consumer warpgroup");
+    static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 64 * 1024, "the SM's register file");
+    static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory a Hopper block can have");
+};
+
+struct Fp8Sm90Params {
+    FlashFwdFp8Params f;
+    int pingpong;
+    TmaDesc tma_q, tma_k, tma_vt;
+};
+
+template <typename Traits>
+struct Fp8Smem {
+    uint8_t* q;
+    uint8_t* k;   // [kStages][kTileBytesK]
+    uint8_t* vt;  // [kStages][kTileBytesV]
+    uint64_t* bar_q;
+    uint64_t* full_k;
+    uint64_t* full_v;
+    uint64_t* empty_k;
+    uint64_t* empty_v;
+
+    __device__ __forceinline__ explicit Fp8Smem(uint8_t* raw) {
+        uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+        q = base;
+        k = q + Traits::kTileBytesQ;
+        vt = k + Traits::kStages * Traits::kTileBytesK;
+        bar_q = reinterpret_cast<uint64_t*>(vt + Traits::kStages * Traits::kTileBytesV);
+        full_k = bar_q + 1;
+        full_v = full_k + Traits::kStages;
+        empty_k = full_v + Traits::kStages;
+        empty_v = empty_k + Traits::kStages;
+    }
+};
+
+template <typename Traits>
+__device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const Fp8Smem<Traits>& sm, const BlockInfo& b) {
+    prefetch_tma_desc(&params.tma_q);
+    prefetch_tma_desc(&params.tma_k);
+    prefetch_tma_desc(&params.tma_vt);
+    mbar_arrive_expect_tx(sm.bar_q, Traits::kTileBytesQ);
+    tma_load_4d(sm.q, &params.tma_q, sm.bar_q, 0, b.m_block * Traits::kBlockM, b.head, b.batch);
+    for (int it = 0; it < b.n_blocks; ++it) {
+        const int n_block = b.n_blocks - 1 - it;
+        const int stage = it % Traits::kStages;
+        const uint32_t parity = (it / Traits::kStages) & 1;
+        mbar_wait(&sm.empty_k[stage], parity ^ 1);
+        mbar_arrive_expect_tx(&sm.full_k[stage], Traits::kTileBytesK);
+        tma_load_4d(sm.k + stage * Traits::kTileBytesK, &params.tma_k, &sm.full_k[stage], 0, n_block * Traits::kBlockN,
+                    b.kv_head, b.batch);
+        mbar_wait(&sm.empty_v[stage], parity ^ 1);
+        mbar_arrive_expect_tx(&sm.full_v[stage], Traits::kTileBytesV);
+        tma_load_4d(sm.vt + stage * Traits::kTileBytesV, &params.tma_vt, &sm.full_v[stage], n_block * Traits::kBlockN, 0,
+                    b.kv_head, b.batch);
+    }
+}
+
+template <typename T, typename Traits, bool kCausal>
+__device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const Fp8Smem<Traits>& sm,
+                                             const BlockInfo& b, int wg) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kNT = kBlockN / 8;   // n8 blocks of S per warp
+    constexpr int kDT = kHeadDim / 8;  // n8 blocks of O per warp
+    constexpr int kKP = kBlockN / 32;  // k32 steps of P V
+    using Scores = float[1][kNT][4];
+    const FlashFwdParams& p = params.f.p;
+    const int tid = threadIdx.x % 128;
+    const int warp = tid / 32, lane = tid % 32;
+    const int wg_row0 = b.m_block * Traits::kBlockM + wg * 64;
+    const int warp_row0 = wg_row0 + warp * 16;
+    const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;
+    const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
+    const float* k_scale = params.f.k_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * k_blocks;
+    // Rows past seqlen_q (a partial last block) have no scale of their own: their Q rows arrive as zeros anyway.
+    const int q_blk = min(b.m_block * Traits::kConsumers + wg, q_blocks - 1);
+    const float qk_scale_log2 =
+        p.scale_log2 * params.f.q_scale[(static_cast<int64_t>(b.batch) * p.num_heads + b.head) * q_blocks + q_blk];
+
+    SoftmaxState<1, kDT, 0> st;
+    st.init();
+    Scores acc_s;
+    float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&acc_s[0][0][0]);
+    float(&o_flat)[kHeadDim / 2] = *reinterpret_cast<float(*)[kHeadDim / 2]>(&st.acc_o[0][0][0]);
+
+    const SmemDesc desc_q = kmajor_desc<Traits::kRowBytes>(sm.q + wg * 64 * Traits::kRowBytes);
+    const SmemDesc desc_k0 = kmajor_desc<Traits::kRowBytes>(sm.k);
+    const SmemDesc desc_v0 = kmajor_desc<128>(sm.vt);
+
+    auto issue_qk = [&](int stage) {
+        const SmemDesc k = desc_k0 + stage * Traits::kTileBytesK;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+            WgmmaFp8<kBlockN>::ss(s_flat, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), kk > 0);
+        }
+        wgmma_commit();
+    };
+    uint32_t pa[kKP][4];  // P of the previous tile, e4m3, as wgmma A fragments
+    auto pack_p = [&] {
+#pragma unroll
+        for (int c = 0; c < kKP; ++c) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // keys 32c + [0, 16) and + [16, 32): n8 blocks 4c + 2h, 4c + 2h + 1
+                const float(&lo)[4] = acc_s[0][4 * c + 2 * h];
+                const float(&hi)[4] = acc_s[0][4 * c + 2 * h + 1];
+                constexpr float s = Traits::kPScale;
+                pa[c][2 * h] = pack4_e4m3(lo[0] * s, lo[1] * s, hi[0] * s, hi[1] * s);      // row g
+                pa[c][2 * h + 1] = pack4_e4m3(lo[2] * s, lo[3] * s, hi[2] * s, hi[3] * s);  // row g + 8
+            }
+        }
+    };
+    auto issue_pv = [&](int stage) {
+        const SmemDesc v = desc_v0 + stage * Traits::kTileBytesV;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKP; ++kk) WgmmaFp8<kHeadDim>::rs(o_flat, pa[kk], (v + kk * 32).u64(), 1);
+        wgmma_commit();
+    };
+    auto softmax = [&](int n_block, float (&alpha)[1][2]) {
+        const int key0 = n_block * kBlockN;
+        if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
+            mask_scores<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
+        }
+        return st.update_scores(acc_s, qk_scale_log2 * k_scale[n_block], alpha);
+    };
+    auto release = [&](uint64_t* bar) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar);
+    };
+
+    // Ping-pong as in the bf16 kernel (named barriers 8 + wg).
+    constexpr int kLast = Traits::kConsumers - 1;
+    const bool pingpong = params.pingpong;
+    auto my_turn = [&] {
+        if (pingpong) named_barrier_sync(8 + wg, 256);
+    };
+    auto your_turn = [&] {
+        if (pingpong) named_barrier_arrive(8 + (wg == kLast ? 0 : wg + 1), 256);
+    };
+    if (pingpong && wg == kLast && b.n_blocks > 0) named_barrier_arrive(8, 256);
+
+    mbar_wait(sm.bar_q, 0);
+    if (b.n_blocks > 0) {
+        mbar_wait(&sm.full_k[0], 0);
+        my_turn();
+        issue_qk(0);
+        your_turn();
+        wgmma_wait<0>();
+        fence_regs(s_flat);
+        release(&sm.empty_k[0]);
+        float alpha[1][2];
+        softmax(b.n_blocks - 1, alpha);  // O is still zero: no rescale needed
+        pack_p();
+    }
+    for (int it = 1; it < b.n_blocks; ++it) {
+        const int stage = it % Traits::kStages, prev = (it - 1) % Traits::kStages;
+        const uint32_t parity = (it / Traits::kStages) & 1, prev_parity = ((it - 1) / Traits::kStages) & 1;
+        mbar_wait(&sm.full_k[stage], parity);
+        mbar_wait(&sm.full_v[prev], prev_parity);
+        my_turn();
+        issue_qk(stage);
+        issue_pv(prev);
+        your_turn();
+        wgmma_wait<1>();
+        fence_regs(s_flat);
+        release(&sm.empty_k[stage]);
+        float alpha[1][2];
+        const bool rescale = softmax(b.n_blocks - 1 - it, alpha);
+        wgmma_wait<0>();
+        fence_regs(o_flat);
+        release(&sm.empty_v[prev]);
+        if (rescale) st.rescale_o(alpha);
+        pack_p();
+    }
+    if (b.n_blocks > 0) {
+        const int last = (b.n_blocks - 1) % Traits::kStages;
+        mbar_wait(&sm.full_v[last], ((b.n_blocks - 1) / Traits::kStages) & 1);
+        my_turn();
+        issue_pv(last);
+        if (wg != kLast) your_turn();
+        wgmma_wait<0>();
+        fence_regs(o_flat);
+        release(&sm.empty_v[last]);
+    }
+
+    // Epilogue: O * v_scale[channel] / (256 rowsum), straight from registers (4-byte stores, a quad's 16 bytes
+    // contiguous); rows that saw no key write 0 and lse = -inf.
+    const int g = lane / 4, t = lane % 4;
+    const float* v_scale = params.f.v_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * kHeadDim;
+    float vs[kDT][2];
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+        const float2 s2 = *reinterpret_cast<const float2*>(v_scale + dt * 8 + 2 * t);
+        vs[dt][0] = s2.x / Traits::kPScale, vs[dt][1] = s2.y / Traits::kPScale;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float s = quad_sum(st.row_sum[0][r]);
+        const float inv_sum = s > 0.f ? 1.f / s : 0.f;
+        const int row = wg_row0 + warp * 16 + g + r * 8;
+        if (row >= p.seqlen_q) continue;
+        T* o_row = static_cast<T*>(p.o) + b.batch * p.o_batch_stride + b.head * p.o_head_stride + row * p.o_row_stride;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+            *reinterpret_cast<uint32_t*>(o_row + dt * 8 + 2 * t) =
+                pack2<T>(st.acc_o[0][dt][2 * r] * inv_sum * vs[dt][0], st.acc_o[0][dt][2 * r + 1] * inv_sum * vs[dt][1]);
+        }
+        if (p.lse != nullptr && t == 0) {
+            p.lse[(static_cast<int64_t>(b.batch) * p.num_heads + b.head) * p.seqlen_q + row] =
+                s > 0.f ? (st.row_max[0][r] + __log2f(s)) * kLn2 : -INFINITY;
+        }
+    }
+}
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    flash_fwd_fp8_sm90_kernel(const __grid_constant__ Fp8Sm90Params params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
+    const Fp8Smem<Traits> sm(smem_raw);
+    const BlockInfo b = BlockInfo::make<Traits, kCausal>(params.f.p);
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbar_init(sm.bar_q, 1);
+#pragma unroll
+        for (int s = 0; s < Traits::kStages; ++s) {
+            mbar_init(&sm.full_k[s], 1);
+            mbar_init(&sm.full_v[s], 1);
+            mbar_init(&sm.empty_k[s], Traits::kConsumerWarps);
+            mbar_init(&sm.empty_v[s], Traits::kConsumerWarps);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<Traits::kProducerRegs>();
+        if (threadIdx.x == 0) fp8_producer<Traits>(params, sm, b);
+    } else {
+        setmaxnreg_inc<Traits::kConsumerRegs>();
+        fp8_consumer<T, Traits, kCausal>(params, sm, b, wg - 1);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#endif
+}
+
+}  // namespace sm90
+}  // namespace llm_attn

@@ -1,0 +1,85 @@
+// Host side of the FP8 forward (flash_fp8.h): the quantising pre-pass launches, the tensor maps of the e4m3
+// workspaces and the kernel launch. Included by one instantiation file per (head_dim, dtype, causal).
+#pragma once
+
+#include "flash_fwd_fp8_sm90_kernel.cuh"
+#include "launch_smem.h"
+#include "quant_fp8.cuh"
+#include "tma_host.h"  // tensor_map_encoder, tuning_env
+
+namespace llm_attn {
+namespace sm90 {
+
+// A 4-D e4m3 map (inner, rows, heads, batch) of a contiguous byte tensor, boxes of box_inner x box_rows with the
+// swizzle as wide as box_inner (64 or 128 bytes). Encoded per call: the workspaces are fresh allocations.
+inline bool encode_fp8_map(TmaDesc* desc, const void* ptr, int inner, int rows, int heads, int batch, int box_inner,
+                           int box_rows) {
+    auto encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows),
+                                static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(inner) * rows,
+                                   static_cast<cuuint64_t>(inner) * rows * heads};
+    const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_inner), static_cast<cuuint32_t>(box_rows), 1, 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    const CUresult r = encode(reinterpret_cast<CUtensorMap*>(desc), CU_TENSOR_MAP_DATA_TYPE_UINT8, 4,
+                              const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS;
+}
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream) {
+    using Traits = Fp8Traits<kHeadDim>;
+    const FlashFwdParams& p = f.p;
+    const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;
+    const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
+    // Pre-pass: channel statistics of K and V, then Q, then K and V^T (each waits for the one before on the stream).
+    fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, p.num_kv_heads, p.batch), fp8::kThreads, 0,
+                                            stream>>>(f);
+    fp8::fp8_quant_q_kernel<T, kHeadDim><<<dim3(q_blocks, p.num_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
+    fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3(k_blocks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+
+    static const int pingpong = tuning_env("LLM_ATTN_SM90_PINGPONG", 1);
+    Fp8Sm90Params sp;
+    sp.f = f;
+    sp.pingpong = pingpong;
+    const int pad = fp8_seqlen_k_pad(p.seqlen_k);
+    const bool ok =
+        encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, kHeadDim, Traits::kBlockM) &&
+        encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, kHeadDim, Traits::kBlockN) &&
+        encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, Traits::kBlockN, kHeadDim);
+    if (!ok) return cudaErrorInvalidValue;
+    err = opt_in_dynamic_smem<flash_fwd_fp8_sm90_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
+    if (err != cudaSuccess) return err;
+    const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : dim3(m_blocks, p.num_heads, p.batch);
+    flash_fwd_fp8_sm90_kernel<T, Traits, kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);
+    return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+bool fp8_has_device_code() {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, flash_fwd_fp8_sm90_kernel<T, Fp8Traits<kHeadDim>, true>) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    return attr.binaryVersion == 90 && attr.ptxVersion == 90;
+}
+
+}  // namespace sm90
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream) {
+    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream);
+}
+template <typename T, int kHeadDim>
+bool flash_fwd_fp8_built_() {
+    return sm90::fp8_has_device_code<T, kHeadDim>();
+}
+
+}  // namespace llm_attn

@@ -1,0 +1,210 @@
+// The FP8 forward's quantising pre-pass (flash_fp8.h says what it computes): three kernels, all memory-bound, each
+// reading its bf16/fp16 input once in 16-byte chunks.
+//   fp8_kv_stats_kernel   K's channel sums and V's channel amax over the valid keys (float atomics into `stats`)
+//   fp8_quant_q_kernel    Q -> e4m3, one scale per 64 rows of a head
+//   fp8_quant_kv_kernel   K - mean -> e4m3 (one scale per 128 keys) and V -> e4m3 transposed (one scale per
+//                         channel), key-permuted for the kernel's P registers
+// Keys at or past a batch's valid length (seqused_k) may hold anything (NaN in an unused cache slot): they are never
+// read into a statistic and are written as zeros.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "flash_fp8.h"
+#include "hopper_fp8.cuh"
+
+namespace llm_attn {
+namespace fp8 {
+
+constexpr float kE4m3Max = 448.f;
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ void load8(float (&x)[8], const T* src) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<T>(w[i]);
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ int valid_keys(const FlashFwdParams& p, int batch) {
+    return p.seqused_k ? max(0, min(p.seqused_k[batch], p.seqlen_k)) : p.seqlen_k;
+}
+
+// Max over the block's threads of a non-negative value (every thread gets it).
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = red[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, red[w]);
+    return v;
+}
+
+// The scale of a block whose largest magnitude is amax (1 for an all-zero block, so that 0 / scale stays 0).
+__device__ __forceinline__ float e4m3_scale(float amax) { return amax > 0.f ? amax / kE4m3Max : 1.f; }
+
+// grid (ceil(seqlen_k / kRows), num_kv_heads, batch). stats: (2, batch, kv_heads, D) zeroed; sums, then amax bits.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) fp8_kv_stats_kernel(const FlashFwdFp8Params params) {
+    constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kRows = 512;
+    const FlashFwdParams& p = params.p;
+    const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks;
+    const int kv_len = valid_keys(p, b);
+    __shared__ float sum_s[kHeadDim];
+    __shared__ unsigned amax_s[kHeadDim];
+    if (threadIdx.x < kHeadDim) sum_s[threadIdx.x] = 0.f, amax_s[threadIdx.x] = 0u;
+    __syncthreads();
+    float sum[8] = {}, amax[8] = {};
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride + c * 8;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + c * 8;
+    const int end = min(kv_len, (blockIdx.x + 1) * kRows);
+    for (int key = blockIdx.x * kRows + threadIdx.x / kChunks; key < end; key += kRowStep) {
+        float x[8], y[8];
+        load8<T>(x, k + key * p.k_row_stride);
+        load8<T>(y, v + key * p.v_row_stride);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] += x[i], amax[i] = fmaxf(amax[i], fabsf(y[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        atomicAdd(&sum_s[c * 8 + i], sum[i]);
+        atomicMax(&amax_s[c * 8 + i], __float_as_uint(amax[i]));  // non-negative floats order as their bits
+    }
+    __syncthreads();
+    if (threadIdx.x < kHeadDim) {
+        const int64_t i = (static_cast<int64_t>(b) * p.num_kv_heads + h) * kHeadDim + threadIdx.x;
+        const int64_t n = static_cast<int64_t>(p.batch) * p.num_kv_heads * kHeadDim;
+        atomicAdd(&params.stats[i], sum_s[threadIdx.x]);
+        atomicMax(reinterpret_cast<unsigned*>(params.stats + n) + i, amax_s[threadIdx.x]);
+    }
+}
+
+// grid (ceil(seqlen_q / kFp8QBlock), num_heads, batch).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8Params params) {
+    constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8QBlock / kRowStep;
+    const FlashFwdParams& p = params.p;
+    const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks, blk = blockIdx.x;
+    __shared__ float red[kThreads / 32];
+    float x[kIters][8];
+    float amax = 0.f;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + c * 8;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;
+        if (row < p.seqlen_q) {
+            load8<T>(x[it], q + row * p.q_row_stride);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) x[it][i] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[it][i]));
+    }
+    const float scale = e4m3_scale(block_max(amax, red)), inv = 1.f / scale;
+    const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
+    if (threadIdx.x == 0) params.q_scale[bh * gridDim.x + blk] = scale;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;
+        if (row >= p.seqlen_q) continue;
+        uint2 out;
+        out.x = sm90::pack4_e4m3(x[it][0] * inv, x[it][1] * inv, x[it][2] * inv, x[it][3] * inv);
+        out.y = sm90::pack4_e4m3(x[it][4] * inv, x[it][5] * inv, x[it][6] * inv, x[it][7] * inv);
+        *reinterpret_cast<uint2*>(params.q8 + (bh * p.seqlen_q + row) * kHeadDim + c * 8) = out;
+    }
+}
+
+// The key that V^T's position j of a 16-key group holds: the P registers of thread t cover keys 2t, 2t+1, 8+2t,
+// 9+2t of each 16 (two n8 accumulator blocks), which the fp8 A operand reads as k = 4t .. 4t+3.
+__device__ __forceinline__ int vt_key_of_position(int j) { return (j & 3) < 2 ? 2 * (j >> 2) + (j & 3) : 6 + 2 * (j >> 2) + (j & 3); }
+
+// grid (seqlen_k_pad / kFp8KBlock, num_kv_heads, batch). Reads `stats` (complete: the stats kernel ran before).
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp8Params params) {
+    constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8KBlock / kRowStep;
+    constexpr int kPitch = kHeadDim + 16;  // V bytes of a key in shared memory, padded against bank conflicts
+    const FlashFwdParams& p = params.p;
+    const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks, blk = blockIdx.x;
+    const int kv_len = valid_keys(p, b);
+    const int pad = fp8_seqlen_k_pad(p.seqlen_k);
+    const int64_t bh = static_cast<int64_t>(b) * p.num_kv_heads + h;
+    const int64_t n_stats = static_cast<int64_t>(p.batch) * p.num_kv_heads * kHeadDim;
+    __shared__ float red[kThreads / 32];
+    __shared__ __align__(16) uint8_t v_s[kFp8KBlock * kPitch];
+
+    float mean[8], v_inv[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        mean[i] = kv_len > 0 ? params.stats[bh * kHeadDim + c * 8 + i] / kv_len : 0.f;
+        v_inv[i] = 1.f / e4m3_scale(__uint_as_float(reinterpret_cast<const unsigned*>(params.stats + n_stats)[bh * kHeadDim + c * 8 + i]));
+    }
+    if (blk == 0 && threadIdx.x < kHeadDim) {
+        params.v_scale[bh * kHeadDim + threadIdx.x] =
+            e4m3_scale(__uint_as_float(reinterpret_cast<const unsigned*>(params.stats + n_stats)[bh * kHeadDim + threadIdx.x]));
+    }
+
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride + c * 8;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + c * 8;
+    float x[kIters][8];
+    float amax = 0.f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int r = it * kRowStep + threadIdx.x / kChunks, key = blk * kFp8KBlock + r;
+        float y[8];
+        if (key < kv_len) {
+            load8<T>(x[it], k + key * p.k_row_stride);
+            load8<T>(y, v + key * p.v_row_stride);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) x[it][i] = mean[i], y[i] = 0.f;  // K row becomes exactly 0 after smoothing
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[it][i] -= mean[i], amax = fmaxf(amax, fabsf(x[it][i]));
+        uint2 vq;
+        vq.x = sm90::pack4_e4m3(y[0] * v_inv[0], y[1] * v_inv[1], y[2] * v_inv[2], y[3] * v_inv[3]);
+        vq.y = sm90::pack4_e4m3(y[4] * v_inv[4], y[5] * v_inv[5], y[6] * v_inv[6], y[7] * v_inv[7]);
+        *reinterpret_cast<uint2*>(v_s + r * kPitch + c * 8) = vq;
+    }
+    const float scale = e4m3_scale(block_max(amax, red)), inv = 1.f / scale;  // block_max's barrier also orders v_s
+    if (threadIdx.x == 0) params.k_scale[bh * gridDim.x + blk] = scale;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int key = blk * kFp8KBlock + it * kRowStep + threadIdx.x / kChunks;
+        if (key >= p.seqlen_k) continue;
+        uint2 out;
+        out.x = sm90::pack4_e4m3(x[it][0] * inv, x[it][1] * inv, x[it][2] * inv, x[it][3] * inv);
+        out.y = sm90::pack4_e4m3(x[it][4] * inv, x[it][5] * inv, x[it][6] * inv, x[it][7] * inv);
+        *reinterpret_cast<uint2*>(params.k8 + (bh * p.seqlen_k + key) * kHeadDim + c * 8) = out;
+    }
+    // V^T: thread -> (channel d, group of 16 keys); 16 bytes out, consecutive threads along the keys of one channel.
+    constexpr int kGroups = kFp8KBlock / 16;
+#pragma unroll
+    for (int o = threadIdx.x; o < kHeadDim * kGroups; o += kThreads) {
+        const int d = o / kGroups, g = o % kGroups;
+        uint32_t w[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                word |= static_cast<uint32_t>(v_s[(g * 16 + vt_key_of_position(4 * q + e)) * kPitch + d]) << (8 * e);
+            w[q] = word;
+        }
+        *reinterpret_cast<uint4*>(params.vt8 + (bh * kHeadDim + d) * pad + blk * kFp8KBlock + g * 16) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+}  // namespace fp8
+}  // namespace llm_attn

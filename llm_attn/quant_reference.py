@@ -1,0 +1,91 @@
+"""The FP8 attention forward in PyTorch: the quantised algorithm of ``kernels/flash_fp8.h``, block for block and scale
+for scale, so that the CUDA kernel can be checked against it and the CPU can run what the GPU runs.
+
+- Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448 (1 for an all-zero block).
+- K: minus its per-channel mean over the valid keys (``q . mean`` is the same for every key of a row, so no softmax
+  row changes; it removes the per-channel bias that makes K's amax large), then e4m3 with one scale per (batch,
+  KV head, 128 keys).
+- V: e4m3 with one scale per (batch, KV head, channel) over the valid keys.
+- S = (Q8 K8^T) q_scale k_scale, masked; P = exp(S scale - rowmax) in fp32; P8 = e4m3(256 P);
+  O = (P8 V8) v_scale / (256 rowsum(P)), the row sum over the unquantised P; lse as the exact one.
+
+The kernel quantises P against its running row max (online softmax, key tiles last to first); this reference
+against the row's final max. Where the two maxima differ, P is quantised at a different point of the e4m3 grid:
+the two agree to e4m3 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llm_attn.reference import _group, _valid_key_mask
+
+E4M3_MAX = 448.0
+Q_BLOCK = 64     # query rows per Q scale (kernels/flash_fp8.h kFp8QBlock)
+K_BLOCK = 128    # keys per K scale (kFp8KBlock)
+P_SCALE = 256.0  # P in [0, 1] -> [0, 256] before e4m3
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 to e4m3 (round to nearest even, saturating at +-448, as ``cvt.rn.satfinite``), returned as
+    float32."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 of (B, H, S, D) float32 with one scale per ``block`` rows of each head: (dequantised x, scales)."""
+    b, h, s, d = x.shape
+    n = -(-s // block)
+    padded = torch.nn.functional.pad(x, (0, 0, 0, n * block - s)).view(b, h, n, block, d)
+    scale = _scale(padded.abs().amax(dim=(-1, -2)))                           # (B, H, n)
+    inv = (1.0 / scale).view(b, h, n, 1, 1)
+    q = e4m3(padded * inv) * scale.view(b, h, n, 1, 1)
+    return q.view(b, h, n * block, d)[:, :, :s], scale
+
+
+def quantize_fp8(q, k, v, seqused_k=None):
+    """The dequantised operands the kernel multiplies (float32): (Q8 q_scale, K8 k_scale, V8 v_scale), K smoothed,
+    keys past each batch's valid length zero."""
+    b, _, _, d = q.shape
+    sk = k.shape[2]
+    used = (torch.full((b,), sk, dtype=torch.long, device=k.device) if seqused_k is None
+            else seqused_k.to(device=k.device, dtype=torch.long).clamp(0, sk))
+    valid = (torch.arange(sk, device=k.device).view(1, 1, sk, 1) < used.view(b, 1, 1, 1))   # (B, 1, Sk, 1)
+    kf = torch.where(valid, k.float(), 0.0)
+    vf = torch.where(valid, v.float(), 0.0)
+    mean = kf.sum(dim=2, keepdim=True) / used.clamp(min=1).view(b, 1, 1, 1).float()
+    ks = torch.where(valid, kf - mean, 0.0)
+    qd, _ = _blockwise(q.float(), Q_BLOCK)
+    kd, _ = _blockwise(ks, K_BLOCK)
+    v_scale = _scale(vf.abs().amax(dim=2, keepdim=True))                      # (B, Hkv, 1, D)
+    vd = e4m3(vf * (1.0 / v_scale)) * v_scale
+    return qd, kd, vd
+
+
+def attention_fp8(q, k, v, causal=False, scale=None, seqused_k=None, return_lse=False):
+    """FP8 attention (see the module docstring): ``out`` in q's dtype, (B, Hq, Sq, D); with ``return_lse`` also the
+    natural-log lse, float32 (B, Hq, Sq). Same conventions as ``llm_attn.reference.attention_naive`` (GQA,
+    bottom-right causal, seqused_k)."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    qd, kd, vd = quantize_fp8(q, k, v, seqused_k)
+    s = torch.matmul(_group(qd, hkv), kd.unsqueeze(2).transpose(-1, -2)) * scale     # (B, Hkv, G, Sq, Sk)
+    mask = _valid_key_mask(sq, sk, causal, seqused_k, b, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True)
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(s - safe_max)
+    row_sum = p.sum(dim=-1, keepdim=True)
+    p8 = e4m3(p * P_SCALE)
+    out = torch.matmul(p8, vd.unsqueeze(2)) / (P_SCALE * torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum)))
+    lse = torch.where(row_sum > 0, safe_max + torch.log(row_sum), torch.full_like(row_sum, float("-inf")))
+    out = out.reshape(b, hq, sq, d).to(q.dtype)
+    return (out, lse.reshape(b, hq, sq)) if return_lse else out

@@ -1,0 +1,96 @@
+"""CPU tests of the FP8 path: the quantised reference against float64 and against its own definition, the
+precision argument's errors, and the ``llm_attn_fp8`` registry entry (the GPU kernel: tests/test_fp8_gpu.py)."""
+
+import pytest
+import torch
+
+from llm_attn import attention_naive, flash_attn_func
+from llm_attn import quant_reference as qr
+
+
+def test_e4m3_rounds_and_saturates():
+    x = torch.tensor([0.0, 1.0, 1.0625, 1.1875, 447.0, 500.0, -1e6, 2.0 ** -10])
+    y = qr.e4m3(x)
+    assert y.tolist()[:3] == [0.0, 1.0, 1.0]          # 1.0625 is halfway between 1 and 1.125: to even
+    assert y[3] == 1.25 and y[4] == 448.0 and y[5] == 448.0 and y[6] == -448.0
+    assert y[7] == 0.0                                  # below half the smallest subnormal (2^-9)
+
+
+def test_quantize_blocks_and_smoothing():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 130, 64)
+    k = torch.randn(1, 1, 300, 64) + 50 * (torch.arange(64) == 5)  # one outlier channel
+    v = torch.randn(1, 1, 300, 64)
+    qd, kd, vd = qr.quantize_fp8(q, k, v)
+    # Smoothing removes the channel mean: the outlier channel is centred, so K's error is that of unit data.
+    assert kd[..., 5].mean().abs() < 0.5
+    assert ((kd - (k - k.mean(2, keepdim=True))).abs().max()) < 0.25
+    # Every block's largest magnitude maps to 448 exactly (its scale is amax / 448).
+    blk = q[:, :, :64]
+    assert torch.allclose(qd[:, :, :64].abs().amax(dim=(-1, -2)), blk.abs().amax(dim=(-1, -2)))
+    assert torch.allclose(vd.abs().amax(dim=2), v.abs().amax(dim=2))
+
+
+def test_seqused_k_garbage_never_reaches_the_result():
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 50, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 200, 64, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 200, 64, dtype=torch.bfloat16)
+    used = torch.tensor([200, 77], dtype=torch.int32)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 77:] = float("nan")
+    v2[1, :, 77:] = 1e4
+    a = qr.attention_fp8(q, k, v, causal=True, seqused_k=used)
+    b = qr.attention_fp8(q, k2, v2, causal=True, seqused_k=used)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_error_is_fp8_sized(causal):
+    """FP8 attention's error against float64 on LLM-shaped inputs (outlier K channels): measured, not assumed.
+    The bounds are what e4m3 (3 mantissa bits) gives on Gaussian data; a wrong scale is orders of magnitude off."""
+    torch.manual_seed(2)
+    q = torch.randn(1, 8, 257, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 513, 128, dtype=torch.bfloat16)
+    k[..., [3, 40]] += 25
+    v = torch.randn(1, 2, 513, 128, dtype=torch.bfloat16)
+    ref, _ = attention_naive(q, k, v, causal=causal)
+    out = qr.attention_fp8(q, k, v, causal=causal).double()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    rel = ((out - ref).abs().sum() / ref.abs().sum()).item()
+    assert cos > 0.997 and rel < 0.07, (cos, rel)
+    # e4m3's error is relative to each element, so an outlier channel (25 +- 1) carries a large absolute error;
+    # smoothing centres it first. Without it K's error is larger (the reason K is smoothed).
+    kd_raw, _ = qr._blockwise(k.float(), qr.K_BLOCK)
+    smoothed = qr.quantize_fp8(q, k, v)[1] - (k.float() - k.float().mean(2, keepdim=True))
+    assert (kd_raw - k.float()).abs().mean() > 1.2 * smoothed.abs().mean()
+
+
+def test_precision_argument_errors():
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        flash_attn_func(q, q, q, precision="int4")
+    q.requires_grad_()
+    out = flash_attn_func(q, q.detach(), q.detach(), precision="fp8")
+    with pytest.raises(RuntimeError, match="forward-only"):
+        out.sum().backward()
+
+
+def test_fp8_problem_names_the_gpu(monkeypatch):
+    from llm_attn import kernel_contract
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    msg = kernel_contract.fp8_problem("fp8", torch.empty(1), use_kernel=True)
+    assert "compute capability 9.0" in msg and "sm_89" in msg and "\n" not in msg
+
+
+def test_registry_entry_on_cpu_runs_the_reference():
+    from llm_attn import registry
+
+    entry = registry.get("llm_attn_fp8")
+    assert entry.choose(torch.device("cpu"), torch.bfloat16, 128) == ("reference-fp8", None)
+    assert not entry.default
+    q = torch.randn(1, 4, 40, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    out = entry.fn(q, k, k, causal=True, scale=0.125, variant="reference-fp8")
+    assert torch.equal(out, qr.attention_fp8(q, k, k, causal=True, scale=0.125))
