@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         except PromptsError as e:
             parser.error(f"{args.definition}: {e}")
     for cfg in configs:
-        problem = session.resource_problem(cfg.model_spec, device, cfg.dtype)
+        problem = session.resource_problem(cfg.model_spec, device, cfg.dtype, cfg.allow_dequant_fallback)
         if problem:
             fail(parser, f"model {cfg.model_spec}: {problem}")
     note = repair_cut_rows(out)  # every check has passed: a row cut by a killed run moves to <out>.corrupt

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out}: {output_file_problem(args.out)}")
     if results_file_problem(args.out):  # before the model loads: never append after (or resume from) garbage
         fail(parser, f"--out: {results_file_problem(args.out)}")
-    problem = session.resource_problem(spec, device, dtype)
+    problem = session.resource_problem(spec, device, dtype, args.allow_dequant_fallback)
     if problem:
         fail(parser, f"--model {args.model}: {problem}")
 

@@ -106,6 +106,43 @@ def test_explicit_awq_without_a_backend_still_fails_with_the_install_hint(monkey
     monkeypatch.setattr(loading, "_gptqmodel_available", lambda: False)
     with pytest.raises(loading.AwqBackendMissingError, match="gptqmodel"):
         loading.load_model("tiny:awq", device="cpu", cache_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # said before the checkpoint is generated
+
+
+# -- issue 35 item 4: preflight before any write; "models that run here" lists only what runs here ------------------
+def test_models_that_fit_are_only_models_that_run_here(monkeypatch, tmp_path):
+    from llm_attn.models import loading
+
+    monkeypatch.setattr(loading, "_available_memory", lambda dev: (20 * 10**9, "RAM available"))
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: False)
+    problem = loading.resource_problem("llama-3-8b", "cpu", torch.float32, cache_dir=tmp_path)
+    assert "20.0 GB RAM available" in problem and "--model tiny" in problem, problem
+    assert ":awq" not in problem  # no AWQ backend: an AWQ preset is no suggestion (it used to list llama-3-8b:awq)
+    assert "llama-3-8b:fp16" not in problem  # 37 GB in float32, the dtype --model llama-3-8b:fp16 gets on CPU
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: True)
+    problem = loading.resource_problem("llama-3-8b", "cpu", torch.float32, cache_dir=tmp_path)
+    assert "llama-3-8b:awq" in problem and "tiny:awq" in problem and "(e.g. --model tiny)" in problem, problem
+    assert loading.runnable_presets(torch.device("cpu"), cache_dir=tmp_path, free_disk=10**9) == [
+        "tiny:awq", "tiny-tp:awq", "tiny:fp16", "tiny-tp:fp16"]  # no disk for the 8B checkpoint
+
+
+def test_awq_without_a_backend_stops_before_anything_is_written(monkeypatch, tmp_path, capsys):
+    from llm_attn import ttft
+    from llm_attn.models import loading
+
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: False)
+    monkeypatch.setenv("LLM_ATTN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "rows.jsonl"
+    with pytest.raises(SystemExit) as e:
+        ttft.main(["--model", "llama-3-8b:awq", "--device", "cpu", "--seq", "16", "--out", str(out)])
+    assert e.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "needs an AWQ backend and none is installed (gptqmodel)" in err[0], err
+    assert "pip install --no-deps" in err[0] and "--allow-dequant-fallback" in err[0] and ":awq" not in \
+        err[0].partition("models that run here")[2], err[0]
+    assert not out.exists() and not (tmp_path / "cache").exists()  # nothing generated (5.4 GB for the 8B model)
+    assert loading.resource_problem("tiny:awq", "cpu", torch.float16, allow_dequant_fallback=True,
+                                    cache_dir=tmp_path) is None
 
 
 # -- rows 2-4: an --out that is not a results file is refused before the model loads -------------------------------

@@ -60,12 +60,12 @@ def resolve_model_spec(spec: str, device: str) -> tuple[str, str | None]:
     return auto_spec(device)
 
 
-def resource_problem(spec: str, device: str, dtype: str) -> str | None:
-    """Whether the model fits the device's free memory and the cache's free disk (``llm_attn.models.
-    resource_problem``), checked before anything is generated or loaded."""
+def resource_problem(spec: str, device: str, dtype: str, allow_dequant_fallback: bool = False) -> str | None:
+    """Whether the model can run here: an AWQ backend for an AWQ preset, the device's free memory, the cache's free
+    disk (``llm_attn.models.resource_problem``), checked before anything is generated or loaded."""
     from llm_attn.models import resource_problem as problem  # noqa: PLC0415
 
-    return problem(spec, device, DTYPES[dtype])
+    return problem(spec, device, DTYPES[dtype], allow_dequant_fallback=allow_dequant_fallback)
 
 
 def describe_model(info, device: str, spec: str = "auto") -> str:

@@ -41,7 +41,8 @@ def main(argv=None) -> int:
         from llm_attn.models.loading import resource_problem  # noqa: PLC0415
 
         try:
-            problem = resource_problem(args.spec, args.device or "auto", torch.float16, cache_dir=args.cache_dir)
+            problem = resource_problem(args.spec, args.device or "auto", torch.float16, cache_dir=args.cache_dir,
+                                       allow_dequant_fallback=args.allow_dequant_fallback)
         except (RuntimeError, ValueError) as e:  # e.g. --device cuda without a GPU
             problem = str(e)
         if problem:

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from llm_attn.models.synthetic import (
     MARKER_FILE,
     PROVENANCE_FILE,
     SYNTHETIC_FORMAT_VERSION,
+    DISK_HEADROOM,
     NotEnoughDiskError,
     _cache_root,
     cached_checkpoint,
@@ -37,11 +39,12 @@ class AwqBackendMissingError(ImportError):
     """An AWQ checkpoint was asked for but no AWQ backend that transformers can use is installed."""
 
 
+AWQ_PIP_LINE = ("python -m pip install --no-deps --no-build-isolation gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 "
+                "tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl requests")
 AWQ_INSTALL_HINT = (
     "transformers loads AWQ checkpoints through gptqmodel. Install it and the packages it imports without letting "
     "pip replace torch:\n"
-    "  python -m pip install --no-deps --no-build-isolation gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 "
-    "tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl requests\n"
+    f"  {AWQ_PIP_LINE}\n"
     "or pass allow_dequant_fallback=True (CLI: --allow-dequant-fallback) to run the same checkpoint dequantised "
     "to fp16.")
 
@@ -186,37 +189,109 @@ def _preset_memory_bytes(preset: str, quant: str, dtype: torch.dtype) -> int:
     return stored
 
 
-def resource_problem(spec: str, device: str | torch.device, dtype: torch.dtype, cache_dir=None) -> str | None:
-    """Why ``spec`` would not fit here, said before anything is written or loaded; None when it fits (or cannot
-    be estimated: only the synthetic presets are). Two checks: the weights' bytes (MEMORY_MARGIN over them) against
-    the free memory of ``device`` (MemAvailable on CPU, ``torch.cuda.mem_get_info`` on a GPU), and, for a synthetic
-    checkpoint not cached yet, its size against the free disk of the cache (``check_free_disk``). The message says
-    what is needed, what is free, and which presets fit."""
-    dev = _resolve_device(device)
-    if spec == "auto":
-        spec = auto_spec(dev)[0]
+def _preset_quant(spec: str, dev: torch.device) -> tuple[str, str] | None:
+    """(preset, 'awq' | 'fp16' | another suffix) for a preset spec (a bare preset: AWQ on a GPU, fp16 elsewhere);
+    None for anything else."""
     name, _, quant = spec.partition(":")
     if name not in PRESETS:
         return None
-    quant = quant or ("awq" if dev.type == "cuda" else "fp16")
+    return name, quant or ("awq" if dev.type == "cuda" else "fp16")
+
+
+def _awq_runs_as(allow_dequant_fallback: bool) -> str | None:
+    """How an AWQ checkpoint would load here: 'int4' (gptqmodel installed), 'dequantized' (no backend, the fallback
+    allowed) or None (it cannot)."""
+    if _gptqmodel_available():
+        return "int4"
+    return "dequantized" if allow_dequant_fallback else None
+
+
+def _weights_bytes(name: str, quant: str, dtype: torch.dtype, allow_dequant_fallback: bool) -> int:
+    if quant == "awq" and _awq_runs_as(allow_dequant_fallback) == "dequantized":
+        return _preset_memory_bytes(name, "fp16", torch.float16)  # every int4 linear as an fp16 Linear
+    return _preset_memory_bytes(name, quant, dtype)
+
+
+def _cached(root: Path, name: str, quant: str) -> bool:
+    suffix = "-g128" if quant == "awq" else ""
+    return (root / f"{name}-{quant}{suffix}-seed0-v{SYNTHETIC_FORMAT_VERSION}" / MARKER_FILE).is_file()
+
+
+def runnable_presets(dev: torch.device, allow_dequant_fallback: bool = False, cache_dir=None,
+                     avail: int | None = None, free_disk: int | None = None) -> list[str]:
+    """The synthetic presets (``name:quant``) that ``--model name:quant`` runs here, smallest first: an AWQ one only
+    where it loads (an AWQ backend, or the dequantising fallback allowed), its weights in the dtype the command lines
+    pick for it within the free memory (``avail``; default what ``_available_memory`` reads), and a checkpoint not
+    cached yet within the cache's free disk (``free_disk``; default what the filesystem says)."""
+    if avail is None:
+        avail, source = _available_memory(dev)
+        avail = avail if source else None  # unknown: not a reason to leave a model out
+    root = _cache_root(cache_dir)
+    if free_disk is None:
+        disk = root
+        while not disk.exists() and disk != disk.parent:
+            disk = disk.parent
+        free_disk = shutil.disk_usage(disk).free
+    sizes = {}
+    for name in PRESETS:
+        for quant in ("fp16", "awq"):
+            if quant == "awq" and _awq_runs_as(allow_dequant_fallback) is None:
+                continue
+            # The command lines' default dtype (harness.session.default_dtype): fp16 on a GPU and for AWQ.
+            dtype = torch.float16 if dev.type == "cuda" or quant == "awq" else torch.float32
+            need = _weights_bytes(name, quant, dtype, allow_dequant_fallback) * MEMORY_MARGIN
+            disk = estimated_checkpoint_bytes(name, quant) * DISK_HEADROOM
+            if (avail is None or need <= avail) and (_cached(root, name, quant) or disk <= free_disk):
+                sizes[f"{name}:{quant}"] = need
+    return sorted(sizes, key=sizes.get)
+
+
+def _runnable_tail(fits: list[str], dev: torch.device) -> str:
+    if not fits:
+        return "models that run here: none"
+    # The example: the smallest that a bare preset name means on this device (fp16 on CPU, AWQ on a GPU), if any.
+    bare = [f for f in fits if _preset_quant(f.partition(":")[0], dev) == tuple(f.split(":"))]
+    example = bare[0].partition(":")[0] if bare else fits[0]
+    return f"models that run here: {', '.join(fits)} (e.g. --model {example})"
+
+
+def resource_problem(spec: str, device: str | torch.device, dtype: torch.dtype, cache_dir=None,
+                     allow_dequant_fallback: bool = False) -> str | None:
+    """Why ``spec`` would not run here, said before anything is written or loaded; None when it runs (or cannot
+    be estimated: only the synthetic presets are). Three checks, in this order: an AWQ preset needs an AWQ backend
+    (gptqmodel) unless ``allow_dequant_fallback``; the weights' bytes (MEMORY_MARGIN over them; dequantised fp16
+    bytes for the fallback) against the free memory of ``device`` (MemAvailable on CPU, ``torch.cuda.mem_get_info``
+    on a GPU); and, for a synthetic checkpoint not cached yet, its size against the free disk of the cache
+    (``check_free_disk``). The message is one line: what is needed, what is there, and the presets that can run
+    here (``runnable_presets``)."""
+    dev = _resolve_device(device)
+    if spec == "auto":
+        spec = auto_spec(dev)[0]
+    preset = _preset_quant(spec, dev)
+    if preset is None:
+        return None
+    name, quant = preset
     if quant not in ("awq", "fp16"):
         return None  # load_model's own error names the accepted suffixes
-    need = int(_preset_memory_bytes(name, quant, dtype) * MEMORY_MARGIN)
+    if quant == "awq" and _awq_runs_as(allow_dequant_fallback) is None:
+        fits = runnable_presets(dev, allow_dequant_fallback, cache_dir)
+        return (f"the {name} AWQ int4 checkpoint needs an AWQ backend and none is installed (gptqmodel); install it "
+                f"as README.md 'Models' shows ({AWQ_PIP_LINE}), or add --allow-dequant-fallback to run it "
+                f"dequantised to fp16; {_runnable_tail(fits, dev)}")
+    need = int(_weights_bytes(name, quant, dtype, allow_dequant_fallback) * MEMORY_MARGIN)
     avail, where = _available_memory(dev)
     if where and need > avail:
-        sizes = {f"{n}:{q}": _preset_memory_bytes(n, q, dtype) * MEMORY_MARGIN
-                 for n in PRESETS for q in ("fp16", "awq")}
-        fits = sorted((k for k, v in sizes.items() if v <= avail), key=sizes.get)
-        dt = str(dtype).replace("torch.", "")
+        fits = runnable_presets(dev, allow_dequant_fallback, cache_dir, avail=avail)
+        dt = "float16, dequantised" if quant == "awq" and _awq_runs_as(allow_dequant_fallback) == "dequantized" \
+            else str(dtype).replace("torch.", "")
         return (f"needs ~{need / 1e9:.1f} GB of {'GPU ' if dev.type == 'cuda' else ''}memory for the {name} {quant} "
                 f"weights in {dt} (with {MEMORY_MARGIN - 1:.0%} margin), {avail / 1e9:.1f} GB {where}; "
-                f"models that fit: {', '.join(fits) or 'none'}"
-                + (f" (e.g. --model {fits[0].partition(':')[0]})" if fits else ""))
+                f"{_runnable_tail(fits, dev)}")
     root = _cache_root(cache_dir)
-    suffix = "-g128" if quant == "awq" else ""
-    if not (root / f"{name}-{quant}{suffix}-seed0-v{SYNTHETIC_FORMAT_VERSION}" / MARKER_FILE).is_file():
+    if not _cached(root, name, quant):
         try:
-            check_free_disk(root, name, quant)
+            check_free_disk(root, name, quant, runnable=lambda free: runnable_presets(
+                dev, allow_dequant_fallback, cache_dir, free_disk=free))
         except NotEnoughDiskError as e:
             return str(e)
     return None
@@ -365,6 +440,11 @@ def load_model(spec: str = "auto", device: str | None = None, dtype: torch.dtype
     from transformers import AutoModelForCausalLM
 
     dev = _resolve_device(device)
+    preset = _preset_quant(spec, dev) if isinstance(spec, str) else None
+    if preset is not None and preset[1] == "awq" and _awq_runs_as(allow_dequant_fallback) is None:
+        # Said before the checkpoint is generated (5.4 GB for the 8B model), not after.
+        raise AwqBackendMissingError(f"{spec} is an AWQ int4 checkpoint but no AWQ backend is installed "
+                                     f"(detected: {detect_awq_backends()}). {AWQ_INSTALL_HINT}")
     path, name, source, notes = _resolve_spec(spec, dev, cache_dir)
     raw_cfg = _read_config(path)
     qc = raw_cfg.get("quantization_config") or {}

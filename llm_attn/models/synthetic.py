@@ -134,9 +134,12 @@ def estimated_checkpoint_bytes(preset: str | ModelPreset, quant: Literal["awq", 
     return sum(u.nbytes for u in _plan(llama_config(get_preset(preset)), quant, group_size))
 
 
-def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128) -> int:
+def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128,
+                    runnable=None) -> int:
     """Raise NotEnoughDiskError (one line: needed vs free, and which presets do fit) unless the checkpoint fits
-    on the filesystem holding ``path`` (or its nearest existing parent). Returns the estimated size in bytes."""
+    on the filesystem holding ``path`` (or its nearest existing parent). Returns the estimated size in bytes.
+    ``runnable(free_disk_bytes)``, when given, names the models that can run here instead (the loader's preflight:
+    memory, disk and the AWQ backend)."""
     p = get_preset(preset)
     need = int(estimated_checkpoint_bytes(p, quant, group_size) * DISK_HEADROOM)
     where = Path(path).expanduser().absolute()
@@ -144,12 +147,14 @@ def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16
         where = where.parent
     free = shutil.disk_usage(where).free
     if need > free:
-        fits = [f"{name}:{q}" for name in PRESETS for q in ("awq", "fp16")
-                if estimated_checkpoint_bytes(name, q, group_size) * DISK_HEADROOM <= free]
+        fits = runnable(free) if runnable is not None else [
+            f"{name}:{q}" for name in PRESETS for q in ("awq", "fp16")
+            if estimated_checkpoint_bytes(name, q, group_size) * DISK_HEADROOM <= free]
         raise NotEnoughDiskError(
             f"not enough free disk for the synthetic {p.name} {quant} checkpoint in {where}: needs "
-            f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free; presets that fit there: {', '.join(fits) or 'none'} "
-            f"(or set LLM_ATTN_CACHE to a larger disk)")
+            f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB free; "
+            f"{'models that run here' if runnable is not None else 'presets that fit there'}: "
+            f"{', '.join(fits) or 'none'} (or set LLM_ATTN_CACHE to a larger disk)")
     return need
 
 
