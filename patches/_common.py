@@ -202,6 +202,16 @@ class AttentionRuntime:
             got = self._choices[key] = self.impl.choose(device, dtype, head_dim, self.options.backend)
         return got
 
+    def prepare(self, device: torch.device, dtype: torch.dtype | None, head_dim: int) -> None:
+        """Decide, at patch time, the variant and its runner for the model's own tensors: deciding may import or
+        probe the kernel build, which dynamo cannot trace, and a compiled model's first call would otherwise decide
+        inside the trace (a graph break; an error under ``fullgraph=True``)."""
+        if dtype is None:
+            return
+        variant, _ = self.choose_variant_for(device, dtype, head_dim)
+        if variant is not None and variant not in self._runners:
+            self._runners[variant] = self.impl.runner(variant)
+
     def seqused_problem(self, variant: str) -> str | None:
         """Why a call that needs ``seqused_k`` cannot run on this implementation (None when it can)."""
         if variant == "reference" or self.impl.supports_seqused_k:

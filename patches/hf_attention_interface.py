@@ -15,12 +15,15 @@ How each call is served (stock sdpa semantics, reproduced exactly):
 * A mask that our mask function proved to be "causal over the first ``seqused`` keys" (a chunk over a cache, decode
   over a ``StaticCache`` with unused slots, no padding): the kernel with ``seqused_k`` (int32 per batch, computed on
   the device from the cache position, no host sync) and bottom-right causal alignment.
-* Any other mask (left padding, packed sequences, custom 4D masks): stock ``sdpa_attention_forward`` with the very
-  mask stock would have built, counted in the report as a fallback.
+* A 4D mask the caller built that is exactly such a causal prefix (``caller_mask_prefix``: checked once per tensor
+  on the device, the verdict kept while the tensor is not written): the same, with ``seqused_k`` read off the mask.
+* Any other mask (left padding, packed sequences, other custom 4D masks): stock ``sdpa_attention_forward`` with the
+  very mask stock would have built, counted in the report as a fallback.
 
 Our mask function delegates to transformers' ``sdpa_mask`` (so the mask is bit-for-bit what stock sdpa gets) and only
-adds the analysis; when it cannot be sure (e.g. while ``torch.compile`` traces, where a data-dependent check would
-break the graph) it adds nothing and the call falls back.
+adds the analysis; when it cannot be sure it adds nothing and the call falls back. While ``torch.compile`` traces it
+tags only what is causal by construction (no 2D ``attention_mask``): checking a padding mask needs its values, which
+would break the graph. Everything on the call path traces without a graph break (``tests/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from ._common import (
     PatchReport,
     UnsupportedModelError,
     _is_compiling,
+    model_head_dim,
+    module_device_dtype,
     start_patch,
 )
 
@@ -41,6 +46,7 @@ NAME = "llm_attn"
 TARGET_NAME = "transformers.AttentionInterface"
 RUNTIME_ATTR = "_llm_attn_runtime"   # set on each patched attention module, removed by unpatch
 SEQUSED_ATTR = "_llm_attn_seqused_k"  # set by our mask function on masks it proved to be causal-prefix masks
+NOT_PREFIX_ATTR = "_llm_attn_not_a_prefix"  # set by our mask function on masks it proved not to be one
 
 # Calls with one of these kwargs set change the attention maths in ways llm_attn does not implement.
 _UNSUPPORTED_KWARGS = {
@@ -87,19 +93,23 @@ def llm_attn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     # Only the plain causal pattern over an un-offset key range can be a prefix; anything composed with other mask
     # functions (packing, block overlays, windows) stays a dense mask and goes to the stock path.
     if mask_function is not causal_mask_function or kv_offset != 0 or local_size is not None:
-        return mask
-    if _is_compiling() or torch.jit.is_tracing():
-        return mask  # the padding check below is data-dependent: it would break the graph
+        return _not_a_prefix(mask)
+    if torch.jit.is_tracing():
+        return mask  # a Python attribute does not survive into a TorchScript trace
     total = q_offset + q_length  # keys 0 .. total-1 are the cache content after this step (int, or device tensor)
     if isinstance(total, int) and total > kv_length:
-        return mask
+        return _not_a_prefix(mask)
     if attention_mask is not None:
+        if _is_compiling():
+            # The padding check is data-dependent: under dynamo it would break the graph (or fail fullgraph=True).
+            # Without a 2D mask (the case above) the mask is causal by construction and is tagged in the trace.
+            return mask
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, :kv_length].to(torch.bool)
         key_idx = torch.arange(kv_length, device=padding.device)
         # Keys at or past `total` are hidden by causality anyway; every key before it must be a real token.
         no_padding = (padding | (key_idx >= total)).all()
         if not bool(no_padding):  # one host sync per forward pass (stock sdpa_mask syncs here too)
-            return mask
+            return _not_a_prefix(mask)
     if isinstance(total, torch.Tensor):
         seqused = total.to(device=mask.device, dtype=torch.int32).reshape(1).expand(batch_size).contiguous()
     else:
@@ -113,6 +123,69 @@ def llm_attn_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     mask = mask.contiguous()
     setattr(mask, SEQUSED_ATTR, seqused)
     return mask
+
+
+def _not_a_prefix(mask: torch.Tensor) -> torch.Tensor:
+    """A mask our mask function analysed and rejected: the attention function need not look at it again (contiguous
+    for the reason the tagged ones are: generate()'s ``.contiguous()`` must not drop the mark)."""
+    mask = mask.contiguous()
+    setattr(mask, NOT_PREFIX_ATTR, True)
+    return mask
+
+
+# -- 4D masks the caller built ----------------------------------------------------------------------------------------
+# A caller that builds its own 4D mask (a static-cache decode loop, code written for torch.export) passes it to every
+# layer as is: it carries no tag. Such a mask is checked once, on the device, with one host sync, and the verdict is
+# kept per tensor object while its version counter is unchanged (any in-place write bumps it), so the other layers of
+# the forward pass, and later passes that reuse the tensor, decide without a sync. What cannot be checked that way
+# takes the stock path: inference tensors (no version counter: an in-place write would go unseen), tensor
+# subclasses, masks that need grad, per-head masks, and any mask while dynamo traces (the check is data-dependent).
+_MASK_VERDICTS = torch.utils.weak.WeakIdKeyDictionary()  # mask -> (its _version when checked, verdict)
+_NOT_PREFIX = (False, None)
+
+
+def caller_mask_prefix(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> tuple[bool, torch.Tensor | None]:
+    """Whether a 4D mask the caller built is exactly "query ``i`` sees keys ``0 .. i + used[b] - q_len``" for every
+    batch row ``b`` with ``q_len <= used[b] <= kv_len`` (bottom-right causal over the first ``used[b]`` keys: what
+    the kernel computes with ``seqused_k = used``): (True, None) when ``used`` is ``kv_len`` for every row (plain
+    causal), (True, seqused_k int32 (batch,) on the mask's device), or (False, None).
+
+    Boolean masks (True = visible) and additive float masks (0 = visible; hidden entries must be ``-inf`` or the
+    dtype's lowest value, transformers' convention; any other value, e.g. a bias or -1e4, is not accepted). Every
+    row must see at least one key (a fully hidden row means something else to stock sdpa than to the kernel). Eager
+    only: the caller checks that neither dynamo nor torch.jit is tracing (the verdict would be baked into the
+    trace)."""
+    if (type(mask) is not torch.Tensor or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch)
+            or mask.shape[2] != q_len or mask.shape[3] != kv_len or q_len > kv_len or mask.requires_grad
+            or mask.is_inference() or not (mask.dtype == torch.bool or mask.is_floating_point())):
+        return _NOT_PREFIX
+    version = mask._version
+    known = _MASK_VERDICTS.get(mask)
+    if known is not None and known[0] == version:
+        return known[1]
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _NOT_PREFIX  # the check's host sync is not allowed while a CUDA graph is captured
+    verdict = _check_causal_prefix(mask, batch, q_len, kv_len)
+    _MASK_VERDICTS[mask] = (version, verdict)
+    return verdict
+
+
+def _check_causal_prefix(mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> tuple[bool, torch.Tensor | None]:
+    """``caller_mask_prefix``'s check: a few elementwise passes over the mask and one host sync."""
+    m = mask[:, 0]  # (B', Sq, Sk)
+    visible = m if m.dtype == torch.bool else m == 0
+    used = visible[:, -1].sum(-1)  # (B',): the keys the last query sees; a causal prefix is then fixed
+    key = torch.arange(kv_len, device=m.device).view(1, 1, -1)
+    last_key = torch.arange(q_len, device=m.device).view(1, -1, 1) + (used - q_len).view(-1, 1, 1)
+    ok = (visible == (key <= last_key)).all() & (used >= q_len).all()
+    if m.dtype != torch.bool:
+        ok &= (visible | (m <= torch.finfo(m.dtype).min)).all()  # hidden = -inf or the lowest value; NaN fails
+    ok, full = torch.stack((ok, (used == kv_len).all())).tolist()  # the one host sync
+    if not ok:
+        return _NOT_PREFIX
+    if full:
+        return True, None
+    return True, used.to(torch.int32).expand(batch).contiguous()
 
 
 # -- the attention function -----------------------------------------------------------------------------------------
@@ -150,7 +223,8 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
 
     # 1. Settings llm_attn does not implement: error or counted fallback, per on_unsupported.
     problem = runtime.forced[0] if runtime.forced else None
-    if problem is None and kwargs and not _UNSUPPORTED_KWARGS.keys().isdisjoint(kwargs):
+    if problem is None and kwargs:
+        # Four dict lookups (no dict-view set operation: dynamo cannot trace ``dict_keys.isdisjoint``).
         for name, what in _UNSUPPORTED_KWARGS.items():
             if kwargs.get(name) is not None:
                 problem = f"{what} ({name}={kwargs[name]!r}) is not implemented by {runtime.impl.name}"
@@ -182,13 +256,20 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
         return out, None
 
     seqused = getattr(attention_mask, SEQUSED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
-    if (seqused is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
-            and attention_mask.shape[-2] == q_len and seqused.shape == (query.shape[0],)
-            and seqused.device == query.device):
-        why = runtime.seqused_problem(variant)
-        if why is not None:
-            runtime.count_fallback(why)
-            return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    prefix = (seqused is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
+              and attention_mask.shape[-2] == q_len and seqused.shape == (query.shape[0],)
+              and seqused.device == query.device)
+    if (not prefix and isinstance(attention_mask, torch.Tensor) and attention_mask.device == query.device
+            and not _is_compiling() and not torch.jit.is_tracing()
+            and not getattr(attention_mask, NOT_PREFIX_ATTR, False)):
+        # A mask our mask function did not tag: built by the caller (or rebuilt from ours, e.g. by .contiguous()).
+        prefix, seqused = caller_mask_prefix(attention_mask, query.shape[0], q_len, kv_len)
+    if prefix:
+        if seqused is not None:
+            why = runtime.seqused_problem(variant)
+            if why is not None:
+                runtime.count_fallback(why)
+                return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
         out = runtime.run(variant, query, key, value, causal=True, scale=scaling, seqused_k=seqused)
         runtime.count_native(variant)
         return out, None
@@ -256,6 +337,7 @@ def patch(model, options: PatchOptions) -> tuple[PatchReport, dict]:
         if cfg is not None and hasattr(cfg, "_attn_implementation_internal"):
             configs[id(cfg)] = (cfg, cfg._attn_implementation_internal)
     runtime = AttentionRuntime(options, report, forced)
+    runtime.prepare(*module_device_dtype(modules[0][1]), model_head_dim(model.config))
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
         _restore_configs(configs)
