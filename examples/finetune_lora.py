@@ -16,7 +16,8 @@ What it does, end to end:
   impl=name)``, e.g. ``llm_attn``, ours) it restores the same initial adapters, builds a fresh AdamW and runs the
   same batches: forward, ``loss.backward()`` (through ``llm_attn::flash_bwd`` for ours), optimizer step;
 * prints per step the step time and loss of each implementation and the relative loss difference to the first
-  one, then the median step time (steps 2..N), the max relative loss difference over the run, the gradient
+  one, then the median step time (steps 2..N) with its ratio to the first one's (the first's median / this one's,
+  so above 1 = faster, as every ratio of llm_attn), the max relative loss difference over the run, the gradient
   agreement of the LoRA gradients at step 1 and at the last step (cosine similarity, and the worst tensor's
   max |g - g_ref| / max |g_ref|), and the patch report's call counters.
 
@@ -327,7 +328,6 @@ def train_and_compare(args) -> dict:
     headers += [f"rel diff {r['impl']}" for r in runs[1:]]
     print(tabulate(rows, headers=headers, floatfmt=("d",) + (".1f", ".6f") * len(runs) + (".2e",) * (len(runs) - 1)))
 
-    summary = []
     last = args.steps
     for r, g in zip(runs, grads):
         rdiffs = [abs(a - b) / abs(b) for a, b in zip(r["loss"], ref["loss"])]
@@ -335,26 +335,41 @@ def train_and_compare(args) -> dict:
         r["median_step_ms"] = _median_ms(r)
         r["grad_step1"] = grad_agreement(g[1], grads[0][1])
         r["grad_last"] = grad_agreement(g[last], grads[0][last])
-        summary.append([
-            r["impl"], r["median_step_ms"], r["median_step_ms"] / ref["median_step_ms"], r["max_rel_loss_diff"],
-            r["grad_step1"]["cosine"], r["grad_step1"]["max_rel_diff"],
-            r["grad_last"]["cosine"], r["grad_last"]["max_rel_diff"],
-            f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-",
-            _calls(r), ",".join(map(str, r["skipped_steps"])) or "-"])
     print()
-    print(tabulate(summary, floatfmt=("", ".1f", ".3f", ".2e", ".6f", ".2e", ".6f", ".2e"), headers=[
-        "impl", "median step ms", f"x {ref['impl']}", "max rel loss diff", "grad cos step 1",
-        "grad max rel step 1", f"grad cos step {last}", f"grad max rel step {last}", "peak GiB", "attention calls",
-        "skipped steps"]))
-    print(f"(reference: {ref['impl']}; median over steps 2..{args.steps} when there are 2 or more; gradients are the "
-          f"LoRA gradients after unscaling; at step 1 lora_A gradients are 0 for every implementation because "
-          f"lora_B starts at 0)")
+    print(summary_table(runs, last))
     result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "device": dev_name, "torch": torch.__version__, "runs": runs}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))
     return result
+
+
+def summary_table(runs: list[dict], last: int) -> str:
+    """The closing table: per implementation its median step time and the step-time ratio to the first one (its
+    median / this one's, > 1 = this one is faster, ``llm_attn.harness.stats.speed_ratio``), stored in each run as
+    ``speed_vs_reference``; the loss and gradient agreement; the attention calls."""
+    from tabulate import tabulate
+
+    from llm_attn.harness.stats import format_ratio, ratio_header, speed_ratio
+
+    ref = runs[0]
+    summary = []
+    for r in runs:
+        r["speed_vs_reference"] = speed_ratio(ref["median_step_ms"], r["median_step_ms"])
+        summary.append([
+            r["impl"], f"{r['median_step_ms']:.1f}", format_ratio(r["speed_vs_reference"], 3, words=r is not ref),
+            r["max_rel_loss_diff"], r["grad_step1"]["cosine"], r["grad_step1"]["max_rel_diff"],
+            r["grad_last"]["cosine"], r["grad_last"]["max_rel_diff"],
+            f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-",
+            _calls(r), ",".join(map(str, r["skipped_steps"])) or "-"])
+    table = tabulate(summary, floatfmt=("", "", "", ".2e", ".6f", ".2e", ".6f", ".2e"), headers=[
+        "impl", "median step ms", f"step time {ratio_header(ref['impl'])}", "max rel loss diff", "grad cos step 1",
+        "grad max rel step 1", f"grad cos step {last}", f"grad max rel step {last}", "peak GiB", "attention calls",
+        "skipped steps"])
+    return table + (f"\n(reference: {ref['impl']}; median over steps 2..{last} when there are 2 or more; the ratio is "
+                    f"{ref['impl']}'s median step time / this one's; gradients are the LoRA gradients after unscaling; "
+                    f"at step 1 lora_A gradients are 0 for every implementation because lora_B starts at 0)")
 
 
 def _median_ms(r) -> float:

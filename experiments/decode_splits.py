@@ -210,7 +210,10 @@ def _f(x, fmt="{:.0f}"):
 
 
 def _ratio(x, ref):
-    return _f(x / ref if x and ref else None, "{:.2f}")
+    """GB/s over the reference's GB/s (> 1 = faster), llm_attn.harness.stats.speed_ratio."""
+    from llm_attn.harness.stats import speed_ratio
+
+    return _f(speed_ratio(ref, x, throughput=True), "{:.2f}")
 
 
 def _print_row(r):
@@ -222,7 +225,8 @@ def _print_row(r):
 
 
 def _print_tables(results, configs):
-    print("\nGB/s of K+V read once (median of the interleaved samples); best = fastest forced (config/splits)")
+    print("\nGB/s of K+V read once (median of the interleaved samples); best = fastest forced (config/splits); "
+          "x/cuDNN = GB/s ratio (>1 = faster than cuDNN)")
     print(f"{'dtype':5} {'B':>3} {'KV':>6} | {'best':>11} {'GB/s':>6} | {'heur':>4} {'GB/s':>6} | {'pred':>4} "
           f"{'GB/s':>6} | {'cuDNN':>6} {'flash':>6} | {'best/cuDNN':>10} {'heur/cuDNN':>10}")
     for r in results:

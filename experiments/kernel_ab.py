@@ -128,6 +128,8 @@ def summarise(results: list[dict[str, dict]], names: list[str], ref: str, atol: 
     """(markdown table, mismatches, kernels per variant) from results[round][variant][(shape, dtype)] = point."""
     from tabulate import tabulate
 
+    from llm_attn.harness.stats import ratio_header, speed_ratio
+
     first = names[0]
     rows, bad = [], []
     for key in results[0][first]:
@@ -144,17 +146,18 @@ def summarise(results: list[dict[str, dict]], names: list[str], ref: str, atol: 
             diff = max(abs(a - b) for a, b in zip(head, head0))
             if not diff <= atol or any(x != x for x in head):  # NaN anywhere: a mismatch
                 bad.append(f"{name} {row[0]} {dt}: output differs from {first} by {diff:.3g}")
-            ratios = [b / m for b, m in zip(base, ms)]  # > 1: this variant is faster than the first
+            ratios = [speed_ratio(b, m) for b, m in zip(base, ms)]  # > 1: this variant is faster than the first
             refs = [p.get("ref", {}).get("ms") for p in pts]
             same_work = shape[6] == 0 or shape[3] == shape[4]
-            vs_ref = f"{statistics.median([x / m for x, m in zip(refs, ms)]):.3f}" if same_work and all(refs) else "-"
+            vs_ref = (f"{statistics.median([speed_ratio(x, m) for x, m in zip(refs, ms)]):.3f}"
+                      if same_work and all(refs) else "-")
             speed = "" if name == first else (f"{statistics.median(ratios):.3f} "
                                               f"({min(ratios):.3f}-{max(ratios):.3f})")
             row += [f"{statistics.median(ms) * 1e3:.1f}", speed, vs_ref]
         rows.append(row)
     headers = ["shape b,hq,hkv,sq,sk,d,causal", "dtype"]
     for name in names:
-        headers += [f"{name} µs", f"{first}/{name} time", f"{ref or 'ref'}/{name}"]
+        headers += [f"{name} µs", f"{name} {ratio_header(first)}", f"{name} {ratio_header(ref or 'ref')}"]
     kernels = {name: sorted({k for rnd in results for p in rnd[name].values() for k in p["kernels"]}) for name in names}
     return tabulate(rows, headers=headers, tablefmt="github"), bad, kernels
 

@@ -198,8 +198,8 @@ def _host_mode(p, args, f, argv) -> int:
                 except OSError as e:
                     p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
         print(f"\n{dt} on {device}: host µs per call, median of {args.host_rounds} interleaved rounds of "
-              f"{args.repeats_host} back-to-back calls (no sync inside); x SDPA = cost ratio to torch SDPA [95 % "
-              f"paired interval]")
+              f"{args.repeats_host} back-to-back calls (no sync inside); in brackets: torch SDPA's µs / this path's "
+              f"(>1 = this path costs the host less) [95 % paired interval]")
         print(host_cost_table(rows))
     return 0
 

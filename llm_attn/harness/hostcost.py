@@ -4,8 +4,9 @@ The 2048-token prefill of an 8B model is on the CPU/GPU edge: what each attentio
 times per forward on the path that is host-bound. ``measure_host_cost`` times the paths interleaved: ``rounds``
 rounds (default 15), each running every path's N back-to-back calls (after a warm-up; one sync before each batch and
 none inside) in a shuffled order, so that host drift (another process, a clock change) hits every path alike, as
-the paired TTFT does. Each path's number is the median of its per-round µs per call, and its cost ratio to torch
-SDPA comes with a paired bootstrap interval over the rounds (harness/stats.py). The paths:
+the paired TTFT does. Each path's number is the median of its per-round µs per call, and its ratio to torch SDPA
+(torch SDPA's µs / the path's, > 1 = the path costs the host less, the convention of every ratio here) comes with a
+paired bootstrap interval over the rounds (harness/stats.py). The paths:
 
 - ``llm_attn.flash_attn_func``: our op called directly;
 - ``llm_attn via the patch``: the transformers attention-interface function (``llm_attn_attention_forward``) with
@@ -87,8 +88,9 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                       shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP,
                       rounds: int = ROUNDS, seed: int = 0) -> list[dict]:
     """One dict per (shape, path): ``{"shape", "path", "us_per_call" (median over rounds), "samples_us" (one per
-    round, interleaved), "vs_torch_sdpa" (the cost ratio median(path) / median(torch SDPA) with its paired
-    interval: > 1 costs the host more), ...}``; a path that cannot run here gets ``us_per_call: None`` and why."""
+    round, interleaved), "vs_torch_sdpa" (median(torch SDPA) / median(path) with its paired interval: > 1 = the
+    path costs the host less, ``stats.paired_ratio_interval``), ...}``; a path that cannot run here gets
+    ``us_per_call: None`` and why."""
     from llm_attn.harness.stats import paired_ratio_interval  # noqa: PLC0415
     from llm_attn.ops import flash_attn_func  # noqa: PLC0415
     from llm_attn.patches.hf_attention_interface import llm_attn_attention_forward  # noqa: PLC0415
@@ -134,7 +136,7 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                 samples = row["samples_us"]
                 row["us_per_call"] = float(np.median(samples)) if samples else None
                 if samples and ref and name != "torch SDPA":
-                    row["vs_torch_sdpa"] = paired_ratio_interval(samples, ref)
+                    row["vs_torch_sdpa"] = paired_ratio_interval(ref, samples)
                 if name == "llm_attn via the patch":
                     row["attention_calls"] = {"impl": report.num_native_calls,
                                               "stock_fallback": report.num_fallback_calls}
@@ -146,6 +148,8 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
 def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
     from tabulate import tabulate  # noqa: PLC0415
 
+    from llm_attn.harness.stats import BETTER, format_ratio_interval  # noqa: PLC0415
+
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     paths = list(dict.fromkeys(r["path"] for r in rows))
     val = {(r["shape"], r["path"]): r["us_per_call"] for r in rows}
@@ -156,14 +160,14 @@ def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
         for s in shapes:
             v, iv = val.get((s, p)), ivs.get((s, p))
             cell = "" if v is None else f"{v:.1f}"
-            if iv is not None:  # the cost ratio to torch SDPA and its paired 95 % interval over the rounds
-                cell += f" ({iv['ratio']:.2f}x SDPA [{iv['low']:.2f}, {iv['high']:.2f}])"
+            if iv is not None:  # torch SDPA's cost / this path's, with its paired 95 % interval over the rounds
+                cell += f" ({format_ratio_interval(iv)})"
             elif v is not None and p == "torch SDPA":
-                cell += " (1.00x SDPA)"
+                cell += " (1.00x)"
             cells.append(cell)
         table.append([p, *cells])
-    return tabulate(table, headers=["path", *[f"{s}: host µs/call" for s in shapes]], tablefmt=tablefmt,
-                    disable_numparse=True)
+    headers = ["path", *[f"{s}: host µs/call (torch SDPA / this path, {BETTER})" for s in shapes]]
+    return tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
 
 
 def main(argv=None) -> int:

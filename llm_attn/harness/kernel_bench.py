@@ -9,6 +9,7 @@ import statistics
 import torch
 
 from llm_attn import registry
+from llm_attn.harness.stats import ratio_header, speed_ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", "flash", "cudnn", "efficient", "math"]
@@ -200,9 +201,10 @@ def _table_row(mode, rows, dt, causal, b, s, graph, phase=None):
         r["ours µs"] = r.pop("ours ms")
     for impl, row in rows.items():
         r[f"{impl} {'GB/s' if mode == 'decode' else 'TF/s'}"] = row.get(metric, row.get("status"))
-    # Speed ratios (>1: ours faster) of each of our variants against each reference backend.
+    # Speed ratios of each of our variants against each reference backend: its ms / ours (>1: ours faster).
     for mine in (i for i in rows if i.startswith("ours")):
         for impl in (i for i in rows if not i.startswith("ours")):
-            if rows[impl].get("ms") and rows[mine].get("ms"):
-                r[f"{mine}/{impl}"] = rows[impl]["ms"] / rows[mine]["ms"]
+            ratio = speed_ratio(rows[impl].get("ms"), rows[mine].get("ms"))
+            if ratio is not None:
+                r[ratio_header(impl, mine)] = ratio
     return r

@@ -256,6 +256,7 @@ def dataset_table(rows: list[dict], tablefmt: str = "github") -> str:
     """``--seq dataset`` rows: TTFT p50 / p90 over the dataset's prompts, with the paired verdict vs stock."""
     from tabulate import tabulate  # noqa: PLC0415
 
+    from llm_attn.harness.stats import ratio_header  # noqa: PLC0415
     from llm_attn.harness.sweep import latest_rows, row_notes, verdict_cell  # noqa: PLC0415
 
     ds = [r for r in latest_rows(rows).values() if r.get("measurement") == "ttft_dataset"]
@@ -276,7 +277,7 @@ def dataset_table(rows: list[dict], tablefmt: str = "github") -> str:
                       "; ".join(row_notes(r))])
     return "TTFT over the dataset's own prompt lengths (--seq dataset)\n" + tabulate(
         table, headers=["model", "impl", "prompts", "n", "tokens p50 / p90", "TTFT p50 ms", "TTFT p90 ms",
-                        *[f"vs {s}" for s in stocks], "notes"], tablefmt=tablefmt, disable_numparse=True)
+                        *[ratio_header(s) for s in stocks], "notes"], tablefmt=tablefmt, disable_numparse=True)
 
 
 class _LineLogger:

@@ -33,6 +33,43 @@ def summarize(samples_ms: Sequence[float]) -> dict:
     }
 
 
+# -- the one ratio convention ------------------------------------------------------------------------------------------
+# Every ratio a user reads (TTFT, decode, LoRA step, kernel and host benchmarks) is reference time / this time, or for
+# a throughput (tok/s, TFLOP/s, GB/s) this / reference: > 1 always means "this is faster", and every column header
+# says so (``ratio_header``).
+BETTER = ">1 = faster"
+
+
+def ratio_header(reference: str, this: str | None = None) -> str:
+    """The header of a ratio column: ``vs sdpa (>1 = faster)``, or ``ours vs flash (>1 = faster)``."""
+    return f"{this + ' ' if this else ''}vs {reference} ({BETTER})"
+
+
+def speed_ratio(reference: float | None, this: float | None, *, throughput: bool = False) -> float | None:
+    """The plain ratio of two numbers of one unit, > 1 when ``this`` is faster: ``reference / this`` for times (ms
+    per call, per step, medians), ``this / reference`` for throughputs (``throughput=True``). None where either is
+    missing, not finite or not positive (no number rather than a wrong one)."""
+    if reference is None or this is None:
+        return None
+    a, b = float(reference), float(this)
+    if not (np.isfinite(a) and np.isfinite(b)) or a <= 0 or b <= 0:
+        return None
+    return b / a if throughput else a / b
+
+
+def format_ratio(ratio: float | None, digits: int = 2, words: bool = False) -> str:
+    """``1.06x`` (``words``: ``1.06x faster``, ``0.98x slower``; a ratio with no interval says nothing about noise,
+    so the word is only the direction); ``""`` for None."""
+    if ratio is None:
+        return ""
+    text = f"{ratio:.{digits}f}x"
+    if not words:
+        return text
+    if round(ratio, digits) == 1:
+        return text + " same"
+    return text + (" faster" if ratio > 1 else " slower")
+
+
 # -- paired verdicts ---------------------------------------------------------------------------------------------------
 # 10k resamples: the 2.5/97.5 % quantiles of the bootstrap distribution move by < 0.1 % between seeds at n = 10..50.
 BOOTSTRAP_RESAMPLES = 10_000

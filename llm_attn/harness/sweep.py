@@ -36,7 +36,7 @@ from llm_attn.harness.measure import (
     measure_ttft_graph,
 )
 from llm_attn.harness.paired import measure_decode_paired, measure_ttft_paired, paired_verdicts
-from llm_attn.harness.stats import format_ratio_interval
+from llm_attn.harness.stats import format_ratio, format_ratio_interval, ratio_header, speed_ratio
 from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
 
 PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown", "ttft_graph", "ttft_graph_static")
@@ -468,7 +468,7 @@ def verdict_cell(row: dict | None, stock: str, ref_p50: float | None, mine_p50: 
     iv = (row or {}).get("vs", {}).get(stock) if row and row.get("status") == "ok" else None
     if iv:
         return format_ratio_interval(iv)
-    return f"{ref_p50 / mine_p50:.2f}x" if ref_p50 and mine_p50 else ""
+    return format_ratio(speed_ratio(ref_p50, mine_p50))
 
 
 def row_notes(row: dict | None) -> list[str]:
@@ -556,7 +556,7 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                         if graph_cols else []),
                       "; ".join(notes)])
     headers = ["model", "quant", "impl", "batch", "seq", "TTFT p50 ms", "p90 ms", "stdev %",
-               *[f"vs {s}" for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
+               *[ratio_header(s) for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
                "graph % of BW bound", "peak GiB",
                *(["TTFT graph ms (dynamic cache)", "TTFT graph ms (static cache)", "attention kernels (graph)",
                   "graph - eager ms"] if graph_cols else []), "notes"]

@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only: no display on CI machines or GPU hosts
 import matplotlib.pyplot as plt  # noqa: E402
 
 from llm_attn.harness.devices import Device  # noqa: E402
+from llm_attn.harness.stats import BETTER, speed_ratio  # noqa: E402
 from llm_attn.reporting.merge import (  # noqa: E402
     BREAKDOWN,
     IMPL_ORDER,
@@ -126,7 +127,7 @@ def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
                             pts.append((s, iv["ratio"]))
                             err.append((iv["ratio"] - iv["low"], iv["high"] - iv["ratio"]))
                         else:
-                            pts.append((s, ref["stats"]["p50"] / got["stats"]["p50"]))
+                            pts.append((s, speed_ratio(ref["stats"]["p50"], got["stats"]["p50"])))
                             err.append((0.0, 0.0))
                 if pts:
                     xs, ys = zip(*pts)
@@ -136,10 +137,10 @@ def plot_speedup(m: Merged, series: tuple, path: Path) -> bool:
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_title(f"{m.device_name[d]} (measured)")
         ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT speedup (stock p50 / impl p50)")
+        ax.set_ylabel(f"TTFT ratio, stock / impl ({BETTER})")
         _log2_x(ax, m.seqs(d, series))
         ax.legend(fontsize="small")
-    _save(fig, f"TTFT speedup over stock attention — {series[0]}, batch {series[1]}", path)
+    _save(fig, f"TTFT vs stock attention ({BETTER}) — {series[0]}, batch {series[1]}", path)
     return True
 
 

@@ -6,6 +6,7 @@ from tabulate import tabulate
 
 from llm_attn.harness import flops
 from llm_attn.harness.devices import Device
+from llm_attn.harness.stats import ratio_header
 from llm_attn.harness.sweep import row_notes, verdict_cell
 from llm_attn.reporting.merge import (
     BREAKDOWN,
@@ -35,9 +36,10 @@ dequantisation, so the same peak applies.
 once at the mean context length. The fraction shown is measured tok/s over that bound.
 
 **vs columns.** Where TTFT was measured paired (every implementation once per repeat, in a shuffled order), a `vs`
-cell is the ratio of medians, stock / this row, with its 95 % paired-bootstrap interval, and says "no difference"
-where the interval holds 1.0 ("faster" / "slower" otherwise); older rows show the plain ratio of p50s. **notes**:
-host-bound rows (enqueue ≥ 90 % of TTFT), attention calls that fell back to stock, an SM clock that moved > 5 %."""
+cell is the ratio of medians, stock / this row (> 1: this row is faster), with its 95 % paired-bootstrap interval,
+and says "no difference" where the interval holds 1.0 ("faster" / "slower" otherwise); older rows show the plain
+ratio of p50s. **notes**: host-bound rows (enqueue ≥ 90 % of TTFT), attention calls that fell back to stock, an SM
+clock that moved > 5 %."""
 
 
 def _f(x, fmt="{:.2f}"):
@@ -100,7 +102,7 @@ def device_table(m: Merged, device: str, series: tuple) -> str:
                 "; ".join(notes),
             ])
     headers = ["seq", "impl", "TTFT p50 ms", "p90 ms", "stdev %", "model TFLOP/s", "% fp16 peak",
-               *[f"vs {s}" for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
+               *[ratio_header(s) for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
                "graph % of BW bound", "peak GiB", "notes"]
     return tabulate(lines, headers=headers, tablefmt="github", disable_numparse=True)
 
