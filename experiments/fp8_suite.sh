@@ -3,7 +3,7 @@
 # when its stamp matches), the FP8 GPU tests, compute-sanitizer memcheck/racecheck/synccheck of its pipeline, the
 # kernel benchmark (ours bf16, ours FP8 with its quantisation, SDPA cuDNN; CUDA graphs, interleaved) and the accuracy
 # benchmark against float64. Logs to $OUT; a short table last.
-#   OUT=/tmp/out bash experiments/fp8_suite.sh [build] [test] [sanitize] [bench] [accuracy]
+#   OUT=/tmp/out bash experiments/fp8_suite.sh [build] [test] [sanitize] [bench] [accuracy] [ncu]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -27,4 +27,13 @@ if has bench; then
 fi
 if has accuracy; then
   python3 -m llm_attn.bench --mode accuracy ${ACC_ARGS:-} --out "$OUT/fp8_accuracy.jsonl" 2>&1 | tee "$OUT/fp8_accuracy.txt" | tail -30
+fi
+if has ncu; then  # one FP8 launch at B=1, 32/8 heads, hd128, S=16384 causal: speed of light, pipes, warp stalls
+  ncu --clock-control none -k regex:flash_fwd_fp8_sm90 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats python3 -c "
+import torch; from llm_attn import flash_attn_func
+q = torch.randn(1, 32, 16384, 128, device='cuda', dtype=torch.bfloat16)
+k = torch.randn(1, 8, 16384, 128, device='cuda', dtype=torch.bfloat16); v = torch.randn_like(k)
+flash_attn_func(q, k, v, causal=True, precision='fp8'); torch.cuda.synchronize()" > "$OUT/fp8_ncu.txt" 2>&1
+  grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Executed Ipc|Stall|Warp Cycles Per Issued" "$OUT/fp8_ncu.txt" | head -20
 fi

@@ -313,11 +313,14 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d, n_vt8 = b * hkv * d * pad;  // multiples of 64
     at::Tensor bytes = at::empty({n_q8 + n_k8 + n_vt8}, q.options().dtype(at::kByte));
     const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, n_vs = b * hkv * d;
-    at::Tensor floats = at::zeros({n_stats + n_qs + n_ks + n_vs}, q.options().dtype(at::kFloat));
+    const int64_t n_qm = b * hq * sq;
+    at::Tensor floats = at::empty({n_stats + n_qs + n_ks + n_vs + n_qm}, q.options().dtype(at::kFloat));
+    floats.narrow(0, 0, n_stats).zero_();  // only the statistics are accumulated into
     uint8_t* base = bytes.data_ptr<uint8_t>();
     f.q8 = base, f.k8 = base + n_q8, f.vt8 = base + n_q8 + n_k8;
     float* fb = floats.data_ptr<float>();
     f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats + n_qs + n_ks;
+    f.q_dot_kmean = fb + n_stats + n_qs + n_ks + n_vs;
     const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream());
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd_fp8: kernel launch failed: ", cudaGetErrorString(err));
     return {out, lse};

@@ -9,7 +9,8 @@
 //      keys: wgmma's fp8 B operand is K-major), keys permuted inside each group of 16 to match the registers that
 //      hold P (flash_fwd_fp8_sm90_kernel.cuh); keys past the valid ones are zero.
 //   S = (Q8 K8^T) * q_scale * k_scale in fp32; online softmax in fp32 (exact running max); P * 256 in e4m3;
-//   O = (P8 V8^T) * v_scale / (256 * rowsum(P)), rowsum over the unquantised P. LSE as the bf16 kernel.
+//   O = (P8 V8^T) * v_scale / (256 * rowsum(P)), rowsum over the unquantised P. LSE as the bf16 kernel's, plus
+//   scale * (q . mean(K)): smoothing shifted every score of the row by that.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,8 @@ struct FlashFwdFp8Params {
     float* v_scale;      // (batch, num_kv_heads, head_dim)
     float* stats;        // (2, batch, num_kv_heads, head_dim): K's channel sums, then V's channel amax (as float
                          // bits); ZERO before the launch
+    float* q_dot_kmean;  // (batch, num_heads, seqlen_q): q . mean(K) per row, the smoothing's shift of every score of
+                         // the row, added back to the row's lse
 };
 
 __host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) { return (seqlen_k + kFp8KBlock - 1) / kFp8KBlock * kFp8KBlock; }

@@ -3,13 +3,13 @@
 // e4m3 operands the pre-pass writes (quant_fp8.cuh; flash_fp8.h says what is computed):
 //   S = Q8 K8^T      wgmma m64n128k32 e4m3, both operands K-major from shared memory; dequantised by the tile's
 //                    q_scale * k_scale folded into the softmax scale
-//   softmax          online, base 2, fp32, with the exact running max (SoftmaxState<.., 0>): P <= 1, so P * 256 fits
-//                    e4m3 (max 448) and keeps small probabilities out of its subnormals
+//   softmax          online, base 2, fp32, with the exact running max (SoftmaxState<.., 0, 8>): P' = 2^8 P lies in
+//                    [0, 256], inside e4m3's range (448) and keeping small probabilities out of its subnormals
 //   O += P8 V8       wgmma m64n{head_dim}k32 e4m3, P from registers, V^T (head_dim rows of 128 keys) from shared
 //                    memory. The fp8 A fragment wants keys 4t..4t+3 of each 16 in thread t's registers, where the
 //                    S accumulators hold keys 2t, 2t+1, 8+2t, 9+2t: rather than shuffle P between lanes, the pre-pass
 //                    wrote V^T with its keys in that order (vt_key_of_position), so P packs in place.
-// The epilogue multiplies O by v_scale / (256 rowsum) per channel and writes it straight from registers.
+// The epilogue multiplies O by v_scale / rowsum per channel and writes it straight from registers.
 #pragma once
 
 #include "flash_fp8.h"
@@ -18,6 +18,10 @@
 
 namespace llm_attn {
 namespace sm90 {
+
+// P = exp2(s - max + 8): the exact running max keeps P in [0, 256], inside e4m3's range (448) and with small
+// probabilities above its subnormals; the row sum is of the same 256 P, so O / rowsum needs no correction.
+constexpr int kPOffsetLog2 = 8;
 
 template <int kHeadDim_, int kStages_ = 2>
 struct Fp8Traits {
@@ -36,7 +40,6 @@ struct Fp8Traits {
     static constexpr int kNumBarriers = 1 + 4 * kStages;
     static constexpr int kSmemBytes = kTileBytesQ + kStages * (kTileBytesK + kTileBytesV) + kNumBarriers * 8 + 1024;
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-    static constexpr float kPScale = 256.f;  // P in [0, 1] -> [0, 256] in e4m3
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kBlockM == kFp8QBlock * kConsumers, "one Q scale per consumer warpgroup");
@@ -118,7 +121,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     const float qk_scale_log2 =
         p.scale_log2 * params.f.q_scale[(static_cast<int64_t>(b.batch) * p.num_heads + b.head) * q_blocks + q_blk];
 
-    SoftmaxState<1, kDT, 0> st;
+    SoftmaxState<1, kDT, 0, kPOffsetLog2> st;
     st.init();
     Scores acc_s;
     float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&acc_s[0][0][0]);
@@ -145,9 +148,8 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
             for (int h = 0; h < 2; ++h) {  // keys 32c + [0, 16) and + [16, 32): n8 blocks 4c + 2h, 4c + 2h + 1
                 const float(&lo)[4] = acc_s[0][4 * c + 2 * h];
                 const float(&hi)[4] = acc_s[0][4 * c + 2 * h + 1];
-                constexpr float s = Traits::kPScale;
-                pa[c][2 * h] = pack4_e4m3(lo[0] * s, lo[1] * s, hi[0] * s, hi[1] * s);      // row g
-                pa[c][2 * h + 1] = pack4_e4m3(lo[2] * s, lo[3] * s, hi[2] * s, hi[3] * s);  // row g + 8
+                pa[c][2 * h] = pack4_e4m3(lo[0], lo[1], hi[0], hi[1]);      // row g
+                pa[c][2 * h + 1] = pack4_e4m3(lo[2], lo[3], hi[2], hi[3]);  // row g + 8
             }
         }
     };
@@ -158,12 +160,15 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         for (int kk = 0; kk < kKP; ++kk) WgmmaFp8<kHeadDim>::rs(o_flat, pa[kk], (v + kk * 32).u64(), 1);
         wgmma_commit();
     };
-    auto softmax = [&](int n_block, float (&alpha)[1][2]) {
+    // The tile's K scale is loaded before its S = Q K^T is issued (tile_scale), so that the load's latency hides
+    // behind the GEMM: read after the wgmma wait (a memory clobber), it would stall every softmax.
+    auto tile_scale = [&](int n_block) { return qk_scale_log2 * __ldg(k_scale + n_block); };
+    auto softmax = [&](int n_block, float scale_log2, float (&alpha)[1][2]) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
             mask_scores<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
         }
-        return st.update_scores(acc_s, qk_scale_log2 * k_scale[n_block], alpha);
+        return st.update_scores(acc_s, scale_log2, alpha);
     };
     auto release = [&](uint64_t* bar) {
         __syncwarp();
@@ -183,6 +188,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
 
     mbar_wait(sm.bar_q, 0);
     if (b.n_blocks > 0) {
+        const float scale0 = tile_scale(b.n_blocks - 1);
         mbar_wait(&sm.full_k[0], 0);
         my_turn();
         issue_qk(0);
@@ -191,12 +197,13 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         fence_regs(s_flat);
         release(&sm.empty_k[0]);
         float alpha[1][2];
-        softmax(b.n_blocks - 1, alpha);  // O is still zero: no rescale needed
+        softmax(b.n_blocks - 1, scale0, alpha);  // O is still zero: no rescale needed
         pack_p();
     }
     for (int it = 1; it < b.n_blocks; ++it) {
         const int stage = it % Traits::kStages, prev = (it - 1) % Traits::kStages;
         const uint32_t parity = (it / Traits::kStages) & 1, prev_parity = ((it - 1) / Traits::kStages) & 1;
+        const float scale_it = tile_scale(b.n_blocks - 1 - it);
         mbar_wait(&sm.full_k[stage], parity);
         mbar_wait(&sm.full_v[prev], prev_parity);
         my_turn();
@@ -207,7 +214,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         fence_regs(s_flat);
         release(&sm.empty_k[stage]);
         float alpha[1][2];
-        const bool rescale = softmax(b.n_blocks - 1 - it, alpha);
+        const bool rescale = softmax(b.n_blocks - 1 - it, scale_it, alpha);
         wgmma_wait<0>();
         fence_regs(o_flat);
         release(&sm.empty_v[prev]);
@@ -225,7 +232,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         release(&sm.empty_v[last]);
     }
 
-    // Epilogue: O * v_scale[channel] / (256 rowsum), straight from registers (4-byte stores, a quad's 16 bytes
+    // Epilogue: O * v_scale[channel] / rowsum (both of 256 P), straight from registers (4-byte stores, a quad's 16 bytes
     // contiguous); rows that saw no key write 0 and lse = -inf.
     const int g = lane / 4, t = lane % 4;
     const float* v_scale = params.f.v_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * kHeadDim;
@@ -233,7 +240,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
         const float2 s2 = *reinterpret_cast<const float2*>(v_scale + dt * 8 + 2 * t);
-        vs[dt][0] = s2.x / Traits::kPScale, vs[dt][1] = s2.y / Traits::kPScale;
+        vs[dt][0] = s2.x, vs[dt][1] = s2.y;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -248,8 +255,9 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
                 pack2<T>(st.acc_o[0][dt][2 * r] * inv_sum * vs[dt][0], st.acc_o[0][dt][2 * r + 1] * inv_sum * vs[dt][1]);
         }
         if (p.lse != nullptr && t == 0) {
-            p.lse[(static_cast<int64_t>(b.batch) * p.num_heads + b.head) * p.seqlen_q + row] =
-                s > 0.f ? (st.row_max[0][r] + __log2f(s)) * kLn2 : -INFINITY;
+            const int64_t i = (static_cast<int64_t>(b.batch) * p.num_heads + b.head) * p.seqlen_q + row;
+            p.lse[i] = s > 0.f ? (st.row_max[0][r] - kPOffsetLog2 + __log2f(s)) * kLn2 + p.scale * params.f.q_dot_kmean[i]
+                               : -INFINITY;
         }
     }
 }

@@ -29,9 +29,9 @@ inline bool encode_fp8_map(TmaDesc* desc, const void* ptr, int inner, int rows, 
     return r == CUDA_SUCCESS;
 }
 
-template <typename T, int kHeadDim, bool kCausal>
-cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream) {
-    using Traits = Fp8Traits<kHeadDim>;
+template <typename T, typename Traits, bool kCausal>
+cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
+    constexpr int kHeadDim = Traits::kHeadDim;
     const FlashFwdParams& p = f.p;
     const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;
     const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
@@ -59,6 +59,14 @@ cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream) {
     const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : dim3(m_blocks, p.num_heads, p.batch);
     flash_fwd_fp8_sm90_kernel<T, Traits, kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);
     return cudaGetLastError();
+}
+
+// LLM_ATTN_FP8_STAGES=3: a third K/V stage (tuning A/B; two is the default, kernels/NOTES.md "FP8 forward").
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream) {
+    static const int stages = tuning_env("LLM_ATTN_FP8_STAGES", 2);
+    if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, stream);
+    return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, stream);
 }
 
 template <typename T, int kHeadDim>

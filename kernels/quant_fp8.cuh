@@ -114,6 +114,23 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
     const float scale = e4m3_scale(block_max(amax, red)), inv = 1.f / scale;
     const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
     if (threadIdx.x == 0) params.q_scale[bh * gridDim.x + blk] = scale;
+    // q . mean(K) of each row (the smoothing's shift of its scores, for its lse): the row's kChunks lanes are
+    // consecutive lanes of one warp.
+    const int kv_len = valid_keys(p, b);
+    const int64_t bkv = static_cast<int64_t>(b) * p.num_kv_heads + h / (p.num_heads / p.num_kv_heads);
+    float mean[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mean[i] = kv_len > 0 ? params.stats[bkv * kHeadDim + c * 8 + i] / kv_len : 0.f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dot = fmaf(x[it][i], mean[i], dot);
+#pragma unroll
+        for (int o = kChunks / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
+        const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;
+        if (c == 0 && row < p.seqlen_q) params.q_dot_kmean[bh * p.seqlen_q + row] = dot;
+    }
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
         const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;

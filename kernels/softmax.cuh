@@ -21,8 +21,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 // Online-softmax state of one thread: its two rows (g, g + 8) of each of kMT m16 tiles, the running max in the
 // base-2 scaled domain, the running (per-thread partial) sum, and the O accumulators of kDT n-tiles per tile.
 // kRescaleLog2_: how far a row's max may grow before O is rescaled (below); 0 keeps the exact running max, so P <= 1
-// (the FP8 kernel, whose e4m3 P needs a known range).
-template <int kMT, int kDT, int kRescaleLog2_ = 8>
+// (the FP8 kernel, whose e4m3 P needs a known range). kPOffsetLog2: P is computed as 2^offset exp2(s - max) (the
+// FP8 kernel's 256 P; the row sum then holds the same factor, and the lse must subtract it).
+template <int kMT, int kDT, int kRescaleLog2_ = 8, int kPOffsetLog2 = 0>
 struct SoftmaxState {
     float row_max[kMT][2];
     float row_sum[kMT][2];
@@ -81,11 +82,12 @@ struct SoftmaxState {
                 // A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
                 const float mm = new_max == -INFINITY ? 0.f : new_max;
                 alpha[m][r] = exp2f(row_max[m][r] - mm);
+                const float shift = static_cast<float>(kPOffsetLog2) - mm;
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt) {
-                    acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, -mm));
-                    acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, -mm));
+                    acc_s[m][nt][2 * r] = exp2f(fmaf(acc_s[m][nt][2 * r], scale_log2, shift));
+                    acc_s[m][nt][2 * r + 1] = exp2f(fmaf(acc_s[m][nt][2 * r + 1], scale_log2, shift));
                     sum += acc_s[m][nt][2 * r] + acc_s[m][nt][2 * r + 1];
                 }
                 row_sum[m][r] = row_sum[m][r] * alpha[m][r] + sum;  // per-thread partial; quad-reduced at the end

@@ -79,4 +79,12 @@ INSTANTIATIONS = (
     ('fwd_int8', 64, 'fp16', True, 'flash_fwd_int8_hdim64_fp16_causal.cu'),
     ('fwd_int8', 64, 'bf16', False, 'flash_fwd_int8_hdim64_bf16_noncausal.cu'),
     ('fwd_int8', 64, 'bf16', True, 'flash_fwd_int8_hdim64_bf16_causal.cu'),
+    ('fwd_fp8_sm90', 128, 'fp16', False, 'flash_fwd_fp8_sm90_hdim128_fp16_noncausal.cu'),
+    ('fwd_fp8_sm90', 128, 'fp16', True, 'flash_fwd_fp8_sm90_hdim128_fp16_causal.cu'),
+    ('fwd_fp8_sm90', 128, 'bf16', False, 'flash_fwd_fp8_sm90_hdim128_bf16_noncausal.cu'),
+    ('fwd_fp8_sm90', 128, 'bf16', True, 'flash_fwd_fp8_sm90_hdim128_bf16_causal.cu'),
+    ('fwd_fp8_sm90', 64, 'fp16', False, 'flash_fwd_fp8_sm90_hdim64_fp16_noncausal.cu'),
+    ('fwd_fp8_sm90', 64, 'fp16', True, 'flash_fwd_fp8_sm90_hdim64_fp16_causal.cu'),
+    ('fwd_fp8_sm90', 64, 'bf16', False, 'flash_fwd_fp8_sm90_hdim64_bf16_noncausal.cu'),
+    ('fwd_fp8_sm90', 64, 'bf16', True, 'flash_fwd_fp8_sm90_hdim64_bf16_causal.cu'),
 )

@@ -7,7 +7,8 @@ for scale, so that the CUDA kernel can be checked against it and the CPU can run
   KV head, 128 keys).
 - V: e4m3 with one scale per (batch, KV head, channel) over the valid keys.
 - S = (Q8 K8^T) q_scale k_scale, masked; P = exp(S scale - rowmax) in fp32; P8 = e4m3(256 P);
-  O = (P8 V8) v_scale / (256 rowsum(P)), the row sum over the unquantised P; lse as the exact one.
+  O = (P8 V8) v_scale / (256 rowsum(P)), the row sum over the unquantised P; lse that of the quantised scores plus
+  ``scale q . mean(K)`` (smoothing shifted every score of the row by that).
 
 The kernel quantises P against its running row max (online softmax, key tiles last to first); this reference
 against the row's final max. Where the two maxima differ, P is quantised at a different point of the e4m3 grid:
@@ -49,9 +50,9 @@ def _blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]
     return q.view(b, h, n * block, d)[:, :, :s], scale
 
 
-def quantize_fp8(q, k, v, seqused_k=None):
+def quantize_fp8(q, k, v, seqused_k=None, return_mean=False):
     """The dequantised operands the kernel multiplies (float32): (Q8 q_scale, K8 k_scale, V8 v_scale), K smoothed,
-    keys past each batch's valid length zero."""
+    keys past each batch's valid length zero; with ``return_mean`` also K's channel mean (B, Hkv, 1, D)."""
     b, _, _, d = q.shape
     sk = k.shape[2]
     used = (torch.full((b,), sk, dtype=torch.long, device=k.device) if seqused_k is None
@@ -65,7 +66,7 @@ def quantize_fp8(q, k, v, seqused_k=None):
     kd, _ = _blockwise(ks, K_BLOCK)
     v_scale = _scale(vf.abs().amax(dim=2, keepdim=True))                      # (B, Hkv, 1, D)
     vd = e4m3(vf * (1.0 / v_scale)) * v_scale
-    return qd, kd, vd
+    return (qd, kd, vd, mean) if return_mean else (qd, kd, vd)
 
 
 def attention_fp8(q, k, v, causal=False, scale=None, seqused_k=None, return_lse=False):
@@ -75,7 +76,7 @@ def attention_fp8(q, k, v, causal=False, scale=None, seqused_k=None, return_lse=
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qd, kd, vd = quantize_fp8(q, k, v, seqused_k)
+    qd, kd, vd, mean = quantize_fp8(q, k, v, seqused_k, return_mean=True)
     s = torch.matmul(_group(qd, hkv), kd.unsqueeze(2).transpose(-1, -2)) * scale     # (B, Hkv, G, Sq, Sk)
     mask = _valid_key_mask(sq, sk, causal, seqused_k, b, q.device)
     if mask is not None:
@@ -86,6 +87,7 @@ def attention_fp8(q, k, v, causal=False, scale=None, seqused_k=None, return_lse=
     row_sum = p.sum(dim=-1, keepdim=True)
     p8 = e4m3(p * P_SCALE)
     out = torch.matmul(p8, vd.unsqueeze(2)) / (P_SCALE * torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum)))
-    lse = torch.where(row_sum > 0, safe_max + torch.log(row_sum), torch.full_like(row_sum, float("-inf")))
+    shift = torch.matmul(_group(q.float(), hkv), mean.unsqueeze(2).transpose(-1, -2)) * scale     # (B, Hkv, G, Sq, 1)
+    lse = torch.where(row_sum > 0, safe_max + torch.log(row_sum) + shift, torch.full_like(row_sum, float("-inf")))
     out = out.reshape(b, hq, sq, d).to(q.dtype)
     return (out, lse.reshape(b, hq, sq)) if return_lse else out

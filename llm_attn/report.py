@@ -4,12 +4,16 @@
     python -m llm_attn.report h100.jsonl rtx4060ti.jsonl --out /tmp/report --experiment default
 
 Reads every ``*.jsonl`` result file named or found under the folders named (rows of ``python -m llm_attn.ttft``
-and ``python -m llm_attn.experiment``), keeps the newest row per device and point, and writes to --out:
+and ``python -m llm_attn.experiment``), keyed by run as well as by device and point: a table line and its ``vs``
+cells come from one run; a newer run that re-measured everything an older one had at a point with the same
+configuration replaces it there, other overlapping runs are shown apart, and one note line says which and why
+(``reporting/merge.py``). It writes to --out:
 
 - ``report.md``: per measured device, TTFT (p50/p90/stdev%), model TFLOP/s and % of the datasheet fp16 peak,
-  speedup of each implementation over each stock one, decode tok/s (generate and CUDA graph) with the fraction of
-  the weight-bandwidth bound, peak memory, correctness, and the points that ran out of memory or failed; then the
-  devices side by side; then, in a separate section, roofline projections for table devices with no results.
+  each implementation's TTFT ratio to each stock one (stock / this, > 1 = faster), decode tok/s (generate and
+  CUDA graph) with the fraction of the weight-bandwidth bound, peak memory, correctness, and the points that ran
+  out of memory or failed; then the devices side by side; then, in a separate section, roofline projections for
+  table devices with no results.
 - ``ttft_vs_seq*.png``, ``speedup*.png``, ``decode_tok_s*.png`` (one set per model/dtype/batch), and
   ``breakdown*.png`` (where each profiled prefill's time went, a stacked bar per implementation and prompt length,
   from ``--measure breakdown`` rows).

@@ -94,3 +94,16 @@ def test_registry_entry_on_cpu_runs_the_reference():
     k = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
     out = entry.fn(q, k, k, causal=True, scale=0.125, variant="reference-fp8")
     assert torch.equal(out, qr.attention_fp8(q, k, k, causal=True, scale=0.125))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_includes_the_smoothing_shift(causal):
+    """Smoothing K shifts every score of a row by scale q . mean(K): the softmax is unchanged, the lse is not; the
+    returned lse adds the shift back, so it is the lse of the unsmoothed scores."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 70, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 150, 64, dtype=torch.bfloat16) + 3.0
+    v = torch.randn(1, 2, 150, 64, dtype=torch.bfloat16)
+    _, ref_lse = attention_naive(q, k, v, causal=causal)
+    _, lse = qr.attention_fp8(q, k, v, causal=causal, return_lse=True)
+    assert (lse.double() - ref_lse.double()).abs().max() < 0.05

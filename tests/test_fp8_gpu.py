@@ -3,7 +3,7 @@ shaped like LLM activations (K with outlier channels), awkward shapes, both inpu
 seqused_k with NaN in the unused keys. The kernel allocates its output, so the memory it will get is poisoned with NaN
 first (the caching allocator hands the freed block back), and an element it never writes stays NaN.
 
-Two bounds per case: against float64 (the error of FP8 attention itself, bounded loosely: ~5 % relative L1 on Gaussian
+Two bounds per case (output and lse): against float64 (the error of FP8 attention itself, bounded loosely: ~5 % relative L1 on Gaussian
 data, kernels/NOTES.md "FP8 forward"), and against the quantised PyTorch reference of the same algorithm
 (llm_attn/quant_reference.py): the kernel's error against float64 may exceed the reference's by at most 25 % + a
 floor, so a wrong scale, a misplaced key or a lost tile fails even where the loose bound would pass."""
@@ -62,14 +62,17 @@ def check(q, k, v, causal, seqused_k=None):
     torch.cuda.synchronize()
     assert out.dtype == q.dtype and out.shape == q.shape
     ref, ref_lse = attention_naive(q, k, v, causal=causal, seqused_k=seqused_k)  # float64
-    qref = attention_fp8(q, k, v, causal=causal, seqused_k=seqused_k)
+    qref, qref_lse = attention_fp8(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True)
     visible = torch.isfinite(ref_lse)
     assert not out.isnan().any(), "NaN in output (unwritten element, bad masking or garbage keys read)"
     assert torch.equal(torch.isfinite(lse), visible), "lse is -inf exactly on rows that see no key"
     assert torch.all(out.double()[~visible] == 0)
     if not visible.any():
         return
-    assert (lse[visible] - ref_lse[visible]).abs().max().item() < 0.1
+    # The lse carries FP8's score error (e4m3 Q and K: a few % of a score): bounded by the quantised reference's own.
+    lse_err = (lse[visible] - ref_lse[visible]).abs().max().item()
+    qref_lse_err = (qref_lse[visible] - ref_lse[visible]).abs().max().item()
+    assert lse_err <= 1.5 * qref_lse_err + 0.02, f"lse error {lse_err:.4f} vs the quantised reference's {qref_lse_err:.4f}"
     cos, rel = metrics(out[visible.unsqueeze(-1).expand_as(out)], ref[visible.unsqueeze(-1).expand_as(ref)])
     rcos, rrel = metrics(qref[visible.unsqueeze(-1).expand_as(qref)], ref[visible.unsqueeze(-1).expand_as(ref)])
     assert cos >= 0.995 and rel <= 0.09, f"vs float64: cosine {cos:.5f}, rel L1 {rel:.4f}"

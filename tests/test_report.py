@@ -19,6 +19,8 @@ from llm_attn import report as report_mod
 from llm_attn.harness.devices import find_device, load_devices
 from llm_attn.envinfo import device_slug
 from llm_attn.harness.results import OLD_SCHEMAS, SCHEMA, iter_rows, upgrade_row, validate_row
+from llm_attn.harness.stats import format_ratio_interval
+from llm_attn.reporting import load_rows
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "results"
@@ -194,3 +196,137 @@ def test_report_cli_errors(tmp_path, capsys, bad_args, message):
     with pytest.raises(SystemExit) as e:
         report_mod.main([*args, "--out", str(tmp_path / "x")])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# -- issue 35: a row's cells come from one run -------------------------------------------------------------------------
+def _table(text: str, header_has: str) -> list[dict[str, str]]:
+    """The lines of the first markdown table whose header contains ``header_has``, by column name."""
+    header, out = None, []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None and line.startswith("|") and header_has in line:
+            header = cells
+        elif header is not None and line.startswith("|") and not line.startswith("|--"):
+            out.append(dict(zip(header, cells)))
+        elif header is not None and not line.startswith("|"):
+            break
+    assert header is not None, f"no table with {header_has!r}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Issue 35's repro with the real CLIs on the CPU tiny model: run A pairs sdpa and llm_attn, the newer run B
+    measures sdpa alone at the same point."""
+    from llm_attn import ttft
+
+    d = tmp_path_factory.mktemp("runs")
+    fast = ["--device", "cpu", "--model", "tiny", "--seq", "32", "--measure", "ttft", "--warmup", "1", "--no-progress"]
+    assert ttft.main([*fast, "--impl", "sdpa", "llm_attn", "--repeats", "4", "--out", str(d / "a.jsonl")]) == 0
+    assert ttft.main([*fast, "--impl", "sdpa", "--repeats", "2", "--out", str(d / "b.jsonl")]) == 0
+    return list(iter_rows(d / "a.jsonl")), list(iter_rows(d / "b.jsonl")), d
+
+
+def test_report_never_mixes_runs_in_one_row(two_runs, tmp_path, capsys):
+    a, b, d = two_runs
+    run_a, run_b = a[0]["run_id"], b[0]["run_id"]
+    assert run_a != run_b
+    assert report_mod.main([str(d / "a.jsonl"), str(d / "b.jsonl"), "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    text = (tmp_path / "r" / "report.md").read_text()
+    lines = _table(section(text, "## cpu — measured"), "vs sdpa (>1 = faster)")
+    # Each run's rows are shown, with the run they come from.
+    got = {(x["run"], x["impl"]): x for x in lines}
+    assert set(got) == {(run_a, "sdpa"), (run_a, "llm_attn"), (run_b, "sdpa")}
+    p50 = {(r["run_id"], r["impl"]): r["stats"]["p50"] for r in a + b}
+    for key, line in got.items():
+        assert line["TTFT p50 ms"] == f"{p50[key]:.2f}"
+    # llm_attn's vs cell is its own run's paired verdict, and its ratio is run A's sdpa p50 / run A's llm_attn p50
+    # (the paired ratio of medians), never run B's sdpa.
+    iv = next(r for r in a if r["impl"] == "llm_attn")["vs"]["sdpa"]
+    cell = got[(run_a, "llm_attn")]["vs sdpa (>1 = faster)"]
+    assert cell == format_ratio_interval(iv)
+    assert iv["ratio"] == pytest.approx(p50[(run_a, "sdpa")] / p50[(run_a, "llm_attn")])
+    # One line says which runs were kept and why, in the report and on stderr.
+    note = f"runs {', '.join(sorted([run_a, run_b]))} both measured cpu, tiny (fp32, float32), batch 1, seq 32"
+    assert note in text and note in err and "each run's rows are shown apart" in text
+
+
+def test_a_newer_run_that_remeasured_everything_replaces_the_older_one(two_runs, tmp_path):
+    a, b, _ = two_runs
+    # Run C: the same command as run A again, later (its rows, with a new run id and time).
+    c = [{**r, "run_id": "c0ffee000000", "time": "2099-01-01T00:00:00+00:00"} for r in a]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in a + b + c))
+    rows, notes = load_rows([tmp_path / "c.jsonl"])
+    assert {r["run_id"] for r in rows} == {"c0ffee000000"}  # C covers both A's and B's points: only C is shown
+    note = next(n for n in notes if "kept run c0ffee000000" in n)
+    assert a[0]["run_id"] in note and b[0]["run_id"] in note and "re-measured every point" in note
+    text = report_mod.write_report([tmp_path / "c.jsonl"], tmp_path / "r").read_text()
+    assert "| run " not in text.split("### Runs")[1].split("## cpu")[1]  # one run left: no run column
+    assert "kept run c0ffee000000" in text
+
+
+def test_runs_with_and_without_prompts_are_other_configurations(two_runs, tmp_path):
+    """Text prompts (``--prompts``) are another configuration than seeded random ids: a newer --prompts run neither
+    replaces nor mixes with the random-id rows; it gets its own table."""
+    a, _, _ = two_runs
+    prompted = [{**r, "run_id": "beef00000000", "time": "2099-01-01T00:00:00+00:00",
+                 "prompts": {"source": "/data/prompts.jsonl", "field": None, "texts": 4},
+                 "stats": {**r["stats"], "p50": 1.0}} for r in a]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in a + prompted))
+    text = report_mod.write_report([tmp_path / "p.jsonl"], tmp_path / "r").read_text()
+    plain = _table(section(text, "### tiny (fp32, float32), batch 1"), "TTFT p50 ms")
+    with_prompts = _table(section(text, "### tiny (fp32, float32), prompts prompts.jsonl, batch 1"), "TTFT p50 ms")
+    assert {x["TTFT p50 ms"] for x in with_prompts} == {"1.00"}
+    assert "1.00" not in {x["TTFT p50 ms"] for x in plain} and len(plain) == len(with_prompts) == 2
+
+
+# -- issue 35 item 6: plots whose titles and tick labels can be read ---------------------------------------------------
+def _check_layout(fig, problems: list[str], name: str) -> None:
+    """Every title, axis label and tick label inside the figure, and no two tick labels of an axis overlapping."""
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    texts = [fig._suptitle] if fig._suptitle is not None else []
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        texts += [ax.title, ax.xaxis.label, ax.yaxis.label]
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = [t for t in axis.get_ticklabels(which="both") if t.get_visible() and t.get_text()]
+            lo, hi = (ax.get_xlim() if axis is ax.xaxis else ax.get_ylim())
+            labels = [t for t in labels if min(lo, hi) <= (t.get_position()[0] if axis is ax.xaxis
+                                                           else t.get_position()[1]) <= max(lo, hi)]
+            texts += labels
+            ext = [t.get_window_extent(renderer) for t in labels]
+            for i in range(len(ext)):
+                for j in range(i + 1, len(ext)):
+                    if ext[i].overlaps(ext[j]):
+                        problems.append(f"{name}: tick labels {labels[i].get_text()!r} and {labels[j].get_text()!r} "
+                                        f"overlap")
+    for t in texts:
+        if not t.get_text():
+            continue
+        e = t.get_window_extent(renderer)
+        if e.x0 < box.x0 - 1 or e.x1 > box.x1 + 1 or e.y0 < box.y0 - 1 or e.y1 > box.y1 + 1:
+            problems.append(f"{name}: {t.get_text()!r} is cut off at the figure's edge")
+
+
+@pytest.mark.parametrize("results, extra", [
+    (REPO / "experiments" / "results", {"experiment": "default"}),  # the committed example report's inputs
+    (FIXTURES, {}),  # two devices and projections
+])
+def test_plots_titles_and_tick_labels_fit(results, extra, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    problems, saved = [], []
+    real = matplotlib.figure.Figure.savefig
+
+    def checked(fig, path, *args, **kwargs):
+        real(fig, path, *args, **kwargs)  # lays the figure out as saved
+        saved.append(Path(path).name)
+        _check_layout(fig, problems, Path(path).name)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", checked)
+    report_mod.write_report([results], tmp_path / "r", **extra)
+    assert {"ttft_vs_seq.png", "speedup.png", "decode_tok_s.png"} <= set(saved)
+    assert problems == []

@@ -25,6 +25,7 @@ from llm_attn.reporting.tables import (
     implementations_md,
     projected_devices,
     projection_md,
+    runs_md,
     side_by_side_md,
 )
 
@@ -45,7 +46,7 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
           f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} by `python -m llm_attn.report` "
           f"from {len(rows)} rows in {len(result_files(paths))} file(s)"
           + (f", experiment `{experiment}`" if experiment else "") + ".\n",
-          "## Measured devices\n", env_md(m), "", METHOD, "",
+          "## Measured devices\n", env_md(m), "", "### Runs\n", runs_md(m), "", METHOD, "",
           "## Attention implementations\n",
           "Source: `built-in` (llm_attn/impls/), `plugin` (a --plugin file or module), `entry-point` (an installed "
           "package's `llm_attn.attention` entry point). Calls are summed over the rows (warm-up included).\n",

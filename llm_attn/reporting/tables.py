@@ -39,7 +39,12 @@ once at the mean context length. The fraction shown is measured tok/s over that 
 cell is the ratio of medians, stock / this row (> 1: this row is faster), with its 95 % paired-bootstrap interval,
 and says "no difference" where the interval holds 1.0 ("faster" / "slower" otherwise); older rows show the plain
 ratio of p50s. **notes**: host-bound rows (enqueue ≥ 90 % of TTFT), attention calls that fell back to stock, an SM
-clock that moved > 5 %."""
+clock that moved > 5 %.
+
+**Runs.** Every line of a table comes from one run (one command; its `run_id`), and its `vs` cells compare it with
+the stock rows of that same run. Where a newer run with the same configuration (device, model, dtype, batch, prompt
+source, kernel build) re-measured everything an older one had at a point, the older is left out there; other runs
+that overlap are shown apart, with a `run` column. The notes above the tables say which runs were kept and why."""
 
 
 def _f(x, fmt="{:.2f}"):
@@ -66,45 +71,67 @@ def device_table(m: Merged, device: str, series: tuple) -> str:
     batch = series[1]
     impls = m.impls(device, series)
     stocks = [s for s in STOCK_ORDER if s in impls]
+    several_runs = len(m.runs(device, series)) > 1
     lines = []
-    for seq in m.seqs(device, series):
-        for impl in impls:
-            t = m.get(device, series, seq, impl, "ttft")
-            dg = m.get(device, series, seq, impl, "decode_generate")
-            dgr = m.get(device, series, seq, impl, "decode_graph")
-            if t is None and dg is None and dgr is None:
-                continue
-            p50 = t["stats"]["p50"] if t is not None and t["status"] == "ok" else None
-            tflops = flops.prefill_flops(geom, batch, seq) / (p50 * 1e-3) / 1e12 if p50 and geom else None
-            pct = 100 * tflops / entry.fp16_tensor_tflops if tflops and entry else None
-            speed = []
-            for s in stocks:
-                # The paired ratio, its 95 % interval and verdict words where the row was measured paired;
-                # the plain ratio of p50s for older rows (sweep.verdict_cell).
-                ref = m.ok(device, series, seq, s, "ttft")
-                speed.append(verdict_cell(t, s, ref["stats"]["p50"] if ref else None, p50) if p50 else "")
-            notes = []
-            for x in (t, dg, dgr):
-                notes += [n for n in row_notes(x) if n not in notes]
-            bw = None
-            if dgr is not None and dgr["status"] == "ok" and entry:
-                bw = 100 * dgr["tok_s"] * dgr["bytes_per_token"]["total"] / entry.bandwidth_bytes_s
-            peak = max((x.get("peak_mem_bytes") or 0) for x in (t, dg, dgr) if x is not None) or None
-            lines.append([
-                seq, impl,
-                _f(p50) or _status_cell(t), _f(t["stats"]["p90"]) if p50 else "",
-                _f(t["stats"]["stdev_pct"], "{:.1f}") if p50 else "",
-                _sig(tflops), _f(pct, "{:.1f}%"), *speed,
-                _f(dg["tok_s"], "{:.1f}") if dg is not None and dg["status"] == "ok" else _status_cell(dg),
-                _f(dgr["tok_s"], "{:.1f}") if dgr is not None and dgr["status"] == "ok" else _status_cell(dgr),
-                _f(bw, "{:.0f}%"),
-                _f(peak / 2**30 if peak else None),
-                "; ".join(notes),
-            ])
-    headers = ["seq", "impl", "TTFT p50 ms", "p90 ms", "stdev %", "model TFLOP/s", "% fp16 peak",
+    # One line per (seq, run, impl): every cell of a line, and the stock row of its vs cells, from that one run.
+    for seq, run, impl in ((seq, run, impl) for seq in m.seqs(device, series)
+                           for run in m.runs(device, series, seq) for impl in impls):
+        t = m.get(device, series, seq, impl, "ttft", run=run)
+        dg = m.get(device, series, seq, impl, "decode_generate", run=run)
+        dgr = m.get(device, series, seq, impl, "decode_graph", run=run)
+        if t is None and dg is None and dgr is None:
+            continue
+        p50 = t["stats"]["p50"] if t is not None and t["status"] == "ok" else None
+        tflops = flops.prefill_flops(geom, batch, seq) / (p50 * 1e-3) / 1e12 if p50 and geom else None
+        pct = 100 * tflops / entry.fp16_tensor_tflops if tflops and entry else None
+        speed = []
+        for s in stocks:
+            # The paired ratio, its 95 % interval and verdict words where the row was measured paired;
+            # the plain ratio of p50s for older rows (sweep.verdict_cell).
+            ref = m.ok(device, series, seq, s, "ttft", run=run)
+            speed.append(verdict_cell(t, s, ref["stats"]["p50"] if ref else None, p50) if p50 else "")
+        notes = []
+        for x in (t, dg, dgr):
+            notes += [n for n in row_notes(x) if n not in notes]
+        bw = None
+        if dgr is not None and dgr["status"] == "ok" and entry:
+            bw = 100 * dgr["tok_s"] * dgr["bytes_per_token"]["total"] / entry.bandwidth_bytes_s
+        peak = max((x.get("peak_mem_bytes") or 0) for x in (t, dg, dgr) if x is not None) or None
+        lines.append([
+            seq, impl, *([run] if several_runs else []),
+            _f(p50) or _status_cell(t), _f(t["stats"]["p90"]) if p50 else "",
+            _f(t["stats"]["stdev_pct"], "{:.1f}") if p50 else "",
+            _sig(tflops), _f(pct, "{:.1f}%"), *speed,
+            _f(dg["tok_s"], "{:.1f}") if dg is not None and dg["status"] == "ok" else _status_cell(dg),
+            _f(dgr["tok_s"], "{:.1f}") if dgr is not None and dgr["status"] == "ok" else _status_cell(dgr),
+            _f(bw, "{:.0f}%"),
+            _f(peak / 2**30 if peak else None),
+            "; ".join(notes),
+        ])
+    headers = ["seq", "impl", *(["run"] if several_runs else []), "TTFT p50 ms", "p90 ms", "stdev %", "model TFLOP/s",
+               "% fp16 peak",
                *[ratio_header(s) for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
                "graph % of BW bound", "peak GiB", "notes"]
     return tabulate(lines, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def runs_md(m: Merged) -> str:
+    """The runs the tables' rows come from: one line per device and run, with its configuration and command."""
+    lines = []
+    for d in m.measured:
+        by_run: dict[str, list[dict]] = {}
+        for r in m.device_rows[d]:
+            by_run.setdefault(r["run_id"], []).append(r)
+        for run in sorted(by_run, key=lambda run: (m.run_start[run], run)):
+            rows = by_run[run]
+            first = min(rows, key=lambda r: r["time"])
+            sources = sorted({(r.get("prompts") or {}).get("source") or "random ids" for r in rows})
+            lines.append([d, run, first["time"][:19], first["env"].get("kernel_build") or "",
+                          ", ".join(sources), (first["env"].get("git_sha") or first["env"].get("llm_attn_git")
+                                               or "")[:12], len(rows),
+                          f"`{first['command']}`".replace("|", "/") if first.get("command") else ""])
+    return tabulate(lines, headers=["device", "run", "started", "kernel build", "prompts", "git", "rows", "command"],
+                    tablefmt="github", disable_numparse=True)
 
 
 def correctness_md(m: Merged, device: str) -> str:
@@ -156,15 +183,17 @@ def side_by_side_md(m: Merged, series: tuple, measurement: str, value) -> str:
         return ""
     keys = sorted({(seq, impl) for d in devices for seq in m.seqs(d, series) for impl in m.impls(d, series)},
                   key=lambda k: (k[0], _impl_key(k[1])))
-    lines = []
+    lines, several = [], False
     for seq, impl in keys:
         cells = []
         for d in devices:
-            r = m.get(d, series, seq, impl, measurement)
+            r = m.get(d, series, seq, impl, measurement)  # the newest run's row of the point
+            several = several or len(m.runs(d, series, seq)) > 1
             cells.append(_f(value(r)) if r is not None and r["status"] == "ok" else _status_cell(r))
         lines.append([seq, impl, *cells])
-    return tabulate(lines, headers=["seq", "impl", *[m.device_name[d] for d in devices]], tablefmt="github",
-                    disable_numparse=True)
+    table = tabulate(lines, headers=["seq", "impl", *[m.device_name[d] for d in devices]], tablefmt="github",
+                     disable_numparse=True)
+    return table + ("\n\n(a device with several runs at a point: each cell is its newest run's row)" if several else "")
 
 
 def projected_devices(m: Merged, only: list[str] | None) -> list[Device]:
@@ -212,7 +241,7 @@ def breakdown_md(m: Merged, device: str, series: tuple) -> str:
     lines = []
     for r in _breakdown_rows(m, device, series):
         ms, pct = r["category_ms"], r["category_pct"]
-        t = m.ok(device, series, r["seq"], r["impl"], "ttft")
+        t = m.ok(device, series, r["seq"], r["impl"], "ttft", run=r["run_id"])  # this profile's own run
         p50 = t["stats"]["p50"] if t else None
         lines.append([r["seq"], r["impl"], _f(r["span_ms"]),
                       *(f"{ms[c]:.2f} ({pct[c]:.0f}%)" if pct.get(c) is not None else "" for c, _ in BREAKDOWN),
