@@ -20,6 +20,7 @@
 
 #include "flash.h"
 #include "flash_fp8.h"
+#include "flash_int8.h"
 
 namespace {
 
@@ -326,6 +327,28 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     return {out, lse};
 }
 
+// The INT8 forward (kernels/flash_int8.h): int8 Q K^T, P V in e4m3 where the GPU has it (sm_89), else in the
+// input dtype; its workspace (int8 K, scales, e4m3 V^T, statistics) in one byte buffer made here.
+std::tuple<at::Tensor, at::Tensor> mha_fwd_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+    check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const int major = at::cuda::getCurrentDeviceProperties()->major;
+    TORCH_CHECK(major == 8 || major == 9, "llm_attn.mha_fwd_int8: the INT8 forward has kernels for compute capability "
+                "8.x and 9.0, this GPU is ", num(major), ".", num(at::cuda::getCurrentDeviceProperties()->minor));
+    at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+    at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    llm_attn::FlashFwdInt8Params p{};
+    set_shared_params(p, q, k, v, out, lse, seqused_k, scale, causal);
+    p.fp8_pv = llm_attn::flash_fwd_int8_fp8_pv_available();
+    at::Tensor ws = at::empty({static_cast<int64_t>(llm_attn::flash_fwd_int8_workspace_bytes(p))},
+                              q.options().dtype(at::kByte));
+    llm_attn::flash_fwd_int8_set_workspace(p, ws.data_ptr());
+    const cudaError_t err = llm_attn::run_flash_fwd_int8(p, at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd_int8: kernel launch failed: ", cudaGetErrorString(err));
+    return {out, lse};
+}
+
 int64_t num_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t seqlen_q, int64_t seqlen_k,
                    int64_t head_dim, int64_t num_sms) {
     llm_attn::FlashFwdParams p{};
@@ -522,6 +545,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
     m.def("mha_fwd_fp8", &mha_fwd_fp8, "FP8 (e4m3) attention forward, quantisation included; returns (out, lse)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("mha_fwd_int8", &mha_fwd_int8, "INT8 attention forward, quantisation included; returns (out, lse)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("int8_available", [] {
+        int dev = 0, major = 0;
+        return cudaGetDevice(&dev) == cudaSuccess &&
+               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+               (major == 8 || major == 9);
+    }, "Whether the current device runs the INT8 forward of this build");
+    m.def("int8_pv_fp8", [] { return llm_attn::flash_fwd_int8_fp8_pv_available(); },
+          "Whether the INT8 forward multiplies P V in e4m3 on this device (sm_89)");
     m.def("fp8_available", [] { return llm_attn::flash_fwd_fp8_available(); },
           "Whether the current device runs the FP8 (sm_90a) forward of this build");
     m.def("sm90_available", [] { return llm_attn::flash_fwd_sm90_available(); },

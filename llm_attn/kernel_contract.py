@@ -26,8 +26,9 @@ REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PATHS = ("auto", "kernel", "reference")
 # flash_attn_func(precision=...): 'native' computes in the inputs' dtype; 'fp8' quantises Q, K, V to e4m3 in the call
 # (kernels/flash_fp8.h; llm_attn/quant_reference.py), on compute capability 9.0 only for the kernel.
-PRECISIONS = ("native", "fp8")
+PRECISIONS = ("native", "fp8", "int8")
 FP8_KERNEL_CC = (9, 0)
+INT8_KERNEL_CCS = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
 
 
 # ------------------------------------------------------------------------------ what the user-facing op checks
@@ -155,21 +156,25 @@ def check_inputs_full(q, k, v, causal, scale, seqused_k, path: str) -> bool:
     return use_kernel
 
 
-def fp8_problem(precision, q: torch.Tensor, use_kernel: bool, available: bool = True) -> str | None:
+def quant_problem(precision, q: torch.Tensor, use_kernel: bool, available: bool = True) -> str | None:
     """Why ``precision`` cannot serve ``q`` (already checked by ``check_inputs``) on this path, or None. One line that
     names what is supported."""
     if precision not in PRECISIONS:
         return f"precision must be one of {PRECISIONS}, got {precision!r}"
-    if precision != "fp8" or not use_kernel:
+    if precision == "native" or not use_kernel:
         return None
-    cc = torch.cuda.get_device_capability(q.device)
-    if cc != FP8_KERNEL_CC:
+    cc = tuple(torch.cuda.get_device_capability(q.device))
+    if precision == "fp8" and cc != FP8_KERNEL_CC:
         return (f"precision='fp8' needs an FP8 tensor-core kernel, which this project has for compute capability 9.0 "
-                f"(H100, H200) only; this GPU is sm_{cc[0]}{cc[1]}: use precision='native', or path='reference' "
-                f"(the same algorithm in PyTorch)")
+                f"(H100, H200) only; this GPU is sm_{cc[0]}{cc[1]}: use precision='int8' (sm_80-90), 'native', or "
+                f"path='reference' (the same algorithm in PyTorch)")
+    if precision == "int8" and cc not in INT8_KERNEL_CCS:
+        return (f"precision='int8' has kernels for sm_80/86/87/89/90; this GPU is sm_{cc[0]}{cc[1]}: use "
+                f"precision='native', or path='reference'")
     if not available:
-        return ("precision='fp8' needs the AOT build compiled for sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0); this "
-                "build has no FP8 kernel for this GPU")
+        return (f"precision={precision!r} needs the AOT build of the extension compiled for this GPU "
+                f"(LLM_ATTN_CUDA_ARCHS; python -m pip install --no-build-isolation -e .); this build has no "
+                f"{precision.upper()} kernel for it")
     return None
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from llm_attn import _ext as _ext_mod
-from llm_attn import backward, quant_reference, reference
+from llm_attn import backward, quant_reference, quant_reference_int8, reference
 from llm_attn._ext import KernelNotBuiltError, get_ext, kernel_build
 
 # The contract's names, re-exported for callers of llm_attn.ops.
@@ -24,7 +24,7 @@ from llm_attn.kernel_contract import (  # noqa: E402,F401
     PRECISIONS,
     aligned16,
     check_inputs,
-    fp8_problem,
+    quant_problem,
 )
 
 Path = Literal["auto", "kernel", "reference"]
@@ -87,20 +87,36 @@ def _flash_fwd_fake(q, k, v, seqused_k, scale, causal, use_kernel):
 backward.register_autograd(_flash_fwd)  # its backward: the llm_attn::flash_bwd op of llm_attn.backward
 
 
-# ---- FP8 (e4m3) forward: kernels/flash_fp8.h on compute capability 9.0, llm_attn.quant_reference elsewhere ----
-def _fp8_reference_impl(q, k, v, seqused_k, scale, causal):
+# ---- Low-precision forwards (precision='fp8' | 'int8'): the kernel where the GPU has one, their PyTorch references
+# (llm_attn.quant_reference, llm_attn.quant_reference_int8) elsewhere. FP8: kernels/flash_fp8.h, compute capability
+# 9.0. INT8: kernels/flash_int8.h, sm_80-90 (P V in e4m3 on sm_89, in the input dtype elsewhere).
+_QUANT_BINDING = {"fp8": "mha_fwd_fp8", "int8": "mha_fwd_int8"}
+
+
+def _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision):
     out, lse = _empty_outputs(q)
-    ref_out, ref_lse = quant_reference.attention_fp8(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,
-                                                     return_lse=True)
+    if precision == "fp8":
+        ref_out, ref_lse = quant_reference.attention_fp8(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,
+                                                         return_lse=True)
+    else:
+        ref_out, ref_lse = quant_reference_int8.attention_int8(q, k, v, causal=causal, scale=scale,
+                                                               seqused_k=seqused_k, pv=int8_pv(q))
     out.copy_(ref_out)
     lse.copy_(ref_lse)
     return out, lse
 
 
-def _fp8_kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
+def int8_pv(q) -> str:
+    """What the INT8 path multiplies P V in: e4m3 where the kernel does (compute capability 8.9), else the input
+    dtype. The reference follows the GPU it stands in for (on CPU: the input dtype)."""
+    return "e4m3" if q.is_cuda and torch.cuda.get_device_capability(q.device) == (8, 9) else "input"
+
+
+def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None):
     ext = ext or _current_ext()
-    if not hasattr(ext, "mha_fwd_fp8"):
-        raise KernelNotBuiltError("precision='fp8' runs in the AOT build only (llm_attn._C, built with nvcc for 9.0); "
+    name = _QUANT_BINDING[precision]
+    if not hasattr(ext, name):
+        raise KernelNotBuiltError(f"precision={precision!r} runs in the AOT build only (llm_attn._C, built with nvcc); "
                                   f"this process uses the {kernel_build()} build")
     if not _aligned16(q):
         q = q.contiguous()
@@ -108,33 +124,33 @@ def _fp8_kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
         k = k.contiguous()
     if not _aligned16(v):
         v = v.contiguous()
-    return ext.mha_fwd_fp8(q, k, v, seqused_k, float(scale), bool(causal))
+    return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal))
 
 
-@torch.library.custom_op("llm_attn::flash_fwd_fp8", mutates_args=())
-def _flash_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
-                   scale: float, causal: bool, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fp8_reference_impl(q, k, v, seqused_k, scale, causal)
+@torch.library.custom_op("llm_attn::flash_fwd_quant", mutates_args=())
+def _flash_fwd_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
+                     scale: float, causal: bool, use_kernel: bool, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
 
 
-@_flash_fwd_fp8.register_kernel("cuda")
-def _flash_fwd_fp8_cuda(q, k, v, seqused_k, scale, causal, use_kernel):
+@_flash_fwd_quant.register_kernel("cuda")
+def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision):
     if not use_kernel:
-        return _fp8_reference_impl(q, k, v, seqused_k, scale, causal)
-    return _fp8_kernel_impl(q, k, v, seqused_k, scale, causal)
+        return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
+    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision)
 
 
-@_flash_fwd_fp8.register_fake
-def _flash_fwd_fp8_fake(q, k, v, seqused_k, scale, causal, use_kernel):
+@_flash_fwd_quant.register_fake
+def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision):
     return _empty_outputs(q)
 
 
-def _no_fp8_backward(ctx, grad_out, grad_lse):
-    raise RuntimeError("flash_attn_func(precision='fp8') is forward-only (inference): train with precision='native' "
-                       "(the bf16/fp16 kernel and its backward)")
+def _no_quant_backward(ctx, grad_out, grad_lse):
+    raise RuntimeError("flash_attn_func(precision='fp8' | 'int8') is forward-only (inference): train with "
+                       "precision='native' (the bf16/fp16 kernel and its backward)")
 
 
-torch.library.register_autograd("llm_attn::flash_fwd_fp8", _no_fp8_backward)
+torch.library.register_autograd("llm_attn::flash_fwd_quant", _no_quant_backward)
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -162,11 +178,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
            (the CUDA kernel, or an error that says why not) or 'reference'. How the kernel was built (aot or nvrtc)
            is ``llm_attn.kernel_build()``'s business, not this argument's.
         backend: the old name of ``path`` ('auto', 'cuda' = 'kernel', 'reference'); deprecated, still honoured.
-        precision: 'native' (default: the inputs' fp16/bf16 throughout) or 'fp8': Q, K, V quantised to e4m3 inside
-           the call (per-block scales, K smoothed by its channel mean; ``llm_attn.quant_reference`` states the
-           algorithm), fp32 accumulation and softmax, output in q's dtype. The kernel path needs a compute
-           capability 9.0 GPU (H100, H200) and the AOT build; the reference path runs the same algorithm in PyTorch
-           anywhere. Forward only: no gradient flows through it. Its accuracy is a measured number, not a promise:
+        precision: 'native' (default: the inputs' fp16/bf16 throughout), 'fp8' or 'int8', both quantising inside
+           the call (per-block scales, K smoothed by its channel mean), with fp32 accumulation and softmax and the
+           output in q's dtype. 'fp8': e4m3 Q, K, V (``llm_attn.quant_reference``), kernel on compute capability 9.0
+           (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
+           (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in the AOT build; the reference
+           path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
            ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
 
     Returns:
@@ -184,7 +201,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         path = "kernel"
     use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
     if precision != "native":
-        return _flash_attn_fp8(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision)
+        return _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision)
     compiling = torch.compiler.is_compiling()
     ext = None
     if use_kernel and not compiling:  # traced code must not look up the build (the op does)
@@ -202,27 +219,29 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return (out, lse) if return_lse else out
 
 
-def _flash_attn_fp8(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision):
-    problem = fp8_problem(precision, q, use_kernel)
+def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision):
+    problem = quant_problem(precision, q, use_kernel)
     if problem:
         raise ValueError(problem)
     ext = _current_ext() if use_kernel and not torch.compiler.is_compiling() else None
-    if use_kernel and ext is not None and not ext_fp8_available(ext):
-        raise ValueError(fp8_problem(precision, q, use_kernel, available=False))
+    if use_kernel and ext is not None and not ext_quant_available(ext, precision):
+        raise ValueError(quant_problem(precision, q, use_kernel, available=False))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not torch.compiler.is_compiling() and direct_call_allowed(q, k, v):
         if use_kernel:
-            out, lse = _fp8_kernel_impl(q, k, v, seqused_k, scale, causal, ext)
+            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext)
         else:
-            out, lse = _fp8_reference_impl(q, k, v, seqused_k, scale, causal)
+            out, lse = _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
     else:
-        out, lse = _flash_fwd_fp8(q, k, v, seqused_k, scale, causal, use_kernel)
+        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision)
     return (out, lse) if return_lse else out
 
 
-def ext_fp8_available(ext) -> bool:
-    """Whether this build runs the FP8 kernel on the current device (the AOT build with sm_90a on a 9.0 GPU)."""
-    return hasattr(ext, "fp8_available") and bool(ext.fp8_available())
+def ext_quant_available(ext, precision: str) -> bool:
+    """Whether this build runs the ``precision`` kernel on the current device (FP8: the AOT build with sm_90a on a
+    9.0 GPU; INT8: the AOT build on sm_80-90)."""
+    probe = {"fp8": "fp8_available", "int8": "int8_available"}[precision]
+    return hasattr(ext, probe) and bool(getattr(ext, probe)())
 
 
 def direct_call_allowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -50,7 +50,7 @@ ENTRY_POINT_GROUP = "llm_attn.attention"
 BACKENDS = ("auto", "cuda", "reference")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
 # Built-in entries, in the order tables list them; each module registers its entries on import.
-_BUILTIN_MODULES = ("llm_attn.impls.stock", "llm_attn.impls.flash_kernel", "llm_attn.impls.flash_fp8",
+_BUILTIN_MODULES = ("llm_attn.impls.stock", "llm_attn.impls.flash_kernel", "llm_attn.impls.low_precision",
                     "llm_attn.impls.naive",
                     "llm_attn.impls.flex", "llm_attn.impls.numba_fa2")
 

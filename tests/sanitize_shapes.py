@@ -5,7 +5,7 @@ TMA/mbarrier/warp-specialised pipelines); `--backward` only the backward's.
     compute-sanitizer --tool memcheck --error-exitcode 9 python tests/sanitize_shapes.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --hopper
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --backward
-`--fp8` runs only the FP8 forward's launches (its pre-pass and its TMA/mbarrier/wgmma pipeline: memcheck, racecheck,
+`--fp8` (`--int8`) runs only the FP8 (INT8) forward's launches (its pre-pass and its TMA/mbarrier/wgmma pipeline: memcheck, racecheck,
 synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks.
 """
 import itertools
@@ -31,7 +31,7 @@ tiles = (1, 2, 3, 4) if ext.sm90_available() else (1, 2, 3)
 runs += [(torch.bfloat16, (1, 8, 2, 300, 1000, d, c, None), t) for t in tiles for d in (64, 128) for c in (0, 1)]
 if ext.sm90_available():
     runs += [(torch.float16, (2, 8, 2, 129, 700, d, c, [700, 333]), 4) for d in (64, 128) for c in (0, 1)]
-if "--backward" in sys.argv or "--fp8" in sys.argv:
+if "--backward" in sys.argv or "--fp8" in sys.argv or "--int8" in sys.argv:
     runs = []
 if "--hopper" in sys.argv:
     if not ext.sm90_available():
@@ -58,18 +58,20 @@ FP8_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (2, 8, 2, 129, 700, 64, False, [700, 333]),
     (2, 8, 2, 300, 700, 128, True, [700, 5]),
 ]
-if "--fp8" in sys.argv:
-    if not ext.fp8_available():
-        sys.exit("--fp8: this GPU/build does not run the FP8 kernel")
+for lowp in ("fp8", "int8"):
+    if f"--{lowp}" not in sys.argv:
+        continue
+    if not getattr(ext, f"{lowp}_available")():
+        sys.exit(f"--{lowp}: this GPU/build does not run the {lowp.upper()} kernel")
     for dtype, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product((torch.float16, torch.bfloat16), FP8_SHAPES):
         q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
-        out, _ = ext.mha_fwd_fp8(q, k, v, su, 1 / math.sqrt(d), causal)
+        out, _ = getattr(ext, f"mha_fwd_{lowp}")(q, k, v, su, 1 / math.sqrt(d), causal)
         torch.cuda.synchronize()
         assert not out.isnan().any()
-    print("sanitize shapes done (fp8)")
+    print(f"sanitize shapes done ({lowp})")
     sys.exit(0)
 
 for dtype, shape, tile in runs:

@@ -80,8 +80,11 @@ def test_fp8_problem_names_the_gpu(monkeypatch):
     from llm_attn import kernel_contract
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    msg = kernel_contract.fp8_problem("fp8", torch.empty(1), use_kernel=True)
-    assert "compute capability 9.0" in msg and "sm_89" in msg and "\n" not in msg
+    msg = kernel_contract.quant_problem("fp8", torch.empty(1), use_kernel=True)
+    assert "compute capability 9.0" in msg and "sm_89" in msg and "int8" in msg and "\n" not in msg
+    assert kernel_contract.quant_problem("int8", torch.empty(1), use_kernel=True) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "sm_75" in kernel_contract.quant_problem("int8", torch.empty(1), use_kernel=True)
 
 
 def test_registry_entry_on_cpu_runs_the_reference():

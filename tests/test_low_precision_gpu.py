@@ -1,11 +1,12 @@
-"""GPU tests of the FP8 forward (``flash_attn_func(..., precision='fp8')``, kernels/flash_fp8.h): fresh random inputs
+"""GPU tests of the low-precision forwards (``flash_attn_func(..., precision='fp8' | 'int8')``: kernels/flash_fp8.h,
+kernels/flash_int8.h; the INT8 kernel runs on any sm_80-90 GPU, so an H100 tests its input-dtype P V): fresh random inputs
 shaped like LLM activations (K with outlier channels), awkward shapes, both input dtypes, MHA/GQA/MQA, q_len != kv_len,
 seqused_k with NaN in the unused keys. The kernel allocates its output, so the memory it will get is poisoned with NaN
 first (the caching allocator hands the freed block back), and an element it never writes stays NaN.
 
 Two bounds per case (output and lse): against float64 (the error of FP8 attention itself, bounded loosely: ~5 % relative L1 on Gaussian
 data, kernels/NOTES.md "FP8 forward"), and against the quantised PyTorch reference of the same algorithm
-(llm_attn/quant_reference.py): the kernel's error against float64 may exceed the reference's by at most 25 % + a
+(llm_attn/quant_reference.py, quant_reference_int8.py): the kernel's error against float64 may exceed the reference's by at most 25 % + a
 floor, so a wrong scale, a misplaced key or a lost tile fails even where the loose bound would pass."""
 
 import math
@@ -16,20 +17,36 @@ import torch
 
 from conftest import HEADS, LENGTHS, UNEQUAL, grid
 from llm_attn import attention_naive, flash_attn_func
+from llm_attn.ops import int8_pv
 from llm_attn.quant_reference import attention_fp8
+from llm_attn.quant_reference_int8 import attention_int8
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PAIRS = [(n, n) for n in LENGTHS if n > 1] + [(s, k) for s, k in UNEQUAL if s > 16]
 
 
+PRECISIONS = ["fp8", "int8"]
+
+
+def require(ext, precision):
+    if not hasattr(ext, f"mha_fwd_{precision}"):
+        pytest.skip(f"the {precision.upper()} forward is in the AOT build only (this is the NVRTC backend)")
+    if not getattr(ext, f"{precision}_available")():
+        pytest.skip(f"no {precision.upper()} kernel for this GPU in this build (FP8: compute capability 9.0, sm_90a; "
+                    f"INT8: sm_80-90)")
+
+
 @pytest.fixture
 def fp8_ext(cuda_ext):
-    if not hasattr(cuda_ext, "mha_fwd_fp8"):
-        pytest.skip("the FP8 forward is in the AOT build only (this is the NVRTC backend)")
-    if not cuda_ext.fp8_available():
-        pytest.skip("the FP8 kernel needs a compute capability 9.0 GPU and an sm_90a build")
+    require(cuda_ext, "fp8")
     return cuda_ext
+
+
+def quant_reference(q, k, v, causal, seqused_k, precision):
+    if precision == "fp8":
+        return attention_fp8(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True)
+    return attention_int8(q, k, v, causal=causal, seqused_k=seqused_k, pv=int8_pv(q))
 
 
 def llm_like(b, h, s, d, dt, seed, outliers=False):
@@ -55,14 +72,14 @@ def metrics(out, ref):
     return cos, rel_l1
 
 
-def check(q, k, v, causal, seqused_k=None):
+def check(q, k, v, causal, seqused_k=None, precision="fp8"):
     poison_next_alloc(q)
     out, lse = flash_attn_func(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True, path="kernel",
-                               precision="fp8")
+                               precision=precision)
     torch.cuda.synchronize()
     assert out.dtype == q.dtype and out.shape == q.shape
     ref, ref_lse = attention_naive(q, k, v, causal=causal, seqused_k=seqused_k)  # float64
-    qref, qref_lse = attention_fp8(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True)
+    qref, qref_lse = quant_reference(q, k, v, causal, seqused_k, precision)
     visible = torch.isfinite(ref_lse)
     assert not out.isnan().any(), "NaN in output (unwritten element, bad masking or garbage keys read)"
     assert torch.equal(torch.isfinite(lse), visible), "lse is -inf exactly on rows that see no key"
@@ -79,21 +96,24 @@ def check(q, k, v, causal, seqused_k=None):
     assert rel <= 1.25 * rrel + 2e-3, f"kernel rel L1 {rel:.4f} vs the quantised reference's {rrel:.4f}"
 
 
-@pytest.mark.parametrize("dtype,causal,d,heads,sq,sk",
-                         grid([list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2))
-def test_fp8_grid(fp8_ext, dtype, causal, d, heads, sq, sk):
-    seed = zlib.crc32(repr((dtype, causal, d, heads, sq, sk)).encode())
+@pytest.mark.parametrize("precision,dtype,causal,d,heads,sq,sk",
+                         grid([PRECISIONS, list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2))
+def test_low_precision_grid(cuda_ext, precision, dtype, causal, d, heads, sq, sk):
+    require(cuda_ext, precision)
+    seed = zlib.crc32(repr((precision, dtype, causal, d, heads, sq, sk)).encode())
     hq, hkv = HEADS[heads]
     dt = DTYPES[dtype]
     q = llm_like(2, hq, sq, d, dt, seed)
     k = llm_like(2, hkv, sk, d, dt, seed + 1, outliers=True)
     v = llm_like(2, hkv, sk, d, dt, seed + 2)
-    check(q, k, v, causal)
+    check(q, k, v, causal, precision=precision)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_seqused_k_ignores_garbage(fp8_ext, causal, d):
+def test_seqused_k_ignores_garbage(cuda_ext, precision, causal, d):
+    require(cuda_ext, precision)
     """Keys past seqused_k hold NaN and huge values: they must reach no scale, no statistic and no output."""
     b, hq, hkv, sk = 3, 8, 2, 1000
     q = llm_like(b, hq, 300, d, torch.bfloat16, 7)
@@ -103,7 +123,7 @@ def test_fp8_seqused_k_ignores_garbage(fp8_ext, causal, d):
     for i, n in enumerate(used.tolist()):
         k[i, :, n:] = float("nan")
         v[i, :, n:] = 1e4
-    check(q, k, v, causal, seqused_k=used)
+    check(q, k, v, causal, seqused_k=used, precision=precision)
 
 
 def test_fp8_long_row_accuracy(fp8_ext):

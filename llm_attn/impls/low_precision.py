@@ -1,0 +1,73 @@
+"""The low-precision entries, each a path the user picks by name, never a default; their accuracy is measured by the
+harness (``bench --mode accuracy`` against float64, the ``correctness`` measurement against stock):
+
+- ``llm_attn_fp8``: FP8 (e4m3) prefill attention (``flash_attn_func(..., precision='fp8')``): Q, K, V quantised
+  inside each call (per-block scales, K smoothed), fp32 accumulation and softmax; the Hopper kernel.
+- ``llm_attn_int8``: INT8 Q K^T (K smoothed, per-block scales), P V in e4m3 on sm_89 and in the input dtype
+  elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin, A100, H100).
+
+What each serves: prefill-shaped calls (more than ``DECODE_MAX_Q_LEN`` query rows) in low precision; decode-shaped calls (one
+token, or a few) keep the native fp16/bf16 kernel, whose cost is reading the cache, not arithmetic (an FP8 KV
+cache is the lever there). No backward: training through these entries raises. Variants counted in the patch
+report: ``fp8`` / ``int8`` (the kernel, AOT build) and ``reference-fp8`` / ``reference-int8`` (the same algorithm in
+PyTorch: CPU tensors, or ``backend='reference'``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_attn._ext import kernel_available
+from llm_attn.kernel_contract import KERNEL_DTYPES, kernel_problem, reference_problem
+from llm_attn.ops import flash_attn_func
+from llm_attn.registry import register_attention
+
+DECODE_MAX_Q_LEN = 16  # at most this many query rows: the native kernel (decode and speculative steps)
+
+
+def _cuda_problem(device: torch.device, precision: str) -> str | None:
+    from llm_attn import _ext  # noqa: PLC0415
+    from llm_attn.kernel_contract import FP8_KERNEL_CC, INT8_KERNEL_CCS  # noqa: PLC0415
+
+    cc = tuple(torch.cuda.get_device_capability(device))
+    if precision == "fp8" and cc != FP8_KERNEL_CC:
+        return (f"llm_attn_fp8 has an FP8 kernel for compute capability 9.0 (H100, H200) only; this GPU is "
+                f"sm_{cc[0]}{cc[1]} (llm_attn_int8 runs on sm_80-90)")
+    if precision == "int8" and cc not in INT8_KERNEL_CCS:
+        return f"llm_attn_int8 has kernels for sm_80/86/87/89/90; this GPU is sm_{cc[0]}{cc[1]}"
+    if not kernel_available() or _ext.kernel_build() != "aot":
+        return (f"llm_attn_{precision} needs the AOT build of the extension (python -m pip install "
+                f"--no-build-isolation -e .)")
+    return None
+
+
+def _entry(precision: str):
+    def select(device, dtype, head_dim, requested):
+        if requested == "reference" or device.type != "cuda":
+            if requested == "cuda":
+                return None, f"backend='cuda' needs the model on a CUDA device, it is on {device}"
+            why = reference_problem(dtype)
+            return (None, why) if why else (f"reference-{precision}", None)
+        why = kernel_problem(dtype, head_dim) or _cuda_problem(device, precision)
+        return (None, why) if why else (precision, None)
+
+    def run(q, k, v, *, causal, scale, seqused_k=None, variant=precision):
+        path = "reference" if variant.startswith("reference") else "kernel"
+        lowp = "native" if q.shape[2] <= DECODE_MAX_Q_LEN and path == "kernel" else precision
+        return flash_attn_func(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, path=path, precision=lowp)
+
+    return select, run
+
+
+_fp8_select, _fp8_run = _entry("fp8")
+_int8_select, _int8_run = _entry("int8")
+register_attention("llm_attn_fp8", _fp8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
+                   devices=("cuda", "cpu"), supports_seqused_k=True,
+                   description="FP8 (e4m3) prefill attention of this project's Hopper kernel; decode stays native "
+                               "(low precision: accuracy in bench --mode accuracy)",
+                   select=_fp8_select)
+register_attention("llm_attn_int8", _int8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
+                   devices=("cuda", "cpu"), supports_seqused_k=True,
+                   description="INT8 Q K^T prefill attention of this project's portable kernel (P V in e4m3 on sm_89); "
+                               "decode stays native (low precision: accuracy in bench --mode accuracy)",
+                   select=_int8_select)
