@@ -174,6 +174,8 @@ setup(
         # --prompts (llm_attn/harness/prompts.py): prompts from a local json/jsonl/parquet/csv file or a cached
         # dataset; GPU clocks in every row (llm_attn/harness/hostenv.py) read through NVML when it is installed.
         "prompts": ["datasets>=2.14"],
+        # NVML (import name pynvml): energy per measurement (llm_attn/harness/energy.py: the GPU's total-energy counter)
+        # and the GPU clocks of every row (llm_attn/harness/hostenv.py); both degrade to empty fields without it.
         "nvml": ["nvidia-ml-py"],
     },
     # Installed packages register attention implementations here (llm_attn.registry reads the group), e.g.

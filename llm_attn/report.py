@@ -17,6 +17,10 @@ configuration replaces it there, other overlapping runs are shown apart, and one
 - ``ttft_vs_seq*.png``, ``speedup*.png``, ``decode_tok_s*.png`` (one set per model/dtype/batch), and
   ``breakdown*.png`` (where each profiled prefill's time went, a stacked bar per implementation and prompt length,
   from ``--measure breakdown`` rows).
+- Energy (rows that carry it, ``harness/energy.py``): a table of TTFT, J per prefill, decode tok/s and J per token
+  per device with the paired energy ratios (PROJECTED rows marked), ``energy_per_token.png`` (J/token vs tok/s per
+  device), and the published references of ``--references`` (default experiments/published_references.toml) in
+  their own section, every number with its source; published numbers are never merged into measured rows.
 
 Every implementation is listed with its source (built-in, or plugin file / package and version) and how many of
 its attention calls fell back to the stock path.
@@ -52,12 +56,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project", nargs="+", default=None, metavar="SLUG",
                    help="project only these table devices (default: every table device without results)")
     p.add_argument("--no-projection", action="store_true", help="no roofline projections")
+    p.add_argument("--references", default=None, metavar="TOML",
+                   help="published numbers shown in their own section, each with its source (default "
+                        "experiments/published_references.toml)")
+    p.add_argument("--no-references", action="store_true", help="no published-references section")
     p.add_argument("--strict", action="store_true",
                    help="fail (exit 2) when a line of a results file is skipped (not JSON, not an object, or a row "
                         "that fails validation) instead of warning about it")
     args = p.parse_args(argv)
     from llm_attn.reporting import load_rows, write_report  # noqa: PLC0415 (heavy: keep --help fast)
+    from llm_attn.reporting.energy import DEFAULT_REFERENCES, ReferencesError, load_references  # noqa: PLC0415
 
+    references = args.references or (DEFAULT_REFERENCES if DEFAULT_REFERENCES.exists() else None)
+    if args.no_references:
+        references = None
+    if references is not None:
+        try:  # before any work; a malformed file is one line that names its line
+            load_references(references)
+        except ReferencesError as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
     try:
         _, notes = load_rows(args.results, args.experiment)
     except (FileNotFoundError, ValueError) as e:
@@ -70,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--strict: results files have lines that were skipped (see the warnings above)")
     try:
         report = write_report(args.results, args.out, args.devices, args.experiment, args.project,
-                              args.no_projection)
+                              args.no_projection, references=references)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     except OSError as e:  # --out is a file, not writable, or the disk is full

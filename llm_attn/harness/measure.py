@@ -171,11 +171,15 @@ class _TokenClock(BaseStreamer):
     """Timestamps each ``put``: generate() puts the prompt first, then every new token as a host tensor, so each
     timestamp is taken after that token is on the host (on CUDA the ``.cpu()`` copy in generate synchronises)."""
 
-    def __init__(self):
+    def __init__(self, meter=None):
         self.times: list[float] = []
+        self.meter, self.window = meter, None
 
     def put(self, value):
         self.times.append(time.perf_counter())
+        if self.meter is not None and len(self.times) == 2:
+            # The first new token (the prefill's) is on the host: the decode's energy window starts here.
+            self.window = self.meter.begin()
 
     def end(self):
         pass
@@ -196,13 +200,15 @@ def _decode_fields(run_steps_ms: list[list[float]], run_total_ms: list[float], n
 
 
 def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, runs: int,
-                            warmup_runs: int = 1, on_run: Callable[[], None] | None = None) -> dict:
-    """Decode through ``model.generate`` (default dynamic cache, greedy), tokens 2..N timed by their arrival."""
+                            warmup_runs: int = 1, on_run: Callable[[], None] | None = None, meter=None) -> dict:
+    """Decode through ``model.generate`` (default dynamic cache, greedy), tokens 2..N timed by their arrival.
+    ``meter`` (``harness.energy``): each run's energy from the first new token's arrival to the end of generate
+    (``energy_windows``)."""
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device
     kwargs = _generate_kwargs(model, input_ids, new_tokens)
-    steps, totals, first_token_ms, tokens = [], [], [], None
+    steps, totals, first_token_ms, tokens, windows = [], [], [], None, []
     with torch.inference_mode(), no_gc():
         # Warm-up runs cover the decode shapes too: the first generate after a shape change is much slower.
         for _ in range(warmup_runs):
@@ -210,9 +216,11 @@ def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, run
         _sync(device)
         _reset_peak(device)
         for _ in range(runs):
-            clock = _TokenClock()
+            clock = _TokenClock(meter)
             _sync(device)
             out = model.generate(input_ids, streamer=clock, **kwargs)
+            if meter is not None:
+                windows.append(meter.end(clock.window, tokens=(new_tokens - 1) * input_ids.shape[0]))
             t = clock.times
             if len(t) != new_tokens + 1 or out.shape[1] != input_ids.shape[1] + new_tokens:
                 raise RuntimeError(f"generate produced {out.shape[1] - input_ids.shape[1]} tokens and {len(t) - 1} "
@@ -233,6 +241,7 @@ def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, run
         "runs": runs,
         "tokens": tokens,
         "peak_mem_bytes": _peak(device),
+        **({"energy_windows": windows} if meter is not None else {}),
     }
 
 
@@ -248,7 +257,8 @@ def _extend_static_cache(cache, seq: int, context: int) -> None:
 
 
 def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs: int, use_graph: bool,
-                          on_run: Callable[[], None] | None = None, context: int | None = None) -> dict:
+                          on_run: Callable[[], None] | None = None, context: int | None = None,
+                          meter=None) -> dict:
     """Kernel-limited decode: StaticCache, one greedy decode step per token, replayed from a CUDA graph when
     ``use_graph`` (CUDA only). Each step reads the previous token from a static buffer and writes the next one
     into it, so the replayed graph feeds itself. The cache's position counters are tensors that the step advances
@@ -258,7 +268,9 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     prefill, cache positions ``seq..context`` are filled with the prompt's own keys and values, repeated, and the
     position counters set to ``context``: each step then attends over ``context`` + step keys, as at the end of a
     long conversation, without the cost of a long prefill. The tokens are then not the model's continuation of any
-    real text (the repeated keys carry their first positions' rotary phases); what is measured is the step time."""
+    real text (the repeated keys carry their first positions' rotary phases); what is measured is the step time.
+
+    ``meter`` (``harness.energy``): each run's energy over its timed steps (``energy_windows``)."""
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device
@@ -315,12 +327,13 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
                 step()
             run_step = step
 
-        steps, totals, tokens = [], [], None
+        steps, totals, tokens, windows = [], [], None, []
         history = torch.empty((batch, new_tokens), dtype=torch.long, device=device)
         for _ in range(runs):
             rewind()
             history[:, 0] = first[:, 0]
             _sync(device)
+            win = meter.begin() if meter is not None else None
             if cuda:
                 ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(n_steps)]
@@ -340,6 +353,8 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
                     stamps.append(time.perf_counter())
                 steps.append([(b - a) * 1e3 for a, b in zip(stamps[:-1], stamps[1:])])
                 totals.append((stamps[-1] - stamps[0]) * 1e3)
+            if meter is not None:
+                windows.append(meter.end(win, tokens=n_steps * batch))
             if tokens is None:
                 tokens = history.tolist()
             if on_run:
@@ -355,6 +370,7 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
         "context_filled": kv_len > seq,
         "tokens": tokens,
         "peak_mem_bytes": peak,
+        **({"energy_windows": windows} if meter is not None else {}),
     }
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from llm_attn.harness import energy
 from llm_attn.harness.measure import _peak, _reset_peak, _sync, no_gc, prefill_first_token
 from llm_attn.harness.results import jsonable
 from llm_attn.harness.stats import paired_ratio_interval, summarize
@@ -130,9 +131,11 @@ def _timed_prefill(model, input_ids: torch.Tensor) -> tuple[float, float, float]
 
 def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], warmup: int, repeats: int, *,
                         switch: Callable, seed: int = 0,
-                        on_repeat: Callable[[], None] | None = None) -> dict[str, dict]:
+                        on_repeat: Callable[[], None] | None = None, meter=None) -> dict[str, dict]:
     """Paired TTFT of ``impls`` on one prompt: ``{impl: row fields}``. ``switch(model, impl)`` is the context
     manager that puts the model on an implementation and yields its PatchReport or None (``impls.use_impl``).
+    ``meter`` (``harness.energy``): the energy of every timed prefill, read right before and after it, on the same
+    repeats as the times (``energy_j``, ``energy``, and ``paired.energy_j`` by implementation).
 
     Warm-up: ``warmup`` prefills per implementation, round-robin, before the first timed repeat. Each row holds its
     own samples (``samples_ms``, ``stats``: what the tables read) and the whole paired record (``paired``): the
@@ -161,6 +164,8 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         patch_report[impl] = rep
 
     stock_calls = dict.fromkeys(impls)
+    windows = {i: [] for i in impls}
+    power_settings = meter.start_point() if meter is not None else {}  # power limit / nvpmodel now
     with torch.inference_mode(), no_gc():
         for _ in range(warmup):
             for impl in impls:
@@ -176,7 +181,12 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
                 with switch(model, impl) as rep:
                     switch_ms[impl].append((time.perf_counter() - t0) * 1e3)
                     _reset_peak(device)
+                    if meter is not None:
+                        _sync(device)
+                        win = meter.begin()
                     d, e, w = _timed_prefill(model, input_ids)
+                    if meter is not None:
+                        windows[impl].append(meter.end(win))
                     pk = _peak(device)
                     tally(impl, rep)
                 dev[impl].append(d)
@@ -189,6 +199,8 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
                 on_repeat()
     record = {"impls": impls, "seed": seed, "order": order, "samples_ms": dev, "enqueue_ms": enq,
               "wall_ms": wall, "python_gc": "off while timing"}
+    if meter is not None and meter.available:
+        record["energy_j"] = {i: [w["energy_j"] if w else None for w in windows[i]] for i in impls}
     out = {}
     for impl in impls:
         fields = {
@@ -203,6 +215,8 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
             "host_bound": host_bound_summary(dev[impl], enq[impl], wall[impl], device_timed=cuda),
             "paired": {**record, "positions": pos[impl], "switch_ms": switch_ms[impl]},
         }
+        if meter is not None:
+            fields.update(energy.ttft_energy_fields(windows[impl], meter, power_settings))
         if patch_report[impl] is not None:
             # Summed over every patch of this implementation (warm-up included): proof of what really ran.
             fields["attention_calls"] = {"impl": calls[impl]["impl"], "stock_fallback": calls[impl]["stock_fallback"],
@@ -304,7 +318,8 @@ def measure_ttft_over_prompts(model, prompts: Sequence[torch.Tensor], impls: Seq
 
 def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: Callable,
                           run_once: Callable[[], dict], seed: int = 0,
-                          on_repeat: Callable[[], None] | None = None) -> tuple[dict[str, dict], dict[str, Exception]]:
+                          on_repeat: Callable[[], None] | None = None,
+                          meter=None) -> tuple[dict[str, dict], dict[str, Exception]]:
     """Paired decode tok/s (issue 19): as TTFT, every implementation runs once per repeat, in a seeded shuffled
     order, so host drift hits all of them alike. ``run_once()`` is one run of a decode measurement on the model as
     switched (``measure_decode_generate`` / ``measure_decode_static`` with ``runs=1``) and returns its fields.
@@ -316,8 +331,13 @@ def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: 
     Each row holds every run's per-token samples (``samples_ms``), each repeat's time per output token
     (``run_tpot_ms``), tok/s from their median (``tok_s``), and the ``paired`` record whose ``samples_ms`` are those
     per-repeat times per output token: ``paired_verdicts`` then gives median(reference tpot) / median(mine), i.e.
-    my tok/s over the reference's, with its paired-bootstrap interval."""
+    my tok/s over the reference's, with its paired-bootstrap interval.
+
+    ``meter`` (``harness.energy``, the one ``run_once`` measures with): its settings are read at the start, and the
+    runs' energy windows become ``joules_per_token`` and ``energy`` (``paired.joules_per_token`` by
+    implementation)."""
     failed: dict[str, Exception] = {}
+    power_settings = meter.start_point() if meter is not None else {}  # power limit / nvpmodel now
     with no_gc():
         for impl in list(impls):
             try:
@@ -351,8 +371,12 @@ def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: 
             if on_repeat:
                 on_repeat()
     tpot = {i: [t for f in runs[i] for t in f["run_tpot_ms"]] for i in impls}
+    windows = {i: [w for f in runs[i] for w in f.pop("energy_windows", [])] for i in impls}
     record = {"impls": impls, "seed": seed, "order": order, "samples_ms": tpot, "python_gc": "off while timing",
               "unit": "time per output token of each repeat's run (ms); ratios of their medians are tok/s ratios"}
+    if meter is not None and meter.available:
+        record["joules_per_token"] = {i: [w["energy_j"] / w["tokens"] if w and w.get("tokens") else None
+                                          for w in windows[i]] for i in impls}
     out = {}
     for impl in impls:
         first = runs[impl][0]
@@ -371,6 +395,8 @@ def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: 
             "peak_mem_bytes": max(peaks) if peaks else None,
             "paired": {**record, "positions": pos[impl]},
         }
+        if meter is not None:
+            fields.update(energy.decode_energy_fields(windows[impl], meter, power_settings))
         if "generate_first_token_ms" in first:
             fields["generate_first_token_ms"] = [t for f in runs[impl] for t in f["generate_first_token_ms"]]
         if patch_report[impl] is not None:

@@ -22,7 +22,7 @@ from tabulate import tabulate
 from tqdm.auto import tqdm
 
 from llm_attn import registry
-from llm_attn.harness import flops, hostenv
+from llm_attn.harness import energy, flops, hostenv
 from llm_attn.harness.breakdown import measure_breakdown
 from llm_attn.harness.devices import Device
 from llm_attn.harness.impls import BASE_IMPL, impl_info, is_stock, use_impl
@@ -279,9 +279,9 @@ class Sweep:
         """One run of a decode measurement on the model as it is switched now (a repeat of a paired decode point)."""
         cfg = self.cfg
         if measurement == "decode_generate":
-            return measure_decode_generate(self.model, prompt, cfg.new_tokens, 1, warmup_runs=0)
+            return measure_decode_generate(self.model, prompt, cfg.new_tokens, 1, warmup_runs=0, meter=self.meter)
         return measure_decode_static(self.model, prompt, cfg.new_tokens, 1, use_graph=self.device.type == "cuda",
-                                     context=cfg.context)
+                                     context=cfg.context, meter=self.meter)
 
     def _measure(self, measurement: str, prompt: torch.Tensor, inner: tqdm) -> dict:
         cfg = self.cfg
@@ -315,6 +315,15 @@ class Sweep:
         return {**fields, **self._decode_extras(fields, batch, seq)}
 
     def run(self) -> list[dict]:
+        """Measure every point not done yet, with the run's energy meter open (``harness.energy``: NVML, Jetson
+        rails, or none and why) for the paired TTFT and decode points."""
+        self.meter = energy.open_meter(self.device)
+        try:
+            return self._run_points()
+        finally:
+            self.meter.close()
+
+    def _run_points(self) -> list[dict]:
         cfg = self.cfg
         per_point = [m for m in PER_POINT if m in cfg.measurements]
         blocked = [m for m in per_point if m not in PAIRED]
@@ -394,11 +403,11 @@ class Sweep:
             if decode:
                 got, failed = measure_decode_paired(self.model, ok, cfg.decode_repeats, switch=use_impl,
                                                     run_once=lambda p=prompt: self._decode_once(measurement, p),
-                                                    seed=cfg.seed, on_repeat=inner.update)
+                                                    seed=cfg.seed, on_repeat=inner.update, meter=self.meter)
             else:
                 failed = {}
                 got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
-                                          seed=cfg.seed, on_repeat=inner.update)
+                                          seed=cfg.seed, on_repeat=inner.update, meter=self.meter)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
@@ -415,6 +424,7 @@ class Sweep:
                 row = {**bases[impl], **got[impl], "host_env": env}
                 row.update(self._decode_extras(row, batch, seq) if decode else self._ttft_extras(row, batch, seq))
                 row["vs"] = paired_verdicts(row, stocks, seed=cfg.seed)
+                row["vs_energy"] = energy.energy_verdicts(row, stocks, seed=cfg.seed)  # > 1: less energy
                 self._emit(row)
             bar.update()
 

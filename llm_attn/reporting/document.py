@@ -8,6 +8,7 @@ from pathlib import Path
 from llm_attn.harness.devices import load_devices
 from llm_attn.harness.results import result_files
 from llm_attn.harness.session import dataset_table
+from llm_attn.reporting.energy import DEFAULT_REFERENCES, energy_sections
 from llm_attn.reporting.merge import Merged, _slugify, load_rows
 from llm_attn.reporting.plots import (
     plot_breakdown,
@@ -32,7 +33,7 @@ from llm_attn.reporting.tables import (
 
 def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str | Path | None = None,
                  experiment: str | None = None, project: list[str] | None = None,
-                 no_projection: bool = False) -> Path:
+                 no_projection: bool = False, references: str | Path | None = DEFAULT_REFERENCES) -> Path:
     rows, warnings = load_rows(paths, experiment)
     if not rows:
         raise ValueError(f"no result rows found in {[str(p) for p in paths]}"
@@ -103,6 +104,7 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
             t = projection_md(m, series, proj, seqs)
             if t:
                 md += [f"### {series[0]}, batch {series[1]} (PROJECTED)\n", t, ""]
+    md += energy_sections(m, proj, out, references)  # J per prefill / token per device, published references
     md.append("## Plots\n")
     multi = len(series_list) > 1
     for series in series_list:

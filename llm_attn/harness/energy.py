@@ -1,0 +1,576 @@
+"""Energy per measurement: joules per prefill and per decoded token, read on the same repeats as the times.
+
+Where the energy comes from (``open_meter``), in this order:
+
+- **Jetson** (any device of the run: the rails measure the board): the INA3221 power monitors in sysfs, read by a
+  sampling thread every ``JETSON_PERIOD_S`` and integrated over each repeat's window (piecewise linear between
+  samples). Two layouts exist (checked against alumet's and jetson-stats' readers and the Tegra234 device trees):
+  JetPack 5 and 6 (L4T r35/r36) use the hwmon driver, ``/sys/bus/i2c/drivers/ina3221/<bus>-<addr>/hwmon/hwmon*/``
+  with ``in<N>_label``, ``in<N>_input`` (mV) and ``curr<N>_input`` (mA); JetPack 4 (L4T r32) the iio driver,
+  ``/sys/bus/i2c/drivers/ina3221x/<bus>-<addr>/iio:device*/`` with ``rail_name_<N>`` and ``in_power<N>_input`` (mW).
+  Which rail is which: ``RAIL_MEANING``. ``energy_j`` is the module input (``VDD_IN``) where the board has one
+  (Orin NX / Orin Nano, Xavier NX), else the sum of every measured rail (AGX Orin has no input rail: VDD_GPU_SOC +
+  VDD_CPU_CV + VIN_SYS_5V0 + VDDQ_VDD2_1V8AO, regulator losses not included); every rail's own energy is kept too.
+  The nvpmodel mode is read at the start of each point (``/var/lib/nvpmodel/status`` and ``/etc/nvpmodel.conf``,
+  else ``nvpmodel -q``).
+- **NVIDIA GPU with NVML** (``nvidia-ml-py``, import name ``pynvml``; the ``nvml`` extra): the GPU's total-energy
+  counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded, Volta and newer), read right before
+  and right after each timed repeat. A thread samples ``nvmlDeviceGetPowerUsage`` every ``NVML_PERIOD_S`` for the
+  peak power only (on Ampere and newer, except GA100, NVML returns that reading averaged over one second). The
+  board power limit in force is read at the start of each point.
+- **Neither** (a CPU run off a Jetson, a GPU without NVML or whose counter cannot be read: no nvidia-ml-py, a
+  container without the library, NVML_ERROR_NO_PERMISSION, a pre-Volta GPU): the energy columns stay empty and
+  ``energy.note`` says why. Reading energy never fails a run: a read that fails mid-run empties that repeat's value
+  and says so in the note.
+
+``LLM_ATTN_SYSFS_ROOT`` reads the Jetson files under another root (recorded sysfs trees: tests/fixtures/jetson_*).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llm_attn.harness.stats import format_ratio_interval, paired_ratio_interval, summarize
+
+METHOD_NVML = "nvml_total_energy_counter"
+METHOD_JETSON = "ina3221_rails_sampled"
+NVML_PERIOD_S = 0.05  # peak power only: NVML's own reading is a 1 s average on recent GPUs
+JETSON_PERIOD_S = 0.01  # 6-8 sysfs reads per sample; a 256-token prefill on Orin (~170 ms) gets ~17 samples
+SYSFS_ROOT_ENV = "LLM_ATTN_SYSFS_ROOT"
+
+# What each INA3221 rail measures (NVIDIA's Jetson Linux power guides; rail names as the Tegra234/194/210 device
+# trees label them). The module-input rails give a board's total; elsewhere the rails are summed.
+RAIL_MEANING = {
+    # Jetson AGX Orin (p3701): INA3221 at 1-0040 and 1-0041
+    "VDD_GPU_SOC": "GPU and SoC core (AGX Orin)",
+    "VDD_CPU_CV": "CPU cores and CV accelerators: DLA, PVA (AGX Orin)",
+    "VIN_SYS_5V0": "the module's 5 V system rail: I/O and peripherals (AGX Orin); not the module's total input",
+    "VDDQ_VDD2_1V8AO": "DRAM (VDDQ, VDD2) and the always-on 1.8 V rail (AGX Orin)",
+    # Jetson Orin NX / Orin Nano (p3767), Xavier NX
+    "VDD_IN": "module input: the whole module's power (Orin NX, Orin Nano, Xavier NX)",
+    "VDD_CPU_GPU_CV": "CPU, GPU and CV accelerators together (Orin NX, Orin Nano, Xavier NX)",
+    "VDD_SOC": "SoC core (Orin NX, Orin Nano, Xavier NX)",
+    # Jetson AGX Xavier (JetPack 4 names)
+    "GPU": "GPU (AGX Xavier)", "CPU": "CPU cores (AGX Xavier)", "SOC": "SoC core (AGX Xavier)",
+    "CV": "CV accelerators (AGX Xavier)", "VDDRQ": "DRAM (AGX Xavier)", "SYS5V": "5 V system rail (AGX Xavier)",
+    # Jetson Nano
+    "POM_5V_IN": "module input: the whole module's power (Jetson Nano)", "POM_5V_GPU": "GPU (Jetson Nano)",
+    "POM_5V_CPU": "CPU cores (Jetson Nano)",
+}
+INPUT_RAILS = ("VDD_IN", "POM_5V_IN")
+# Labels of channels that measure nothing: not connected, or the INA3221's summation channel (in7).
+_SKIP_LABEL = re.compile(r"^(nc|)$|sum of shunt", re.IGNORECASE)
+
+
+# -- the meters ---------------------------------------------------------------------------------------------------------
+class Meter:
+    """No energy source here: every window reads None and ``note`` says why. The base of the real meters.
+
+    A meter's life: ``start_point()`` at the start of a point (reads ``settings()``: power limit / nvpmodel), then
+    per timed repeat ``w = begin()`` right before it and ``end(w, tokens=...)`` right after it (the device idle at
+    both), ``close()`` at the end of the run. ``end`` returns ``{"energy_j", "duration_s", "peak_w", "rails_j",
+    "tokens"}`` or None."""
+
+    available = False
+    method: str | None = None
+    scope: str | None = None
+    peak_method: str | None = None
+
+    def __init__(self, note: str | None = None):
+        self.note = note
+        self._errors: list[str] = []
+
+    def settings(self) -> dict:
+        return {}
+
+    def begin(self):
+        return None
+
+    def end(self, window, tokens: int | None = None) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        msg = f"{what}: {type(e).__name__}: {e}"
+        if msg not in self._errors:
+            self._errors.append(msg)
+
+    def start_point(self) -> dict:
+        """The start of a measurement point: forget the last point's read failures, read ``settings()``."""
+        self._errors = []
+        return self.settings()
+
+    def errors(self) -> list[str]:
+        """Read failures since ``start_point`` (a repeat whose value is None says why here)."""
+        return list(self._errors)
+
+    def rails(self) -> dict[str, str]:
+        return {}
+
+
+class Sampler:
+    """A daemon thread calling ``read()`` (-> (total W, {rail: W})) every ``period_s``, keeping (time, total, rails)
+    samples for ``integrate``/``peak`` over a window of ``time.perf_counter`` times."""
+
+    def __init__(self, read, period_s: float, keep: int = 200_000):
+        self.read, self.period_s = read, period_s
+        self.samples: deque = deque(maxlen=keep)
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llm_attn-power-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        nxt = time.perf_counter()
+        while not self._stop.is_set():
+            try:
+                total, rails = self.read()
+            except Exception as e:  # noqa: BLE001 (recorded; the windows then read None and say why)
+                self.error = e
+                return
+            with self.lock:
+                self.samples.append((time.perf_counter(), total, rails))
+            nxt += self.period_s
+            delay = nxt - time.perf_counter()
+            if delay < 0:  # fell behind (a slow read): restart the schedule rather than burst
+                nxt, delay = time.perf_counter(), 0.0
+            self._stop.wait(delay)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_past(self, t: float, timeout: float) -> bool:
+        """Wait until a sample taken at or after ``t`` exists (so a window's end can be interpolated)."""
+        deadline = time.perf_counter() + timeout
+        while True:
+            with self.lock:
+                if self.samples and self.samples[-1][0] >= t:
+                    return True
+            if not self.alive() or time.perf_counter() > deadline:
+                return False
+            time.sleep(self.period_s / 4)
+
+    def _window(self, t0: float, t1: float) -> list[tuple]:
+        """The samples inside [t0, t1] plus the nearest one on each side (to interpolate the edges), in time order.
+        Walked from the newest: windows are recent, and the deque holds hours of samples."""
+        picked, after = [], None
+        with self.lock:
+            for p in reversed(self.samples):
+                if p[0] > t1:
+                    after = p
+                    continue
+                picked.append(p)
+                if p[0] < t0:
+                    break
+        picked.reverse()
+        return picked + ([after] if after is not None else [])
+
+    def peak(self, t0: float, t1: float) -> float | None:
+        inside = [p[1] for p in self._window(t0, t1) if t0 <= p[0] <= t1]
+        return max(inside) if inside else None
+
+    def integrate(self, t0: float, t1: float) -> tuple[float, dict[str, float]] | None:
+        """Joules over [t0, t1] of the total and of each rail: the trapezoid of the samples, linearly interpolated at
+        the window's edges (held constant beyond the first/last sample). None without any sample."""
+        pts = self._window(t0, t1)
+        if not pts:
+            return None
+        ts = np.array([p[0] for p in pts])
+
+        def joules(values) -> float:
+            v = np.asarray(values, dtype=np.float64)
+            inner = (ts > t0) & (ts < t1)
+            x = np.concatenate([[t0], ts[inner], [t1]])
+            y = np.concatenate([[np.interp(t0, ts, v)], v[inner], [np.interp(t1, ts, v)]])
+            return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2)
+
+        rails = {name: joules([p[2][name] for p in pts]) for name in pts[0][2]}
+        return joules([p[1] for p in pts]), rails
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+# -- NVML ---------------------------------------------------------------------------------------------------------------
+def _nvml_error(e: BaseException) -> str:
+    """``NVMLError_NoPermission: Insufficient Permissions``: the NVML error class names the case."""
+    return f"{type(e).__name__}: {e}"
+
+
+class NvmlMeter(Meter):
+    available = True
+    method = METHOD_NVML
+    scope = "the GPU board (NVML total-energy counter)"
+    peak_method = f"max of nvmlDeviceGetPowerUsage sampled every {NVML_PERIOD_S * 1e3:.0f} ms inside the repeats"
+
+    def __init__(self, pynvml, handle, match: str, period_s: float = NVML_PERIOD_S):
+        super().__init__(None)
+        self.nvml, self.handle, self.match = pynvml, handle, match
+        self.sampler = Sampler(self._power, period_s)
+
+    def _power(self) -> tuple[float, dict]:
+        return self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3, {}
+
+    def energy_mj(self) -> int:
+        return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+
+    def settings(self) -> dict:
+        out = {"nvml_device_match": self.match}
+        for key, fn in (("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit"),
+                        ("default_power_limit_w", "nvmlDeviceGetPowerManagementDefaultLimit")):
+            try:
+                out[key] = getattr(self.nvml, fn)(self.handle) / 1e3
+            except Exception as e:  # noqa: BLE001 (NVMLError or a missing function: recorded as unknown)
+                out[key] = None
+                self._failed(f"reading {fn}", e)
+        return out
+
+    def begin(self):
+        try:
+            return time.perf_counter(), self.energy_mj()
+        except Exception as e:  # noqa: BLE001 (NVMLError: this repeat has no energy; the run goes on)
+            self._failed("reading the NVML energy counter", e)
+            return None
+
+    def end(self, window, tokens: int | None = None) -> dict | None:
+        if window is None:
+            return None
+        t0, e0 = window
+        try:
+            e1 = self.energy_mj()
+        except Exception as e:  # noqa: BLE001
+            self._failed("reading the NVML energy counter", e)
+            return None
+        t1 = time.perf_counter()
+        if e1 < e0:
+            self._failed("the NVML energy counter", ValueError(f"went backwards ({e0} -> {e1} mJ): driver reloaded?"))
+            return None
+        return {"energy_j": (e1 - e0) / 1e3, "duration_s": t1 - t0, "peak_w": self.sampler.peak(t0, t1),
+                "rails_j": None, "tokens": tokens}
+
+    def close(self) -> None:
+        self.sampler.close()
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 (shutting down twice or after a driver error: nothing to do)
+            pass
+
+
+def _cuda_identity(index: int) -> str | None:
+    """The CUDA device's UUID as NVML spells it (``GPU-...``): CUDA and NVML number devices differently under
+    CUDA_VISIBLE_DEVICES."""
+    try:
+        import torch  # noqa: PLC0415
+
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # noqa: BLE001 (an older torch without .uuid, or no CUDA)
+        return None
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
+
+def open_nvml_meter(index: int, uuid: str | None = None) -> Meter:
+    """An NvmlMeter for CUDA device ``index`` (found by ``uuid`` when given), or a Meter whose note says why not."""
+    try:
+        import pynvml  # noqa: PLC0415 (optional: the nvml extra)
+    except ImportError:
+        return Meter("no NVML: nvidia-ml-py is not installed (python -m pip install nvidia-ml-py, or the 'nvml' "
+                     "extra)")
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 (NVMLError_LibraryNotFound in a container without the driver library, ...)
+        return Meter(f"NVML did not start ({_nvml_error(e)})")
+    try:
+        handle, match = None, None
+        if uuid:
+            try:
+                handle, match = pynvml.nvmlDeviceGetHandleByUUID(uuid), "uuid"
+            except Exception:  # noqa: BLE001 (fall back to the index)
+                handle = None
+        if handle is None:
+            handle, match = pynvml.nvmlDeviceGetHandleByIndex(index), "index"
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception as e:  # noqa: BLE001 (NotSupported before Volta, NoPermission in some containers and vGPUs)
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        return Meter(f"the NVML total-energy counter cannot be read here ({_nvml_error(e)}); it needs a Volta or "
+                     "newer GPU and permission to read it")
+    return NvmlMeter(pynvml, handle, match)
+
+
+# -- Jetson INA3221 rails -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rail:
+    name: str
+    sensor: str  # e.g. "1-0040/hwmon/hwmon3"
+    layout: str  # "hwmon" (JetPack 5, 6) or "iio" (JetPack 4)
+    volt: Path | None = None  # mV (hwmon)
+    curr: Path | None = None  # mA (hwmon)
+    power: Path | None = None  # mW (iio)
+
+    def watts(self) -> float:
+        if self.power is not None:
+            return float(self.power.read_text().split()[0]) / 1e3
+        return float(self.volt.read_text().split()[0]) * float(self.curr.read_text().split()[0]) / 1e6
+
+    @property
+    def meaning(self) -> str:
+        return RAIL_MEANING.get(self.name, "not in llm_attn's rail table (harness/energy.py RAIL_MEANING)")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip().strip("\x00")
+    except OSError:
+        return None
+
+
+def find_rails(root: str | os.PathLike = "/") -> list[Rail]:
+    """The INA3221 rails under ``root`` (both layouts), skipping unconnected channels ("NC", no label) and the
+    summation channel. Empty off a Jetson."""
+    root = Path(root)
+    rails = []
+    hw = root / "sys" / "bus" / "i2c" / "drivers" / "ina3221"
+    for dev in sorted(hw.glob("*-*")):
+        for mon in sorted((dev / "hwmon").glob("hwmon*")):
+            for label in sorted(mon.glob("in*_label"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0)):
+                n = re.sub(r"\D", "", label.name)
+                name = _read(label) or ""
+                volt, curr = mon / f"in{n}_input", mon / f"curr{n}_input"
+                if _SKIP_LABEL.search(name) or not (volt.exists() and curr.exists()):
+                    continue
+                rails.append(Rail(name, f"{dev.name}/hwmon/{mon.name}", "hwmon", volt=volt, curr=curr))
+    iio = root / "sys" / "bus" / "i2c" / "drivers" / "ina3221x"
+    for dev in sorted(iio.glob("*-*")):
+        for node in sorted(dev.glob("iio:device*")):
+            for label in sorted(node.glob("rail_name_*")):
+                n = label.name.rsplit("_", 1)[1]
+                name = _read(label) or ""
+                power = node / f"in_power{n}_input"
+                if _SKIP_LABEL.search(name) or not power.exists():
+                    continue
+                rails.append(Rail(name, f"{dev.name}/{node.name}", "iio", power=power))
+    return rails
+
+
+def jetson_release(root: str | os.PathLike = "/") -> dict:
+    """Board model, L4T release and the JetPack major it belongs to, from ``/proc/device-tree/model`` and
+    ``/etc/nv_tegra_release`` (``# R36 (release), REVISION: 4.3, ...``)."""
+    root = Path(root)
+    model = _read(root / "proc" / "device-tree" / "model")
+    release = _read(root / "etc" / "nv_tegra_release")
+    l4t = jetpack = None
+    m = re.match(r"#\s*R(\d+)\s*\(release\),\s*REVISION:\s*([\d.]+)", release or "")
+    if m:
+        l4t = f"R{m.group(1)}.{m.group(2)}"
+        jetpack = {"32": "4", "34": "5", "35": "5", "36": "6", "38": "7"}.get(m.group(1))
+    return {"model": model, "l4t": l4t, "jetpack": jetpack}
+
+
+def nvpmodel_mode(root: str | os.PathLike = "/") -> dict:
+    """The nvpmodel power mode in force: its id from ``/var/lib/nvpmodel/status`` (``pmode:0002``) and its name from
+    ``/etc/nvpmodel.conf`` (``< POWER_MODEL ID=2 NAME=MAXN_SUPER >``); on a live system without the status file,
+    ``nvpmodel -q``. ``{"id": None, "name": None, "source": None}`` when neither says."""
+    root = Path(root)
+    status = _read(root / "var" / "lib" / "nvpmodel" / "status")
+    m = re.search(r"pmode:\s*0*(\d+)", status or "")
+    if m:
+        mode_id = int(m.group(1))
+        conf = _read(root / "etc" / "nvpmodel.conf") or ""
+        name = re.search(rf"<\s*POWER_MODEL\s+ID={mode_id}\s+NAME=([A-Za-z0-9_]+)", conf)
+        return {"id": mode_id, "name": name.group(1) if name else None, "source": "/var/lib/nvpmodel/status"}
+    if root == Path("/") and shutil.which("nvpmodel"):
+        try:
+            out = subprocess.run(["nvpmodel", "-q"], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        name = re.search(r"NV Power Mode:\s*(\S+)", out)
+        num = re.search(r"^\s*(\d+)\s*$", out, re.MULTILINE)
+        if name or num:
+            return {"id": int(num.group(1)) if num else None, "name": name.group(1) if name else None,
+                    "source": "nvpmodel -q"}
+    return {"id": None, "name": None, "source": None}
+
+
+class JetsonMeter(Meter):
+    available = True
+    method = METHOD_JETSON
+
+    def __init__(self, rails: list[Rail], root: str | os.PathLike = "/", period_s: float = JETSON_PERIOD_S):
+        super().__init__(None)
+        self.rail_list, self.root, self.period_s = rails, Path(root), period_s
+        names = [r.name for r in rails]
+        self.total_rail = next((n for n in INPUT_RAILS if n in names), None)
+        self.scope = (f"module input rail {self.total_rail}" if self.total_rail else
+                      f"sum of the measured rails ({', '.join(names)}; this board has no module-input rail, so "
+                      "regulator losses and the carrier board are not included)")
+        self.peak_method = (f"max of the INA3221 samples (every {period_s * 1e3:.0f} ms) inside the repeats, "
+                            f"{self.total_rail or 'sum of rails'}")
+        self.sampler = Sampler(self._power, period_s)
+
+    def _power(self) -> tuple[float, dict]:
+        rails = {r.name: r.watts() for r in self.rail_list}
+        total = rails[self.total_rail] if self.total_rail else sum(rails.values())
+        return total, rails
+
+    def rails(self) -> dict[str, str]:
+        return {r.name: r.meaning for r in self.rail_list}
+
+    def settings(self) -> dict:
+        return {"nvpmodel": nvpmodel_mode(self.root), "jetson": jetson_release(self.root),
+                "rails": {r.name: {"meaning": r.meaning, "sensor": r.sensor, "layout": r.layout}
+                          for r in self.rail_list}}
+
+    def begin(self):
+        return time.perf_counter()
+
+    def end(self, window, tokens: int | None = None) -> dict | None:
+        if window is None:
+            return None
+        t0, t1 = window, time.perf_counter()
+        if not self.sampler.wait_past(t1, timeout=max(1.0, 20 * self.period_s)):
+            self._failed("the INA3221 sampling thread", self.sampler.error or TimeoutError("no sample after the "
+                                                                                          "window"))
+            return None
+        got = self.sampler.integrate(t0, t1)
+        if got is None:
+            return None
+        total, rails = got
+        return {"energy_j": total, "duration_s": t1 - t0, "peak_w": self.sampler.peak(t0, t1), "rails_j": rails,
+                "tokens": tokens}
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+def open_meter(device, root: str | os.PathLike | None = None) -> Meter:
+    """The energy source for a run on ``device`` (torch.device or str): Jetson rails when the board has them (whatever
+    the device: they measure the whole board), else NVML for a CUDA device, else a Meter that says why there is
+    none. Never raises."""
+    root = Path(root if root is not None else os.environ.get(SYSFS_ROOT_ENV, "/"))
+    try:
+        rails = find_rails(root)
+    except OSError as e:
+        rails, why = [], f"the INA3221 sysfs tree could not be listed ({e})"
+    else:
+        why = None
+    if rails:
+        try:
+            for r in rails:
+                r.watts()
+        except (OSError, ValueError) as e:
+            return Meter(f"the Jetson INA3221 rails are not readable ({type(e).__name__}: {e})")
+        return JetsonMeter(rails, root)
+    dev = str(device)
+    if dev.startswith("cuda"):
+        index = int(dev.split(":")[1]) if ":" in dev else 0
+        return open_nvml_meter(index, _cuda_identity(index))
+    return Meter(why or f"{dev.upper()} run off a Jetson: NVML measures NVIDIA GPUs only and there are no INA3221 "
+                        "rails, so there is no energy reading")
+
+
+# -- row fields ---------------------------------------------------------------------------------------------------------
+def _spread(values: list[float]) -> dict | None:
+    return summarize(values) if values else None
+
+
+def _common(windows: list[dict | None], meter: Meter, settings: dict) -> dict:
+    ok = [w for w in windows if w is not None]
+    notes = meter.errors()
+    if len(ok) < len(windows):
+        notes.insert(0, f"{len(windows) - len(ok)} of {len(windows)} repeats have no energy reading")
+    energy = sum(w["energy_j"] for w in ok)
+    secs = sum(w["duration_s"] for w in ok)
+    peaks = [w["peak_w"] for w in ok if w.get("peak_w") is not None]
+    out = {
+        "method": meter.method, "scope": meter.scope,
+        "samples_j": [w["energy_j"] if w else None for w in windows],
+        "durations_s": [w["duration_s"] if w else None for w in windows],
+        "avg_power_w": energy / secs if secs > 0 and ok else None,
+        "peak_power_w": max(peaks) if peaks else None, "peak_method": meter.peak_method,
+        "settings": settings, "note": "; ".join(notes) or None,
+    }
+    if any(w.get("rails_j") for w in ok):
+        names = list(next(w["rails_j"] for w in ok if w.get("rails_j")))
+        out["rails"] = {n: {"meaning": RAIL_MEANING.get(n), "samples_j": [w["rails_j"][n] if w else None
+                                                                          for w in windows]} for n in names}
+    return out
+
+
+def unavailable_fields(meter: Meter, decode: bool) -> dict:
+    key = "joules_per_token" if decode else "energy_j"
+    return {key: None, "energy": {"method": None, "note": meter.note}}
+
+
+def ttft_energy_fields(windows: list[dict | None], meter: Meter, settings: dict) -> dict:
+    """A TTFT row's energy: ``energy_j`` (median J per prefill over the repeats) and ``energy`` (per-repeat joules in
+    repeat order, their spread, average and peak power, method, power limit / nvpmodel, per-rail joules)."""
+    if not meter.available:
+        return unavailable_fields(meter, decode=False)
+    e = _common(windows, meter, settings)
+    valid = [x for x in e["samples_j"] if x is not None]
+    e["stats"] = _spread(valid)
+    return {"energy_j": float(np.median(valid)) if valid else None, "energy": e}
+
+
+def decode_energy_fields(windows: list[dict | None], meter: Meter, settings: dict) -> dict:
+    """A decode row's energy: ``joules_per_token`` (median over runs of the run's joules / tokens decoded over all
+    sequences, the first token excluded as in tok/s) and ``energy`` (as for TTFT, plus ``joules_per_token_samples``)."""
+    if not meter.available:
+        return unavailable_fields(meter, decode=True)
+    e = _common(windows, meter, settings)
+    jpt = [w["energy_j"] / w["tokens"] if w and w.get("tokens") else None for w in windows]
+    e["joules_per_token_samples"] = jpt
+    valid = [x for x in jpt if x is not None]
+    e["stats"] = _spread(valid)
+    return {"joules_per_token": float(np.median(valid)) if valid else None, "energy": e}
+
+
+def paired_energy(row: dict) -> dict[str, list] | None:
+    """The per-repeat energies of every implementation paired with this row (J per prefill, or J per token)."""
+    p = row.get("paired") or {}
+    return p.get("energy_j") or p.get("joules_per_token")
+
+
+def energy_verdicts(row: dict, references: list[str], seed: int = 0) -> dict[str, dict]:
+    """``{reference: interval}`` of this row's energy against each reference paired with it, from the one statistics
+    module (``stats.paired_ratio_interval``: median(reference J) / median(this row's J), > 1 = this row used less
+    energy). A pair with a repeat that has no reading (or read 0 J: a window shorter than the counter's update
+    period) gets no interval."""
+    samples = paired_energy(row)
+    if not samples or row["impl"] not in samples:
+        return {}
+    mine = samples[row["impl"]]
+    out = {}
+    for ref in references:
+        if ref == row["impl"] or ref not in samples:
+            continue
+        pair = (samples[ref], mine)
+        if any(v is None or v <= 0 for s in pair for v in s) or len(pair[0]) != len(pair[1]):
+            continue
+        out[ref] = paired_ratio_interval(*pair, seed=seed)
+    return out
+
+
+def format_energy_interval(iv: dict) -> str:
+    """``1.05x [1.02, 1.08] less energy`` / ``0.97x [0.95, 0.99] more energy`` / ``... no difference``: the interval
+    as ``stats.format_ratio_interval`` writes it, its verdict in words about energy."""
+    text = format_ratio_interval(iv, words=False)
+    if iv["contains_one"]:
+        return text + " no difference"
+    return text + (" less energy" if iv["low"] > 1.0 else " more energy")

@@ -1,0 +1,420 @@
+"""CPU tests of energy per measurement (``llm_attn.harness.energy``) and its report (``llm_attn.reporting.energy``):
+NVML through a fake ``pynvml`` module, the Jetson INA3221 rails through recorded sysfs trees (tests/fixtures/jetson_*,
+written by make_jetson_fixtures.py), the row columns, the paired energy ratio, the report's energy section,
+J/token plot and published references, the edge kit's experiment file and the GPU check script's arithmetic.
+
+    pytest tests/test_energy.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import load_script
+from llm_attn import models, ttft
+from llm_attn.harness import energy
+from llm_attn.harness.impls import use_impl
+from llm_attn.harness.paired import measure_decode_paired, measure_ttft_paired
+from llm_attn.harness.results import iter_rows, validate_row
+from llm_attn.harness.stats import paired_ratio_interval
+
+REPO = Path(__file__).resolve().parents[1]
+FIX = REPO / "tests" / "fixtures"
+JP5, JP6, JP4 = FIX / "jetson_jp5_agx_orin", FIX / "jetson_jp6_orin_nano", FIX / "jetson_jp4_xavier_nx"
+EDGE = FIX / "edge"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# -- a fake NVML ------------------------------------------------------------------------------------------------------
+class NVMLError(Exception):
+    pass
+
+
+class NVMLError_NoPermission(NVMLError):  # noqa: N801 (pynvml's own class names)
+    def __str__(self):
+        return "Insufficient Permissions"
+
+
+class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801
+    def __str__(self):
+        return "NVML Shared Library Not Found"
+
+
+def fake_pynvml(watts: float = 300.0, counter_fails_after: int | None = None, init_error=None,
+                counter_error=None) -> types.ModuleType:
+    """A pynvml whose energy counter integrates ``watts`` over real time (mJ), whose power reads ``watts``, with a
+    700 W limit; the counter raises NoPermission from its ``counter_fails_after``-th read on, or ``counter_error`` on
+    every read."""
+    m = types.ModuleType("pynvml")
+    m.NVMLError, m.NVMLError_NoPermission = NVMLError, NVMLError_NoPermission
+    t0 = time.perf_counter()
+    reads = {"n": 0, "shutdown": 0}
+
+    def init():
+        if init_error:
+            raise init_error
+
+    def energy_mj(handle):
+        reads["n"] += 1
+        if counter_error is not None:
+            raise counter_error
+        if counter_fails_after is not None and reads["n"] > counter_fails_after:
+            raise NVMLError_NoPermission()
+        return int((time.perf_counter() - t0) * watts * 1e3)
+
+    m.nvmlInit = init
+    m.nvmlShutdown = lambda: reads.__setitem__("shutdown", reads["shutdown"] + 1)
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    m.nvmlDeviceGetHandleByUUID = lambda u: ("handle", u)
+    m.nvmlDeviceGetTotalEnergyConsumption = energy_mj
+    m.nvmlDeviceGetPowerUsage = lambda h: int(watts * 1e3)
+    m.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000
+    m.nvmlDeviceGetPowerManagementDefaultLimit = lambda h: 700_000
+    m.reads = reads
+    return m
+
+
+@pytest.fixture
+def tiny():
+    model, _ = models.load_model("tiny:fp16", "cpu", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def test_nvml_counter_windows_and_settings(monkeypatch):
+    fake = fake_pynvml(watts=250.0)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    meter = energy.open_nvml_meter(0, "GPU-1234")
+    try:
+        assert isinstance(meter, energy.NvmlMeter) and meter.available and meter.match == "uuid"
+        s = meter.start_point()
+        assert s["power_limit_w"] == 700.0 and s["default_power_limit_w"] == 700.0
+        w = meter.begin()
+        time.sleep(0.12)
+        got = meter.end(w)
+        assert got["energy_j"] == pytest.approx(250.0 * got["duration_s"], rel=0.05)
+        assert got["peak_w"] == pytest.approx(250.0)  # sampled inside the window (every 50 ms)
+    finally:
+        meter.close()
+    assert fake.reads["shutdown"] == 1
+
+
+def test_paired_ttft_and_decode_carry_nvml_energy(monkeypatch, tiny):
+    """The energy of the same repeats as the times: one reading per timed prefill / decode run, in repeat order,
+    in the row and in the paired record; the paired energy ratio from the one statistics module."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(watts=300.0))
+    model, ids = tiny
+    meter = energy.open_nvml_meter(0)
+    try:
+        got = measure_ttft_paired(model, ids, ["sdpa", "llm_attn"], 1, 4, switch=use_impl, meter=meter)
+        from llm_attn.harness.measure import measure_decode_static
+
+        dec, failed = measure_decode_paired(
+            model, ["sdpa", "llm_attn"], 2, switch=use_impl, meter=meter,
+            run_once=lambda: measure_decode_static(model, ids, 4, 1, use_graph=False, meter=meter))
+    finally:
+        meter.close()
+    assert not failed
+    for impl, row in got.items():
+        e = row["energy"]
+        assert e["method"] == energy.METHOD_NVML and e["settings"]["power_limit_w"] == 700.0
+        assert len(e["samples_j"]) == len(row["samples_ms"]) == 4 and None not in e["samples_j"]
+        assert row["energy_j"] == pytest.approx(np.median(e["samples_j"]))
+        # 300 W x the window, which holds the prefill the CUDA-event / perf_counter sample times.
+        for j, d, ms in zip(e["samples_j"], e["durations_s"], row["samples_ms"]):
+            assert j == pytest.approx(300.0 * d, rel=0.05) and d >= ms / 1e3 * 0.9
+        assert e["avg_power_w"] == pytest.approx(300.0, rel=0.05) and e["stats"]["n"] == 4
+        assert row["paired"]["energy_j"][impl] == e["samples_j"]
+    ours = {**got["llm_attn"], "impl": "llm_attn"}
+    iv = energy.energy_verdicts(ours, ["sdpa"])["sdpa"]
+    assert iv == paired_ratio_interval(got["sdpa"]["energy"]["samples_j"], got["llm_attn"]["energy"]["samples_j"])
+    for impl, row in dec.items():
+        e = row["energy"]
+        assert len(e["joules_per_token_samples"]) == 2 and "energy_windows" not in row
+        assert row["joules_per_token"] == pytest.approx(np.median(e["joules_per_token_samples"]))
+        # 3 tokens decoded per run (4 new tokens, the first is the prefill's), batch 1.
+        assert e["joules_per_token_samples"][0] == pytest.approx(e["samples_j"][0] / 3)
+        assert row["paired"]["joules_per_token"][impl] == e["joules_per_token_samples"]
+
+
+@pytest.mark.parametrize("case, why", [
+    ("missing", "nvidia-ml-py is not installed"),
+    ("no-library", "NVML did not start (NVMLError_LibraryNotFound: NVML Shared Library Not Found)"),
+    ("no-permission", "NVMLError_NoPermission: Insufficient Permissions"),
+])
+def test_no_nvml_or_no_permission_leaves_the_columns_empty(monkeypatch, case, why):
+    if case == "missing":
+        monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    else:
+        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(
+            init_error=NVMLError_LibraryNotFound() if case == "no-library" else None,
+            counter_error=NVMLError_NoPermission() if case == "no-permission" else None))
+    meter = energy.open_nvml_meter(0)
+    assert not meter.available and why in meter.note
+    fields = energy.ttft_energy_fields([None, None], meter, {})
+    assert fields == {"energy_j": None, "energy": {"method": None, "note": meter.note}}
+    assert energy.decode_energy_fields([], meter, {})["joules_per_token"] is None
+
+
+def test_counter_denied_mid_run_never_fails_the_run(monkeypatch, tmp_path):
+    """Permission denied on the counter after the meter opened: the run finishes (exit 0), the repeats without a
+    reading are None, energy_j comes from the others, and the note says why."""
+    fake = fake_pynvml(counter_fails_after=5)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(energy, "open_meter", lambda device, root=None: energy.open_nvml_meter(0))
+    out = tmp_path / "rows.jsonl"
+    code = ttft.main(["--device", "cpu", "--seq", "8", "--repeats", "4", "--warmup", "1", "--impl", "sdpa", "llm_attn",
+                      "--measure", "ttft", "--no-progress", "--out", str(out)])
+    rows = list(iter_rows(out, strict=True))
+    assert code == 0 and len(rows) == 2
+    got = [j for r in rows for j in r["energy"]["samples_j"]]
+    assert got.count(None) >= 4 and any(j is not None for j in got)
+    for r in rows:
+        validate_row(r)
+        if None in r["energy"]["samples_j"]:
+            assert "have no energy reading" in r["energy"]["note"]
+            assert "NVMLError_NoPermission: Insufficient Permissions" in r["energy"]["note"]
+    assert all(not r["vs_energy"] for r in rows)  # a pair with a missing repeat gets no interval
+
+
+def test_cpu_run_has_empty_energy_columns_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv(energy.SYSFS_ROOT_ENV, str(tmp_path))  # no rails there, whatever this machine is
+    out = tmp_path / "rows.jsonl"
+    code = ttft.main(["--device", "cpu", "--seq", "8", "--repeats", "2", "--warmup", "1", "--impl", "sdpa",
+                      "--measure", "ttft", "decode_graph", "--new-tokens", "3", "--decode-repeats", "1",
+                      "--no-progress", "--out", str(out)])
+    rows = {r["measurement"]: r for r in iter_rows(out, strict=True)}
+    assert code == 0
+    assert rows["ttft"]["energy_j"] is None and rows["decode_graph"]["joules_per_token"] is None
+    for r in rows.values():
+        assert r["energy"]["method"] is None and "no energy reading" in r["energy"]["note"]
+
+
+# -- Jetson: recorded sysfs trees -------------------------------------------------------------------------------------
+def test_jetpack5_agx_orin_rails():
+    rails = energy.find_rails(JP5)
+    assert [(r.name, r.sensor, r.layout) for r in rails] == [
+        ("VDD_GPU_SOC", "1-0040/hwmon/hwmon3", "hwmon"), ("VDD_CPU_CV", "1-0040/hwmon/hwmon3", "hwmon"),
+        ("VIN_SYS_5V0", "1-0040/hwmon/hwmon3", "hwmon"), ("VDDQ_VDD2_1V8AO", "1-0041/hwmon/hwmon4", "hwmon")]
+    assert rails[0].watts() == pytest.approx(4.984 * 4.120)  # mV x mA
+    assert "GPU" in rails[0].meaning and "not the module's total" in rails[2].meaning  # which rail is which
+    assert energy.nvpmodel_mode(JP5) == {"id": 0, "name": "MAXN", "source": "/var/lib/nvpmodel/status"}
+    assert energy.jetson_release(JP5) == {"model": "Jetson AGX Orin Developer Kit", "l4t": "R35.4.1",
+                                          "jetpack": "5"}
+
+
+def test_jetpack6_orin_nano_and_jetpack4_iio_rails():
+    six = energy.find_rails(JP6)
+    assert [r.name for r in six] == ["VDD_IN", "VDD_CPU_GPU_CV", "VDD_SOC"]  # no "sum of shunt voltages"
+    assert energy.nvpmodel_mode(JP6)["name"] == "MAXN_SUPER" and energy.jetson_release(JP6)["jetpack"] == "6"
+    four = energy.find_rails(JP4)
+    assert [(r.name, r.layout) for r in four] == [("VDD_IN", "iio"), ("VDD_CPU_GPU_CV", "iio"), ("VDD_SOC", "iio")]
+    assert four[0].watts() == pytest.approx(7.949)  # in_power0_input, mW
+    assert energy.jetson_release(JP4)["jetpack"] == "4"
+
+
+@pytest.mark.parametrize("root, total_w, scope", [
+    (JP5, 4.984 * 4.120 + 4.984 * 0.620 + 4.968 * 1.022 + 4.976 * 0.380, "sum of the measured rails"),
+    (JP6, 5.064 * 1.912, "module input rail VDD_IN"),
+    (JP4, 7.949, "module input rail VDD_IN"),
+])
+def test_jetson_meter_integrates_the_rails(root, total_w, scope):
+    meter = energy.open_meter("cuda", root)  # the rails win over NVML whatever the device
+    try:
+        assert isinstance(meter, energy.JetsonMeter) and meter.scope.startswith(scope)
+        s = meter.start_point()
+        assert s["nvpmodel"]["name"] and set(s["rails"]) == {r.name for r in meter.rail_list}
+        w = meter.begin()
+        time.sleep(0.15)
+        got = meter.end(w, tokens=6)
+    finally:
+        meter.close()
+    assert got["energy_j"] == pytest.approx(total_w * got["duration_s"], rel=0.02)
+    assert got["peak_w"] == pytest.approx(total_w, rel=1e-6) and got["tokens"] == 6
+    assert set(got["rails_j"]) == {r.name for r in energy.find_rails(root)}
+
+
+def test_unreadable_rails_leave_the_columns_empty(monkeypatch):
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(energy.Rail, "watts", denied)
+    meter = energy.open_meter("cpu", JP6)
+    assert not meter.available and "not readable" in meter.note and "Permission denied" in meter.note
+
+
+def test_sampler_integrates_a_ramp_exactly():
+    """Piecewise-linear samples of P(t) = 10 + 100 t W: the trapezoid with interpolated edges is exact."""
+    t0 = time.perf_counter()
+    meter_sampler = energy.Sampler(lambda: (10 + 100 * (time.perf_counter() - t0), {"a": 1.0}), 0.005)
+    try:
+        time.sleep(0.05)
+        a = time.perf_counter()
+        time.sleep(0.1)
+        b = time.perf_counter()
+        assert meter_sampler.wait_past(b, 1.0)
+        joules, rails = meter_sampler.integrate(a, b)
+    finally:
+        meter_sampler.close()
+    exact = 10 * (b - a) + 50 * ((b - t0) ** 2 - (a - t0) ** 2)
+    assert joules == pytest.approx(exact, rel=0.02) and rails["a"] == pytest.approx(b - a, rel=1e-6)
+
+
+def test_cli_rows_on_a_recorded_jetson(tmp_path, monkeypatch):
+    """The columns end to end: python -m llm_attn.ttft on the tiny model with the JetPack 6 tree as the board."""
+    monkeypatch.setenv(energy.SYSFS_ROOT_ENV, str(JP6))
+    out = tmp_path / "rows.jsonl"
+    code = ttft.main(["--device", "cpu", "--seq", "8", "--repeats", "3", "--warmup", "1", "--impl", "sdpa", "llm_attn",
+                      "--measure", "ttft", "decode_graph", "--new-tokens", "3", "--decode-repeats", "2",
+                      "--no-progress", "--out", str(out)])
+    rows = list(iter_rows(out, strict=True))
+    assert code == 0 and len(rows) == 4
+    for r in rows:
+        validate_row(r)
+        e = r["energy"]
+        assert e["method"] == energy.METHOD_JETSON and e["scope"] == "module input rail VDD_IN"
+        assert e["settings"]["nvpmodel"] == {"id": 2, "name": "MAXN_SUPER", "source": "/var/lib/nvpmodel/status"}
+        assert e["settings"]["rails"]["VDD_CPU_GPU_CV"]["meaning"].startswith("CPU, GPU and CV")
+        assert e["avg_power_w"] == pytest.approx(9.682368) and e["peak_power_w"] == pytest.approx(9.682368)
+        assert set(e["rails"]) == {"VDD_IN", "VDD_CPU_GPU_CV", "VDD_SOC"}
+        if r["measurement"] == "ttft":
+            assert r["energy_j"] > 0 and len(e["samples_j"]) == 3
+        else:
+            assert r["joules_per_token"] > 0 and len(e["joules_per_token_samples"]) == 2
+    ours = {r["measurement"]: r for r in rows if r["impl"] == "llm_attn"}
+    for m, key in (("ttft", "energy_j"), ("decode_graph", "joules_per_token")):
+        iv = ours[m]["vs_energy"]["sdpa"]
+        assert iv == paired_ratio_interval(ours[m]["paired"][key]["sdpa"], ours[m]["paired"][key]["llm_attn"])
+
+
+def test_energy_verdict_words():
+    iv = paired_ratio_interval([10.0, 10.2, 9.9, 10.1], [8.0, 8.1, 7.9, 8.05])
+    assert energy.format_energy_interval(iv).endswith("less energy")
+    iv = paired_ratio_interval([8.0, 8.1, 7.9, 8.05], [10.0, 10.2, 9.9, 10.1])
+    assert energy.format_energy_interval(iv).endswith("more energy")
+    row = {"impl": "b", "paired": {"energy_j": {"a": [1.0, 0.0], "b": [1.0, 1.0]}}}
+    assert energy.energy_verdicts(row, ["a"]) == {}  # a 0 J repeat (counter did not tick): no interval
+
+
+# -- the report -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def edge_report(tmp_path_factory):
+    from llm_attn.reporting import write_report
+
+    # The committed default sweep of the H100 (rows from before energy) and the fixture edge file of an Orin.
+    out = tmp_path_factory.mktemp("edge-report")
+    return write_report([REPO / "experiments" / "results" / "h100-80gb-hbm3" / "default.jsonl", EDGE], out)
+
+
+def test_fixture_edge_file_follows_the_schema():
+    rows = list(iter_rows(EDGE / "orin" / "edge.jsonl", strict=True))
+    assert rows and all(r["env"]["hostname"] == "fixture" for r in rows)  # never mistaken for a measurement
+    for r in rows:
+        validate_row(r)
+
+
+def test_report_energy_section_and_plot(edge_report):
+    md = edge_report.read_text()
+    section = md[md.index("## Energy and speed per device"):md.index("## Published references")]
+    orin = [line for line in section.splitlines() if line.startswith("| Orin")]
+    assert len(orin) == 10  # 5 lengths x 2 implementations
+    assert any("less energy vs sdpa" in line for line in orin)
+    assert all("nvpmodel MAXN (0)" in line for line in orin)
+    assert "PROJECTED (roofline bound)" in section and "bounds, not measurements" in section
+    assert "No energy in the rows of NVIDIA H100 80GB HBM3: they were recorded before" in section
+    assert "| RTX 4060 Ti | PROJECTED (roofline bound) | 256 " in section  # the lengths of the energy rows
+    png = edge_report.parent / "energy_per_token.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and "energy_per_token.png" in section
+
+
+def test_report_published_references_section(edge_report):
+    md = edge_report.read_text()
+    section = md[md.index("## Published references (not measured here)"):]
+    section = section[:section.index("\n## ")]
+    for value, date in (("32.55", "2024-10-10"), ("118.53", "2024-10-10"), ("6.66", "2024-10-10"),
+                        ("14.49", "2024-10-10"), ("1248", "2024-12-12")):
+        line = next(line for line in section.splitlines() if f"| {value} " in line)
+        assert "mit-han-lab/llm-awq" in line and date in line  # every number with its source and date
+    assert "30.7 (derived)" in section and "1024 in the cache" in section
+    # Never mixed with measurements: no published value in the measured table.
+    energy_table = md[md.index("## Energy and speed per device"):md.index("## Published references")]
+    assert "TinyChat" not in energy_table and "32.55" not in energy_table
+
+
+BAD_REFERENCES = [
+    ("[[reference]]\nid = \"a\"\nvalue = = 3\n", 3, "not valid TOML"),
+    ("# c\n\n[[reference]]\nid = \"a\"\ndevice = \"rtx-4090\"\nsystem = \"s\"\nmodel = \"m\"\nmetric = \"ttft_ms\"\n"
+     "value = 1.0\ndate = \"2024-01-01\"\n", 3, "misses source (every number needs its source)"),
+    ("[[reference]]\nid = \"a\"\ndevice = \"rtx-4090\"\nsystem = \"s\"\nmodel = \"m\"\nmetric = \"ttft_s\"\n"
+     "value = 1.0\nsource = \"x\"\ndate = \"2024-01-01\"\n", 6, "metric 'ttft_s' is not one of"),
+    ("[[reference]]\nid = \"a\"\ndevice = \"rtx-4090\"\nsystem = \"s\"\nmodel = \"m\"\nmetric = \"ttft_ms\"\n"
+     "value = -1\nsource = \"x\"\ndate = \"2024-01-01\"\n", 7, "value must be a positive number"),
+    ("[[reference]]\nid = \"a\"\ndevice = \"rtx-4090\"\nsystem = \"s\"\nmodel = \"m\"\nmetric = \"ttft_ms\"\n"
+     "value = 1\nsource = \"x\"\ndate = \"last year\"\nurl = \"u\"\n", 9, "is not YYYY-MM-DD"),
+    ("[[reference]]\nid = \"a\"\ndevice = \"rtx-4090\"\nsystem = \"s\"\nmodel = \"m\"\nmetric = \"ttft_ms\"\n"
+     "value = 1\nsource = \"x\"\ndate = \"2024-01-01\"\nsauce = \"y\"\n", 10, "unknown key 'sauce'"),
+]
+
+
+@pytest.mark.parametrize("text, line, message", BAD_REFERENCES)
+def test_malformed_references_name_the_line(tmp_path, text, line, message):
+    from llm_attn.reporting.energy import ReferencesError, load_references
+
+    path = tmp_path / "refs.toml"
+    path.write_text(text)
+    with pytest.raises(ReferencesError) as e:
+        load_references(path)
+    assert str(e.value).startswith(f"{path}:{line}: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_report_cli_malformed_references_is_one_line(tmp_path):
+    path = tmp_path / "refs.toml"
+    path.write_text(BAD_REFERENCES[1][0])
+    proc = subprocess.run([sys.executable, "-m", "llm_attn.report", str(EDGE), "--out", str(tmp_path / "out"),
+                           "--references", str(path)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"python -m llm_attn.report: error: {path}:3: reference 'a': misses "
+                                                "source (every number needs its source)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_committed_references_load():
+    from llm_attn.reporting.energy import DEFAULT_REFERENCES, load_references
+
+    refs = load_references(DEFAULT_REFERENCES)
+    assert len({r.id for r in refs}) == len(refs) >= 4
+    assert all(r.source and r.date and r.url for r in refs)
+
+
+# -- the edge kit and the GPU check script ----------------------------------------------------------------------------
+def test_edge_kit_experiment():
+    from llm_attn.harness.experiments import load_experiment, results_path
+
+    exp = load_experiment(REPO / "experiments" / "edge.toml")
+    assert exp.seqs == [256, 512, 1024, 2048, 4096] and "decode_graph" in exp.measurements
+    (cfg,) = exp.configs("cpu")
+    assert cfg.impls == ["sdpa", "llm_attn"] and cfg.experiment == "edge"
+    assert results_path("results", "orin", exp.name) == Path("results/orin/edge.jsonl")
+
+
+def test_energy_check_script_arithmetic_and_cpu_exit(capsys):
+    mod = load_script("experiments/energy_check.py")
+    s = mod.spread([10.0, 10.5, 9.5, 10.0])
+    assert s["median_j"] == 10.0 and s["range_pct"] == pytest.approx(10.0)
+    assert s["stdev_pct"] == pytest.approx(100 * np.std([10.0, 10.5, 9.5, 10.0], ddof=1) / 10.0)
+    assert mod.agreement(100.0, 95.0) == pytest.approx(-5.0)
+    table, ok = mod.check_table([{"seq": 2048, "impl": "sdpa", "ttft_p50_ms": 71.0, "spread": s, "block_s": 20.0,
+                                  "counter_j": 100.0, "integral_j": 95.0, "agreement_pct": -5.0}])
+    assert ok and "yes" in table
+    if not torch.cuda.is_available():
+        assert mod.main([]) == 2
+        assert "needs an NVIDIA GPU" in capsys.readouterr().err
