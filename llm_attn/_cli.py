@@ -4,6 +4,10 @@ torch and transformers are imported.
 Ctrl-C exits 130 with one line and no traceback, also in the first second, while the heavy imports run. Some of
 those imports (transformers' lazy modules) turn a KeyboardInterrupt into another exception raised "during handling"
 of it; an exception whose chain holds a KeyboardInterrupt counts as Ctrl-C too.
+
+Quiet by default: third-party output that says nothing to a user of the harness (transformers' weight-loading bar,
+gptqmodel's banner and log lines, datasets' split bars, warnings we know to be noise) is held back where it arises,
+unless ``-v`` (``verbose()``: ``LLM_ATTN_VERBOSE=1``, which the processes a command starts inherit).
 """
 
 from __future__ import annotations
@@ -38,6 +42,19 @@ def _exit_interrupted() -> None:
 
 
 _sigint_seen = False
+
+
+def verbose() -> bool:
+    """Whether third-party progress bars, banners and warnings are shown (``-v``, or LLM_ATTN_VERBOSE=1)."""
+    return os.environ.get("LLM_ATTN_VERBOSE", "") not in ("", "0")
+
+
+def set_verbose(on: bool) -> None:
+    """``-v``: through the environment, so that the processes a command starts (torchrun ranks) are verbose too."""
+    if on:
+        os.environ["LLM_ATTN_VERBOSE"] = "1"
+    else:
+        os.environ.pop("LLM_ATTN_VERBOSE", None)
 
 
 def _on_sigint(signum, frame):

@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             texts = session.load_prompt_texts(exp.prompts, exp.prompt_field, max(c_ for c in configs
                                                                                  for c_ in c.batches))
-        except PromptsError as e:
-            parser.error(f"{args.definition}: {e}")
+        except PromptsError as e:  # the dataset, not the command line: one line
+            fail(parser, f"{args.definition}: {e}")
     for cfg in configs:
         problem = session.resource_problem(cfg.model_spec, device, cfg.dtype, cfg.allow_dequant_fallback)
         if problem:

@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             texts = session.load_prompt_texts(args.prompts, args.prompt_field,
                                               args.prompt_count if dataset_seq else max(args.batch))
-        except PromptsError as e:
-            parser.error(str(e))
+        except PromptsError as e:  # the file's content or the machine, not the command line: one line
+            fail(parser, str(e))
     # -- end prompts --
     # Every check has passed: the first write.
     note = repair_cut_rows(args.out)  # a row cut by a killed run or a full disk: moved to <out>.corrupt

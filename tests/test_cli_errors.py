@@ -354,3 +354,23 @@ def test_ttft_log_has_phases_and_a_line_per_measurement(tmp_path):
     assert "ttft sdpa b=1 s=16: p50" in err  # stderr is a pipe here: a plain line per measurement, no bars
     assert proc.stdout.strip().splitlines()[-1] == f"1 rows appended to {out}"
     assert json.loads(out.read_text().splitlines()[0])["impl"] == "sdpa"
+
+
+# -- issue 35 item 6: --prompts mistakes are one clear line ---------------------------------------------------------
+@pytest.mark.parametrize("source, needles", [
+    ("{empty}", ["{empty}: the file is empty"]),  # was "(StopIteration: )"
+    ("{blank}", ["{blank}: the file is empty"]),
+    ("allenai/c4", ["--prompts allenai/c4: not a local file or folder", "hub dataset"]),  # was "no such file"
+], ids=["empty", "blank-lines", "hub-id"])
+def test_prompts_empty_file_or_hub_id_is_one_clear_line(source, needles, tmp_path):
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
+    empty.write_text("")
+    blank.write_text("\n  \n")
+    proc = cli("llm_attn.ttft", "--device", "cpu", "--seq", "8", "--prompts", source.format(empty=empty, blank=blank),
+               "--out", str(tmp_path / "rows.jsonl"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = one_error_line(proc, *(n.format(empty=empty, blank=blank) for n in needles))
+    assert "StopIteration" not in line and "no such file" not in line
+    if source == "allenai/c4":  # with datasets: how to bring it here; without: which package it needs
+        assert "not in the local Hugging Face cache" in line or "'datasets' package" in line, line
+    assert not (tmp_path / "rows.jsonl").exists()

@@ -87,7 +87,9 @@ def test_csv_and_parquet_and_text_field(tmp_path, tiny_tokenizer):
     (lambda d: (d / "x.txt").write_text("hi") and d / "x.txt", "unsupported file type '.txt'"),
     (lambda d: (d / "bad.jsonl").write_text("{not json\n") and d / "bad.jsonl", "cannot load it as a dataset"),
     (lambda d: (d / "nums.jsonl").write_text('{"n": 1}\n') and d / "nums.jsonl", "no text column"),
-    (lambda d: "surely_not_a_cached_dataset_llm_attn", "cannot load it as a dataset offline"),
+    (lambda d: "surely_not_a_cached_dataset_llm_attn", "is not in the local Hugging Face cache"),
+    (lambda d: "org/surely_not_cached:test", "the hub dataset 'org/surely_not_cached' is not in the local"),
+    (lambda d: (d / "empty.jsonl").write_text("") or d / "empty.jsonl", "the file is empty"),
 ])
 def test_bad_prompts_source_is_one_line(tmp_path, make, message):
     src = str(make(tmp_path))

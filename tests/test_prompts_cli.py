@@ -156,6 +156,16 @@ def test_prompts_without_datasets_names_the_extra(jsonl, tmp_path, capsys, monke
     assert 'python -m pip install -e ".[prompts]"' in capsys.readouterr().err
 
 
+def test_hub_id_without_datasets_names_the_package_and_the_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(SystemExit) as e:
+        ttft.main([*FAST, "--seq", "8", "--prompts", "allenai/c4", "--out", str(tmp_path / "rows.jsonl")])
+    assert e.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--prompts allenai/c4: not a local file or folder, so a hub dataset id" in err[0], err
+    assert "'datasets' package" in err[0] and "local Hugging Face cache" in err[0]
+
+
 def test_experiment_prompts_relative_to_the_toml(tmp_path, jsonl):
     (tmp_path / "defs").mkdir()
     (tmp_path / "defs" / "p.jsonl").write_text(jsonl.read_text())

@@ -5,7 +5,8 @@ Sources, never downloaded (``HF_DATASETS_OFFLINE=1`` is set for the load):
 
 - a local ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` file (``datasets``' json/parquet/csv builders);
 - a folder written by ``Dataset.save_to_disk``;
-- the name of a dataset already in the local Hugging Face cache (``name`` or ``name:split``).
+- the name of a dataset already in the local Hugging Face cache (``name``, ``org/name``, optionally ``:split``); one
+  that is not cached is a one-line error saying how to bring it here as a folder.
 
 The text column is ``text_field`` when given, else the first of ``text``, ``content``, ``prompt``, ``document``,
 ``question`` that exists, else the first string column. Any problem (no such file, a format ``datasets`` cannot
@@ -20,6 +21,7 @@ The synthetic checkpoints ship no tokenizer: ``write_offline_tokenizer`` trains 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,35 +73,89 @@ def _one_line(e: BaseException) -> str:
     return line
 
 
-def load_dataset_source(source: str, split: str | None = None):
-    """The ``datasets.Dataset`` behind ``source`` (see the module docstring), or PromptsError."""
+# A hub dataset name as ``datasets.load_dataset`` takes it: ``name`` or ``org/name``, optionally ``:split``.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?(:[A-Za-z0-9_.\[\]%:-]+)?$")
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether a file holds nothing but whitespace (read until the first other byte)."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _import_datasets(source: str, hub: bool):
     try:
         import datasets  # noqa: PLC0415 (optional dependency: only --prompts needs it)
     except ImportError as e:
+        if hub:
+            raise PromptsError(f"--prompts {source}: not a local file or folder, so a hub dataset id, and loading one "
+                               "needs the optional 'datasets' package (python -m pip install -e \".[prompts]\") and the "
+                               "dataset already in the local Hugging Face cache (nothing is downloaded)") from None
         raise PromptsError("--prompts needs the optional 'datasets' package: "
                            'python -m pip install -e ".[prompts]"' f" ({e})") from None
+    return datasets
+
+
+@contextmanager
+def _no_progress_bars(datasets):
+    """datasets draws a bar per split it generates (also into log files): held back unless -v."""
+    from llm_attn._cli import verbose  # noqa: PLC0415
+
+    on = datasets.is_progress_bar_enabled()
+    if not verbose():
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if on:
+            datasets.enable_progress_bars()
+
+
+def load_dataset_source(source: str, split: str | None = None):
+    """The ``datasets.Dataset`` behind ``source`` (see the module docstring), or PromptsError. What can be said
+    without ``datasets`` (no such file, an unsupported type, an empty file) is said before it is imported."""
     path = Path(source).expanduser()
-    with _offline():
+    hub = False
+    if path.is_file():
+        builder = FORMATS.get(path.suffix.lower())
+        if builder is None:
+            raise PromptsError(f"--prompts {source}: unsupported file type {path.suffix or '(none)'!r}; "
+                               f"use one of {', '.join(FORMATS)}")
+        if _is_blank(path):
+            raise PromptsError(f"--prompts {source}: the file is empty (no prompt text in it)")
+    elif not path.is_dir():
+        if (source.startswith((".", "/", "~")) or Path(source).suffix.lower() in FORMATS
+                or not _HUB_NAME.match(source)):
+            raise PromptsError(f"--prompts {source}: no such file or folder")
+        hub = True
+    datasets = _import_datasets(source, hub)
+    with _offline(), _no_progress_bars(datasets):
         try:
             if path.is_file():
-                builder = FORMATS.get(path.suffix.lower())
-                if builder is None:
-                    raise PromptsError(f"--prompts {source}: unsupported file type {path.suffix or '(none)'!r}; "
-                                       f"use one of {', '.join(FORMATS)}")
-                return datasets.load_dataset(builder, data_files=str(path), split=split or "train")
+                return datasets.load_dataset(FORMATS[path.suffix.lower()], data_files=str(path),
+                                             split=split or "train")
             if path.is_dir():
                 ds = datasets.load_from_disk(str(path))
                 if isinstance(ds, datasets.DatasetDict):
                     ds = ds[split or next(iter(ds))]
                 return ds
-            if os.sep in source or source.startswith(".") or Path(source).suffix.lower() in FORMATS:
-                raise PromptsError(f"--prompts {source}: no such file or folder")
             name, _, name_split = source.partition(":")
             return datasets.load_dataset(name, split=name_split or split or "train")
         except PromptsError:
             raise
         except Exception as e:  # noqa: BLE001 (datasets raises many kinds; the user gets one line)
-            raise PromptsError(f"--prompts {source}: cannot load it as a dataset offline ({_one_line(e)})") from None
+            why = _one_line(e)
+            if hub and any(s in why for s in ("not cached", "OfflineModeIsEnabled", "Couldn't reach")):
+                name = source.partition(":")[0]
+                raise PromptsError(
+                    f"--prompts {source}: not a local file or folder, and the hub dataset {name!r} is not in the "
+                    "local Hugging Face cache; nothing is downloaded here: where there is network, save it with "
+                    f"datasets.load_dataset({name!r}, split='train').save_to_disk(DIR) and pass --prompts DIR, or "
+                    f"pass a local {'/'.join(FORMATS)} file") from None
+            raise PromptsError(f"--prompts {source}: cannot load it as a dataset offline ({why})") from None
 
 
 def text_column(ds, text_field: str | None = None) -> str:
