@@ -8,7 +8,6 @@ J/token plot and published references, the edge kit's experiment file and the GP
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -267,6 +266,31 @@ def test_sampler_integrates_a_ramp_exactly():
         meter_sampler.close()
     exact = 10 * (b - a) + 50 * ((b - t0) ** 2 - (a - t0) ** 2)
     assert joules == pytest.approx(exact, rel=0.02) and rails["a"] == pytest.approx(b - a, rel=1e-6)
+
+
+def test_sampler_survives_a_glitch_and_gives_up_on_a_dead_source():
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(121, "Remote I/O error")  # one failed I2C read
+        return 5.0, {}
+
+    sampler = energy.Sampler(flaky, 0.002)
+    try:
+        assert sampler.wait_past(time.perf_counter() + 0.02, 1.0) and sampler.alive()
+        assert isinstance(sampler.error, OSError)
+    finally:
+        sampler.close()
+
+    def dead():
+        raise OSError(19, "No such device")
+
+    sampler = energy.Sampler(dead, 0.001)
+    sampler._thread.join(timeout=2)
+    assert not sampler.alive() and not sampler.wait_past(time.perf_counter(), 0.1)
+    assert sampler.integrate(0.0, 1.0) is None
 
 
 def test_cli_rows_on_a_recorded_jetson(tmp_path, monkeypatch):

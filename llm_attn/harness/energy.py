@@ -116,13 +116,12 @@ class Meter:
         """Read failures since ``start_point`` (a repeat whose value is None says why here)."""
         return list(self._errors)
 
-    def rails(self) -> dict[str, str]:
-        return {}
-
 
 class Sampler:
     """A daemon thread calling ``read()`` (-> (total W, {rail: W})) every ``period_s``, keeping (time, total, rails)
     samples for ``integrate``/``peak`` over a window of ``time.perf_counter`` times."""
+
+    MAX_FAILURES = 20  # consecutive failed reads (an I2C glitch is one) before the thread gives up
 
     def __init__(self, read, period_s: float, keep: int = 200_000):
         self.read, self.period_s = read, period_s
@@ -134,15 +133,18 @@ class Sampler:
         self._thread.start()
 
     def _run(self) -> None:
-        nxt = time.perf_counter()
+        nxt, failures = time.perf_counter(), 0
         while not self._stop.is_set():
             try:
                 total, rails = self.read()
-            except Exception as e:  # noqa: BLE001 (recorded; the windows then read None and say why)
-                self.error = e
-                return
-            with self.lock:
-                self.samples.append((time.perf_counter(), total, rails))
+            except Exception as e:  # noqa: BLE001 (recorded; a window without samples reads None and says why)
+                self.error, failures = e, failures + 1
+                if failures >= self.MAX_FAILURES:  # not a glitch: the source is gone
+                    return
+            else:
+                failures = 0
+                with self.lock:
+                    self.samples.append((time.perf_counter(), total, rails))
             nxt += self.period_s
             delay = nxt - time.perf_counter()
             if delay < 0:  # fell behind (a slow read): restart the schedule rather than burst
@@ -427,9 +429,6 @@ class JetsonMeter(Meter):
         rails = {r.name: r.watts() for r in self.rail_list}
         total = rails[self.total_rail] if self.total_rail else sum(rails.values())
         return total, rails
-
-    def rails(self) -> dict[str, str]:
-        return {r.name: r.meaning for r in self.rail_list}
 
     def settings(self) -> dict:
         return {"nvpmodel": nvpmodel_mode(self.root), "jetson": jetson_release(self.root),
