@@ -55,6 +55,8 @@ def main(argv=None):
     from llm_attn._ext import forced_build_problem  # noqa: PLC0415
     from llm_attn.harness.cli_args import (  # noqa: PLC0415
         add_plugin_argument,
+        add_verbose_argument,
+        apply_verbose,
         fail,
         load_plugins,
         non_negative_int,
@@ -72,6 +74,7 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plugin_argument(p)
+    add_verbose_argument(p)
     p.add_argument("--mode", choices=["prefill", "decode", "backward", "host"], default="prefill")
     p.add_argument("--seqs", type=positive_int, nargs="+", default=None,
                    help="prefill: q_len = kv_len = S (default 512 .. 16384; host mode: 2048)")
@@ -100,6 +103,7 @@ def main(argv=None):
                    help="host mode: interleaved rounds, every path once per round in a shuffled order (default 15)")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
+    apply_verbose(args)
     host = args.mode == "host"
     if args.seqs is None:
         args.seqs = [2048] if host else [512, 1024, 2048, 4096, 8192, 16384]

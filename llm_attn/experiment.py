@@ -34,7 +34,7 @@ def __getattr__(name):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llm_attn.harness.cli_args import add_plugin_argument  # noqa: PLC0415
+    from llm_attn.harness.cli_args import add_plugin_argument, add_verbose_argument  # noqa: PLC0415
     from llm_attn.harness.experiments import DEFAULT_RESULTS  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="python -m llm_attn.experiment", description=__doc__.split("\n\n")[0],
@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the points and the output file, measure nothing")
     p.add_argument("--devices", default=None, help="device datasheet table (default experiments/devices.toml)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--wide", action="store_true",
+                   help="print every column of the summary table (by default at most 120 characters wide)")
     add_plugin_argument(p)
+    add_verbose_argument(p)
     return p
 
 
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_attn._ext import forced_build_problem  # noqa: PLC0415
     from llm_attn.envinfo import capture_env  # noqa: PLC0415
     from llm_attn.harness import session  # noqa: PLC0415
-    from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
+    from llm_attn.harness.cli_args import apply_verbose, fail, load_plugins, run_session  # noqa: PLC0415
     from llm_attn.harness.experiments import (  # noqa: PLC0415
         TOMLDecodeError,
         load_experiment,
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     load_plugins(argv, "python -m llm_attn.experiment")
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_verbose(args)
     problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
     if problem:
         fail(parser, problem)
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
         del model
     rows = [r for r in iter_rows(out) if r.get("experiment") == exp.name]
-    print(session.rows_tables(rows))
+    print(session.rows_tables(rows, wide=args.wide))
     print(f"\nresults: {out} ({len(rows)} rows for experiment {exp.name})")
     return status
 

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     from llm_attn import registry  # noqa: PLC0415
     from llm_attn.harness.cli_args import (  # noqa: PLC0415
         add_plugin_argument,
+        add_verbose_argument,
         at_least_two,
         non_negative_int,
         positive_int,
@@ -117,13 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun itself unless already under it); paired TTFT only. See llm_attn/harness/tp.py")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are also off when stderr is not a terminal)")
+    p.add_argument("--wide", action="store_true",
+                   help="print every column of the summary table (p90, stdev, decode tok/s, peak memory, ...); by "
+                        "default it is at most 120 characters wide: TTFT p50, its verdict vs stock, notes")
+    add_verbose_argument(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from llm_attn._ext import forced_build_problem  # noqa: PLC0415
     from llm_attn.harness import session  # noqa: PLC0415
-    from llm_attn.harness.cli_args import fail, load_plugins, run_session  # noqa: PLC0415
+    from llm_attn.harness.cli_args import apply_verbose, fail, load_plugins, run_session  # noqa: PLC0415
     from llm_attn.harness.impls import available_impls, unavailable_reason  # noqa: PLC0415
     from llm_attn.harness.results import (  # noqa: PLC0415
         output_file_problem,
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = load_plugins(argv, "python -m llm_attn.ttft")
     parser = build_parser()
     args = parser.parse_args(argv)
+    apply_verbose(args)
     problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
     if problem:
         fail(parser, problem)
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     print(f"measured in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     if written:
-        print(session.rows_tables(written))
+        print(session.rows_tables(written, wide=args.wide))
     line, status = session.rows_summary(written, args.out)
     print("\n" + line)
     return status
@@ -278,7 +284,7 @@ def _run_dataset(parser, args, cfg, model, info, prompts, argv) -> int:
         print(f"\ninterrupted: every finished measurement is in {args.out}", file=sys.stderr)
         return 130
     if rows:
-        print(session.rows_tables(rows))
+        print(session.rows_tables(rows, wide=args.wide))
     line, status = session.rows_summary(rows, args.out)
     print("\n" + line)
     return status

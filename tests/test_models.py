@@ -398,3 +398,22 @@ def test_awq_loading_keeps_stdout_and_allocator_env_clean(tiny_awq, capsys):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                          cwd=str(Path(__file__).resolve().parents[1]))
     assert out.stdout.strip().splitlines()[-1] == "None None"
+
+
+def test_generate_with_max_new_tokens_does_not_warn_about_max_length(tmp_path, capfd):
+    """Issue 35 item 6: the synthetic checkpoints' generation config set max_length, so a library generate() with
+    max_new_tokens warned on every call that both were set. New checkpoints leave it out; cached ones lose it at load."""
+    import json
+
+    from llm_attn.models import load_model, cached_checkpoint
+
+    path = cached_checkpoint("tiny", "fp16", cache_dir=tmp_path)
+    assert "max_length" not in json.loads((path / "generation_config.json").read_text())
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "max_length": 4096}))  # as cached before
+    model, _ = load_model("tiny:fp16", device="cpu", dtype=torch.float32, cache_dir=tmp_path)
+    assert model.generation_config.max_length is None
+    capfd.readouterr()
+    out = model.generate(torch.randint(0, 100, (1, 8)), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 11)
+    assert "max_length" not in capfd.readouterr().err

@@ -38,6 +38,19 @@ def at_least_two(text: str) -> int:
     return value
 
 
+def add_verbose_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show third-party progress bars, banners and warnings that are held back by default "
+                        "(transformers' weight loading, gptqmodel, datasets)")
+
+
+def apply_verbose(args: argparse.Namespace) -> None:
+    from llm_attn._cli import set_verbose  # noqa: PLC0415
+
+    if getattr(args, "verbose", False):
+        set_verbose(True)
+
+
 def fail(parser: argparse.ArgumentParser, message: str):
     """Exit 2 with one line, ``<prog>: error: <message>``: for problems that are not about the command line's syntax
     (the environment, a file's content, the machine's resources), where argparse's usage block would only bury it."""

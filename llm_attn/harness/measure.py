@@ -113,11 +113,22 @@ def _generate_kwargs(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
                 num_beams=1, pad_token_id=_pad_token_id(model))
 
 
+def cache_kwarg(model, cache) -> dict:
+    """The KV cache as the keyword the model's forward takes: ``cache`` from transformers 5.24 on, where
+    ``past_key_values`` still works but warns on every run that it is deprecated; ``past_key_values`` before."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters  # through the deprecation wrapper (functools.wraps)
+    except (TypeError, ValueError):
+        params = {}
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def prefill_first_token(model, input_ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One prefill forward (fresh DynamicCache unless one is given) and greedy sampling: (token ids (B,), logits of
     the last position (B, vocab))."""
     cache = DynamicCache(config=model.config) if cache is None else cache
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, **_logits_kwargs(model))
+    out = model(input_ids=input_ids, **cache_kwarg(model, cache), use_cache=True, **_logits_kwargs(model))
     logits = out.logits[:, -1, :]
     return logits.argmax(dim=-1), logits
 
@@ -297,7 +308,7 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
         saved = [layer.cumulative_length.clone() for layer in cache.layers]
 
         def step():
-            out = model(input_ids=cur, past_key_values=cache, use_cache=True)
+            out = model(input_ids=cur, **cache_kwarg(model, cache), use_cache=True)
             cur.copy_(out.logits[:, -1, :].argmax(dim=-1, keepdim=True))
 
         def rewind():

@@ -301,9 +301,14 @@ class _LineLogger:
         return getattr(self.writer, name)
 
 
-def rows_tables(rows: list[dict]) -> str:
-    """The summary table, then the correctness and breakdown tables where the rows have them."""
-    parts = [summary_table(rows)] if any(r.get("measurement") != "ttft_dataset" for r in rows) else []
+def rows_tables(rows: list[dict], wide: bool = False) -> str:
+    """The summary table (``harness.compact``'s 120 columns, or with ``wide`` every column), then the correctness and
+    breakdown tables where the rows have them."""
+    from llm_attn.harness.compact import compact_table  # noqa: PLC0415
+
+    parts = []
+    if any(r.get("measurement") != "ttft_dataset" for r in rows):
+        parts.append(summary_table(rows) if wide else compact_table(rows) or summary_table(rows))
     parts += [t for t in (dataset_table(rows), correctness_table(rows), breakdown_table(rows)) if t]
     return "\n\n".join(parts)
 

@@ -504,6 +504,12 @@ def row_notes(row: dict | None) -> list[str]:
     return notes
 
 
+def drop_empty_columns(table: list[list], headers: list[str], keep: tuple[str, ...] = ()) -> tuple[list[list], list]:
+    """``table`` and ``headers`` without the columns whose cells are all empty (``keep`` names ones that stay)."""
+    cols = [i for i, h in enumerate(headers) if h in keep or any(str(row[i]).strip() for row in table)]
+    return [[row[i] for i in cols] for row in table], [headers[i] for i in cols]
+
+
 def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
     """llama-bench-like table: one line per (model, impl, batch, seq), speedups vs each stock implementation (with
     their paired 95 % interval where TTFT was measured paired), and notes: host-bound, fallbacks, moved clocks."""
@@ -570,6 +576,7 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                "graph % of BW bound", "peak GiB",
                *(["TTFT graph ms (dynamic cache)", "TTFT graph ms (static cache)", "attention kernels (graph)",
                   "graph - eager ms"] if graph_cols else []), "notes"]
+    table, headers = drop_empty_columns(table, headers, keep=("model", "impl", "seq"))  # e.g. peak GiB on CPU
     out = tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
     if any(r.get("vs") for r in latest if r.get("status") == "ok"):
         out += ("\n(vs columns: ratio of TTFT medians, stock / this row, with its 95 % paired-bootstrap interval "

@@ -29,7 +29,13 @@ def main(argv=None) -> int:
     ld.add_argument("--awq-backend")
     ld.add_argument("--allow-dequant-fallback", action="store_true")
     sub.add_parser("backends", help="print installed AWQ packages")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="show third-party banners and progress bars (transformers, gptqmodel), held back by default")
     args = ap.parse_args(argv)
+    if args.verbose:
+        from llm_attn._cli import set_verbose  # noqa: PLC0415
+
+        set_verbose(True)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.cmd == "generate":
         t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
+import io
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from llm_attn import awq as awq_format
+from llm_attn._cli import verbose
 
 logger = logging.getLogger("llm_attn.models")
 
@@ -90,7 +92,7 @@ def _gptqmodel_available() -> bool:
 
 
 def _import_gptqmodel() -> None:
-    """Imports gptqmodel without letting it change this process's CUDA allocator or device numbering.
+    """Imports gptqmodel without letting it change this process's CUDA allocator, device numbering or logging.
 
     At import, gptqmodel sets PYTORCH_ALLOC_CONF (expandable segments, a GC threshold) and CUDA_DEVICE_ORDER when
     they are unset. That would make AWQ runs allocate differently from fp16 runs and skew the harness' timings, so
@@ -102,13 +104,41 @@ def _import_gptqmodel() -> None:
     for k, v in _GPTQMODEL_ENV_DEFAULTS:
         if k in pinned:
             os.environ[k] = v
+    # It also configures the root logger (INFO, to stderr), which would print every library's INFO lines, ours too.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
-        # gptqmodel prints a banner and its log lines on stdout; keep stdout for our callers' results (JSON).
-        with contextlib.redirect_stdout(sys.stderr):
+        with _third_party_output():
             import gptqmodel  # noqa: F401
     finally:
         for k in pinned:
             os.environ.pop(k, None)
+        if not verbose():
+            root.handlers[:] = handlers
+            root.setLevel(level)
+
+
+def _third_party_output():
+    """Where the prints of third-party code go: gptqmodel prints a banner and its log lines on stdout, which is for
+    our callers' results (JSON, tables). Nowhere by default; stderr with -v (``llm_attn._cli.verbose``)."""
+    return contextlib.redirect_stdout(sys.stderr if verbose() else io.StringIO())
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' 'Loading weights' progress bar (on stderr, also into log files) and the prints of the AWQ
+    backend say nothing to a user of the harness: held back for the load unless -v."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    bar = hf_logging.is_progress_bar_enabled()
+    if not verbose():
+        hf_logging.disable_progress_bar()
+    try:
+        with _third_party_output():
+            yield
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 # torch's own defaults: no expandable segments; CUDA's default device order.
@@ -470,10 +500,11 @@ def load_model(spec: str = "auto", device: str | None = None, dtype: torch.dtype
             backend = awq_backend or _default_awq_backend(dev)
             override = AwqConfig(bits=4, group_size=int(qc.get("group_size", 128)),
                                  zero_point=bool(qc.get("zero_point", True)), version=fmt, backend=backend)
-            with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+            with warnings.catch_warnings(), _quiet_loading():
                 # transformers warns that the checkpoint's config wins except for loading attributes; the backend
                 # is the loading attribute we mean to set.
-                warnings.filterwarnings("ignore", message=".*already has a `quantization_config`.*")
+                if not verbose():
+                    warnings.filterwarnings("ignore", message=".*already has a `quantization_config`.*")
                 model = AutoModelForCausalLM.from_pretrained(path, quantization_config=override, **common)
             awq_classes = _quant_linear_classes(model)
             if not awq_classes:
@@ -487,15 +518,22 @@ def load_model(spec: str = "auto", device: str | None = None, dtype: torch.dtype
             msg = "no AWQ backend installed: running the AWQ checkpoint dequantised to fp16 (allow_dequant_fallback)"
             logger.warning(msg)
             notes.append(msg)
-            model = _load_awq_dequantized(path, raw_cfg, dev, dtype, attn_implementation)
+            with _quiet_loading():
+                model = _load_awq_dequantized(path, raw_cfg, dev, dtype, attn_implementation)
             quant, dequant = "awq-dequantized-fp16", True
         else:
             raise AwqBackendMissingError(f"{path} is an AWQ int4 checkpoint but no AWQ backend is installed "
                                          f"(detected: {detect_awq_backends()}). {AWQ_INSTALL_HINT}")
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, **common)
+        with _quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(path, **common)
         quant = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
     model.eval()
+    gen = getattr(model, "generation_config", None)
+    if source == "synthetic" and gen is not None and gen.max_length == model.config.max_position_embeddings:
+        # Checkpoints written before synthetic.py stopped saving it: a max_length beside the user's max_new_tokens
+        # makes every generate() warn that both are set.
+        gen.max_length = None
 
     cfg = model.config
     info = ModelInfo(

@@ -219,8 +219,10 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
         cfg.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
                                    "version": "gemm", "modules_to_not_convert": ["lm_head"]}
     cfg.save_pretrained(path)
-    GenerationConfig(bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id, do_sample=False,
-                     max_length=p.max_position_embeddings).save_pretrained(path)
+    # No max_length: with the max_new_tokens of a caller's generate() it makes transformers warn that both are set
+    # (the model's limit is config.json's max_position_embeddings).
+    GenerationConfig(bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id,
+                     do_sample=False).save_pretrained(path)
     # A tokenizer, so that --prompts can tokenize text for it (trained offline; bos/eos at the preset's ids).
     write_offline_tokenizer(path, p.vocab_size, bos_token_id=p.bos_token_id, eos_token_id=p.eos_token_id)
     (path / PROVENANCE_FILE).write_text(json.dumps({
