@@ -190,6 +190,7 @@ def _host_mode(p, args, f, argv) -> int:
                              args.head_dim) for s in args.kv]
     env = environment()
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    written = 0
     for dt in args.dtypes:
         rows = measure_host_cost(device, DTYPES[dt], shapes=tuple(shapes), calls=args.repeats_host,
                                  warmup=args.warmup, rounds=args.host_rounds)
@@ -201,10 +202,13 @@ def _host_mode(p, args, f, argv) -> int:
                     f.flush()
                 except OSError as e:
                     p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
+                written += 1
         print(f"\n{dt} on {device}: host µs per call, median of {args.host_rounds} interleaved rounds of "
               f"{args.repeats_host} back-to-back calls (no sync inside); in brackets: torch SDPA's µs / this path's "
               f"(>1 = this path costs the host less) [95 % paired interval]")
         print(host_cost_table(rows))
+    print(f"\n{written} rows appended to {args.out}" if f else
+          "\nrows not saved: add --out FILE.jsonl to keep them (one JSON line per path and shape)")
     return 0
 
 

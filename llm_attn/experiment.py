@@ -9,7 +9,8 @@ those of ``ExperimentDef`` in llm_attn/harness/experiments.py and of the ``Sweep
 ``llm_attn.ttft``; see experiments/default.toml). ``plugins = ["my_kernel.py"]`` (or ``--plugin``) brings
 implementations from outside the repository; ``measurements = [..., "breakdown"]`` adds the profiled prefill split. Results go to
 ``<results-dir>/<device-slug>/<name>.jsonl``, where the device slug comes from the GPU name ("h100-80gb-hbm3",
-"rtx-4060-ti", "cpu"), one row per measurement in the format of ``python -m llm_attn.ttft``. Running the same
+"rtx-4060-ti", "cpu"; the default results-dir is experiments/results on a GPU and ~/.cache/llm_attn/results, or
+$LLM_ATTN_CACHE/results, on CPU, where a run only checks the harness), one row per measurement in the format of ``python -m llm_attn.ttft``. Running the same
 command again resumes: points that already have a row (measured, or out of memory) are skipped, so an
 interrupted sweep continues where it stopped. ``python -m llm_attn.report`` turns the results into tables and
 plots.
@@ -41,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("definition", help="experiment TOML file, e.g. experiments/default.toml")
-    p.add_argument("--results-dir", default=str(DEFAULT_RESULTS),
-                   help="results root; rows go to <results-dir>/<device-slug>/<name>.jsonl")
+    p.add_argument("--results-dir", default=None,
+                   help=f"results root; rows go to <results-dir>/<device-slug>/<name>.jsonl (default: {DEFAULT_RESULTS} "
+                        "on a GPU; on CPU, where a run only checks the harness, $LLM_ATTN_CACHE/results, outside the "
+                        "checkout)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--no-resume", action="store_true",
                    help="measure every point again even when its row exists (the newest row wins in reports)")
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_attn.harness.cli_args import apply_verbose, fail, load_plugins, run_session  # noqa: PLC0415
     from llm_attn.harness.experiments import (  # noqa: PLC0415
         TOMLDecodeError,
+        default_results_dir,
         load_experiment,
         results_path,
     )
@@ -103,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in configs:
         if session.model_spec_problem(cfg.model_spec):
             parser.error(f"--model {cfg.model_spec}: {session.model_spec_problem(cfg.model_spec)}")
-    out = results_path(args.results_dir, capture_env(device)["device_slug"], exp.name)
+    slug = capture_env(device)["device_slug"]
+    results_dir = args.results_dir or str(default_results_dir(slug))
+    out = results_path(results_dir, slug, exp.name)
     cmd = [sys.executable, "-m", "llm_attn.experiment", *(sys.argv[1:] if argv is None else argv)]
     if output_file_problem(out):
-        parser.error(f"--results-dir {args.results_dir}: {out}: {output_file_problem(out)}")
+        parser.error(f"--results-dir {results_dir}: {out}: {output_file_problem(out)}")
     if results_file_problem(out):  # before any model loads: never append after (or resume from) garbage
         fail(parser, results_file_problem(out))
 
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if note:
         print(note, file=sys.stderr, flush=True)
 
+    print(f"experiment {exp.name}: rows go to {out}", file=sys.stderr, flush=True)
     status = 0
     for cfg in configs:
         note = session.resolve_model_spec(cfg.model_spec, device)[1]  # 'auto' on a GPU without gptqmodel: fp16

@@ -96,6 +96,16 @@ def test_dry_run_measures_nothing(tmp_path, capsys):
     assert not (tmp_path / "res").exists()
 
 
+def test_cpu_results_go_outside_the_checkout_by_default(tmp_path, monkeypatch, capsys):
+    """Issue 35 item 6: CPU runs (harness checks) left experiments/results/cpu/ untracked in the checkout."""
+    monkeypatch.setenv("LLM_ATTN_CACHE", str(tmp_path / "cache"))
+    assert experiment.main([str(write_def(tmp_path)), "--dry-run", "--device", "cpu"]) == 0
+    assert f"results -> {tmp_path / 'cache' / 'results' / 'cpu' / 'tiny-sweep.jsonl'}" in capsys.readouterr().out
+    from llm_attn.harness.experiments import DEFAULT_RESULTS, default_results_dir
+
+    assert default_results_dir("h100-80gb-hbm3") == DEFAULT_RESULTS == REPO / "experiments" / "results"
+
+
 def test_runner_resumes_an_interrupted_sweep_and_feeds_the_report(tmp_path, monkeypatch, capsys):
     path = write_def(tmp_path)
     res = tmp_path / "res"

@@ -113,6 +113,18 @@ def test_bench_host_mode_on_cpu(tmp_path, capsys):
     assert "prefill 64: host µs/call (torch SDPA / this path, >1 = faster)" in text and "(1.00x)" in text
 
 
+def test_bench_host_mode_says_where_its_rows_went(tmp_path, capsys):
+    """Issue 35 item 6: --mode host used to end on its table and never say whether or where its rows were kept."""
+    args = ["--mode", "host", "--dtypes", "bf16", "--calls", "2", "--rounds", "2", "--warmup", "0", "--seqs", "16",
+            "--kv", "16"]
+    out = tmp_path / "host.jsonl"
+    assert bench.main([*args, "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"8 rows appended to {out}"
+    assert len(out.read_text().splitlines()) == 8
+    assert bench.main(args) == 0
+    assert "rows not saved: add --out FILE.jsonl" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
 def test_bench_host_bad_calls_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--mode", "host", "--calls", "0"])

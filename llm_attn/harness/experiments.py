@@ -115,3 +115,12 @@ def load_experiment(path: str | Path) -> ExperimentDef:
 
 def results_path(results_dir: str | Path, device_slug: str, name: str) -> Path:
     return Path(results_dir) / device_slug / f"{name}.jsonl"
+
+
+def default_results_dir(device_slug: str) -> Path:
+    """Where an experiment's rows go without ``--results-dir``: ``experiments/results`` of the checkout on a GPU
+    (the recorded results, committed with the code that made them); a CPU run only checks the harness, so its rows go
+    outside the checkout, to ``$LLM_ATTN_CACHE/results`` (default ``~/.cache/llm_attn/results``)."""
+    from llm_attn.models.synthetic import _cache_root  # noqa: PLC0415
+
+    return _cache_root(None) / "results" if device_slug == "cpu" else DEFAULT_RESULTS
