@@ -28,15 +28,29 @@ def _model_cell(model: dict) -> str:
     return f"{name} {model.get('quant')}" if model.get("quant") else name
 
 
-def _fit(table: list[list], headers: list[str], width: int) -> str:
-    """The table rendered within ``width`` characters: the notes (the last column) are cut, with '…', to fit."""
+def _cut(text: str, room: int) -> str:
+    return text if len(text) <= room else text[:room - 1] + "…"
+
+
+def _render(table: list[list], headers: list[str]) -> tuple[str, int]:
     out = tabulate(table, headers=headers, tablefmt="github", disable_numparse=True)
-    if max(map(len, out.splitlines())) <= width or not table or headers[-1] != "notes":
+    return out, max(map(len, out.splitlines()))
+
+
+def _fit(table: list[list], headers: list[str], width: int) -> str:
+    """The table rendered within ``width`` characters: the notes (the last column) are cut, with '…', to fit, down to
+    12 characters; past that the model names (the first column) are cut too."""
+    out, wide = _render(table, headers)
+    if wide <= width or not table or headers[-1] != "notes":
         return out
-    bare = tabulate([row[:-1] + [""] for row in table], headers=headers, tablefmt="github", disable_numparse=True)
-    room = max(width - max(map(len, bare.splitlines())) + len(headers[-1]), 12)
-    cut = [row[:-1] + [row[-1] if len(row[-1]) <= room else row[-1][:room - 1] + "…"] for row in table]
-    return tabulate(cut, headers=headers, tablefmt="github", disable_numparse=True)
+    _, bare = _render([row[:-1] + [""] for row in table], headers)
+    room = max(width - bare + len(headers[-1]), 12)
+    table = [row[:-1] + [_cut(row[-1], room)] for row in table]
+    out, wide = _render(table, headers)
+    if wide > width and headers[0] == "model":
+        room = max(max(len(str(row[0])) for row in table) - (wide - width), len(headers[0]))
+        out, _ = _render([[_cut(str(row[0]), room)] + row[1:] for row in table], headers)
+    return out
 
 
 def compact_table(rows: list[dict], width: int = WIDTH) -> str:
