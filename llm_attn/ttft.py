@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default=None, help=argparse.SUPPRESS)  # set by llm_attn.experiment
     p.add_argument("--tp", type=positive_int, default=None, metavar="N",
                    help="tensor parallelism over N ranks (transformers' TP plan on torch.distributed; starts "
-                        "torchrun itself unless already under it); paired TTFT only. See llm_attn/harness/tp.py")
+                        "torchrun itself unless already under it); paired TTFT, and graph TTFT with --measure "
+                        "ttft_graph. See llm_attn/harness/tp.py")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (they are also off when stderr is not a terminal)")
     p.add_argument("--wide", action="store_true",

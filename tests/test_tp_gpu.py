@@ -1,5 +1,6 @@
-"""GPU tests of tensor-parallel TTFT (llm_attn/harness/tp.py): 2 ranks with NCCL, one GPU each, on tiny-tp in fp16.
-Skipped with the reason where fewer than 2 GPUs are visible. Run by experiments/tp_suite.sh on nvidia-h200-x2:
+"""GPU tests of tensor-parallel TTFT (llm_attn/harness/tp*.py): 2 ranks with NCCL, one GPU each, on tiny-tp in fp16.
+Skipped with the reason where fewer than 2 GPUs are visible. Run by experiments/tp_suite.sh (test, quick) on a
+2-GPU machine:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 pytest tests/test_tp_gpu.py
 """
@@ -91,21 +92,44 @@ def test_first_token_and_logits_match_one_gpu(sharded, checkpoint, impl):
 def test_cli_tp2_on_gpus(work, checkpoint):
     out = work / "cli.jsonl"
     proc = _run([sys.executable, "-m", "llm_attn.ttft", "--tp", "2", "--model", str(checkpoint), "--dtype", "float16",
-                 "--impl", "sdpa", "llm_attn", "--seq", "256", "--repeats", "5", "--warmup", "2", "--out", str(out)],
-                work)
+                 "--impl", "sdpa", "llm_attn", "--seq", "256", "--repeats", "5", "--warmup", "2", "--measure", "ttft",
+                 "ttft_graph", "--out", str(out)], work)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["impl"] for r in rows) == ["llm_attn", "sdpa"]
+    eager = [r for r in rows if r["measurement"] == "ttft"]
+    assert sorted(r["impl"] for r in eager) == ["llm_attn", "sdpa"]
     for r in rows:
         t = r["tp"]
         assert (t["degree"], t["world_size"], t["backend"]) == (2, 2, "nccl")
+        # Issue 36: an NVLink pair read as PCIe with {"0-1": "X"}.
         assert t["interconnect"]["kind"] in ("NVLink", "PCIe", "mixed"), t["interconnect"]
-        assert [k["device"] for k in t["ranks"]] == ["cuda:0", "cuda:1"]
-        for k in t["ranks"]:
-            assert k["profile"]["timer"] == "cuda_kernels" and 0 < k["profile"]["comm_share"] < 1
-    ours = next(r for r in rows if r["impl"] == "llm_attn")
+        assert t["interconnect"]["links"] and "X" not in t["interconnect"]["links"].values(), t["interconnect"]
+    for r in eager:
+        ranks = r["tp"]["ranks"]
+        assert [k["device"] for k in ranks] == ["cuda:0", "cuda:1"]
+        for k in ranks:
+            p = k["profile"]
+            assert p["timer"] == "cuda_kernels" and 0 < p["comm_share"] < 1
+            assert p["comm_wait_ms"] is not None and 0 <= p["comm_wait_share"] < 1, p.get("comm_wait_why")
+            assert p["collective_kinds"] and all("nccl" in n.lower() for n in p["collective_kinds"])
+            kinds = {x["kind"] for x in p["layer"]["kernels"]}
+            assert {"comm", "gemm", "attention"} <= kinds, p["layer"]
+            hb = k["host_bound"]
+            assert hb["gpu_span_share"] is not None and 0 < hb["enqueue_share"]
+        assert r["host_bound"]["ranks"] == [k["host_bound"]["host_bound"] for k in ranks]
+    ours = next(r for r in eager if r["impl"] == "llm_attn")
     for k in ours["tp"]["ranks"]:
         assert k["attention_calls"]["native"] == {"cuda": LAYERS}
+    assert set(ours["vs"]) == {"sdpa"} and ours["vs"]["sdpa"]["n"] == 5
+    # Graph TTFT at TP=2: the sharded prefill, NCCL all-reduces included, captured and replayed on both ranks.
+    graph = {r["impl"]: r for r in rows if r["measurement"] == "ttft_graph"}
+    assert set(graph) == {"sdpa", "llm_attn"}
+    for impl, g in graph.items():
+        assert g["status"] == "ok", g.get("error")
+        assert len(g["samples_ms"]) == 5 and all(s > 0 for s in g["samples_ms"])
+        assert [k["first_token"] for k in g["tp"]["ranks"]][0] == g["tp"]["ranks"][1]["first_token"]
+    assert any("flash" in k["name"] for k in graph["llm_attn"]["attention_kernels"])
+    assert graph["llm_attn"]["first_token"] == next(r for r in eager if r["impl"] == "llm_attn")["first_token"]
 
 
 def test_more_ranks_than_gpus_is_one_line(work):

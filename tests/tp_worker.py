@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py CHECKPOINT OUT.json DEVICE DTYPE
 
-Loads CHECKPOINT sharded by transformers' TP plan (llm_attn.harness.tp.load_sharded), then on the same prompt runs
+Loads CHECKPOINT sharded by transformers' TP plan (llm_attn.harness.tp_world.load_sharded), then on the same prompt runs
 stock sdpa and ours (patch_model, impl llm_attn; backend "reference" on CPU, "cuda" on GPUs). Every attention call of
 ours is recorded with the head counts it was given (a spy around the real op: the computation is untouched). Rank 0
 writes every rank's tokens, last-position logits, patch counters and seen head counts to OUT.json.
@@ -17,7 +17,7 @@ import torch
 
 from llm_attn import ops
 from llm_attn.impls import flash_kernel
-from llm_attn.harness import tp
+from llm_attn.harness import tp_world
 from llm_attn.harness.measure import prefill_first_token
 from llm_attn.harness.sweep import DTYPES, make_prompt
 from llm_attn.patches import patch_model, unpatch_model
@@ -26,7 +26,7 @@ PROMPT = dict(batch=2, seq=48, seed=5)
 
 
 def main(checkpoint: str, out: str, device: str, dtype: str) -> None:
-    world = tp.World(device)
+    world = tp_world.World(device)
     seen: list[tuple[int, int]] = []
     real = ops.flash_attn_func
 
@@ -35,10 +35,10 @@ def main(checkpoint: str, out: str, device: str, dtype: str) -> None:
         return real(q, k, v, *args, **kwargs)
 
     try:
-        model, info = tp.load_sharded(checkpoint, world, DTYPES[dtype])
+        model, info = tp_world.load_sharded(checkpoint, world, DTYPES[dtype])
         prompt = make_prompt(info["config"]["vocab_size"], PROMPT["batch"], PROMPT["seq"], PROMPT["seed"],
                              world.device)
-        result = {"rank": world.rank, "local_heads": tp.local_heads(model)}
+        result = {"rank": world.rank, "local_heads": tp_world.local_heads(model)}
         with torch.inference_mode():
             model.set_attn_implementation("sdpa")
             tok, logits = prefill_first_token(model, prompt)

@@ -27,6 +27,8 @@ from llm_attn.models.tokenizer import ensure_offline_tokenizer, write_offline_to
 # Bump when the synthetic weight recipe or file layout changes, so cached checkpoints are regenerated.
 SYNTHETIC_FORMAT_VERSION = 1
 MARKER_FILE = ".llm_attn_complete"
+# Written by the writer after each finished shard: a killed write resumes from it (write_synthetic_checkpoint(resume=)).
+PROGRESS_FILE = ".llm_attn_progress.json"
 PROVENANCE_FILE = "llm_attn_synthetic.json"
 SHARD_BYTES = 2 * 1024**3
 AWQ_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -135,13 +137,14 @@ def estimated_checkpoint_bytes(preset: str | ModelPreset, quant: Literal["awq", 
 
 
 def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], group_size: int = 128,
-                    runnable=None) -> int:
+                    runnable=None, written: int = 0) -> int:
     """Raise NotEnoughDiskError (one line: needed vs free, and which presets do fit) unless the checkpoint fits
-    on the filesystem holding ``path`` (or its nearest existing parent). Returns the estimated size in bytes.
+    on the filesystem holding ``path`` (or its nearest existing parent). Returns the estimated size in bytes (still
+    to write: ``written`` bytes of it are there already in a resumed write).
     ``runnable(free_disk_bytes)``, when given, names the models that can run here instead (the loader's preflight:
     memory, disk and the AWQ backend)."""
     p = get_preset(preset)
-    need = int(estimated_checkpoint_bytes(p, quant, group_size) * DISK_HEADROOM)
+    need = int(max(0, estimated_checkpoint_bytes(p, quant, group_size) - written) * DISK_HEADROOM)
     where = Path(path).expanduser().absolute()
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -160,14 +163,19 @@ def check_free_disk(path, preset: str | ModelPreset, quant: Literal["awq", "fp16
 
 def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["awq", "fp16"], seed: int = 0,
                                group_size: int = 128, device: str | torch.device | None = None,
-                               shard_bytes: int = SHARD_BYTES) -> Path:
+                               shard_bytes: int = SHARD_BYTES, resume: bool = False) -> Path:
     """Writes a loadable Hugging Face checkpoint with seeded random weights; returns its directory.
 
     quant="fp16": every weight in fp16. quant="awq": q/k/v/o/gate/up/down_proj of every layer in AWQ GEMM int4
     (llm_attn/awq.py); embeddings, norms and lm_head in fp16; config.json carries the AWQ quantization_config.
     Tensors are generated on `device` (default: CUDA when available, which makes the 8B model take seconds rather
     than minutes) one shard at a time, so memory stays bounded by the shard size. The same seed on the same kind
-    of device gives the same weights. The directory must be absent or empty.
+    of device gives the same weights. The directory must be absent or empty, unless ``resume``: then the
+    shards a killed write of the same checkpoint finished (PROGRESS_FILE, written after each shard; a shard is
+    written to ``<name>.partial`` and renamed when complete) are kept and the write goes on from the first missing
+    one. Every tensor has its own generator seeded from (seed, position), so a resumed checkpoint is byte-identical
+    to an uninterrupted one. A progress file of another checkpoint (preset, format, seed, sharding, device kind)
+    is refused (ValueError).
     """
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -176,11 +184,25 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
         raise ValueError(f"quant must be 'awq' or 'fp16', got {quant!r}")
     p = get_preset(preset)
     path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"{path} exists and is not empty; refusing to write a checkpoint over it")
-    check_free_disk(path, p, quant, group_size)
-    path.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device) if device is not None else _default_gen_device()
+    # What a resumed write must match: the same checkpoint, cut into the same shards, by the same kind of generator.
+    recipe = {"preset": dataclasses.asdict(p), "quant": quant, "seed": seed, "group_size": group_size,
+              "shard_bytes": shard_bytes, "device": dev.type, "format_version": SYNTHETIC_FORMAT_VERSION}
+    progress = {"recipe": recipe, "shards": {}}
+    if path.exists() and any(path.iterdir()):
+        saved = _read_progress(path) if resume else None
+        if saved is None:
+            raise FileExistsError(f"{path} exists and is not empty; refusing to write a checkpoint over it")
+        if saved.get("recipe") != recipe:
+            raise ValueError(f"{path}: its progress file is of another checkpoint ({saved.get('recipe')}), not "
+                             f"{recipe}; cannot resume it")
+        progress = saved
+        # A shard counts only when its file is there whole (the rename comes after the write, the record after both).
+        progress["shards"] = {f: v for f, v in saved["shards"].items()
+                              if (path / f).is_file() and (path / f).stat().st_size == v["file_bytes"]}
+    written = sum(v["tensor_bytes"] for v in progress["shards"].values())
+    check_free_disk(path, p, quant, group_size, written=written)
+    path.mkdir(parents=True, exist_ok=True)
     cfg = llama_config(p)
     units = _plan(cfg, quant, group_size)
 
@@ -196,18 +218,31 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
     weight_map: dict[str, str] = {}
     total_bytes = 0
     t0 = time.perf_counter()
+    if progress["shards"]:
+        logger.info("resuming %s: %d of %d shards already written", path, len(progress["shards"]), len(shards))
     for s_idx, shard in enumerate(shards):
         fname = f"model-{s_idx + 1:05d}-of-{len(shards):05d}.safetensors"
+        done = progress["shards"].get(fname)
+        if done is not None:
+            weight_map.update(dict.fromkeys(done["tensors"], fname))
+            total_bytes += done["tensor_bytes"]
+            continue
         tensors: dict[str, torch.Tensor] = {}
         for idx, u in shard:
             # One generator per tensor, seeded from (seed, position): a tensor does not depend on the sharding.
             gen = torch.Generator(device=dev).manual_seed(seed * 1_000_003 + idx)
             for name, t in _generate_unit(u, gen, dev, group_size).items():
                 tensors[name] = t.to("cpu", non_blocking=False).contiguous()
-        for name, t in tensors.items():
+        shard_tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        for name in tensors:
             weight_map[name] = fname
-            total_bytes += t.numel() * t.element_size()
-        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        total_bytes += shard_tensor_bytes
+        partial = path / (fname + ".partial")
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+        os.replace(partial, path / fname)
+        progress["shards"][fname] = {"tensors": list(tensors), "tensor_bytes": shard_tensor_bytes,
+                                     "file_bytes": (path / fname).stat().st_size}
+        _write_progress(path, progress)
         del tensors
         logger.info("wrote %s (%d/%d) after %.1fs", fname, s_idx + 1, len(shards), time.perf_counter() - t0)
 
@@ -229,7 +264,22 @@ def write_synthetic_checkpoint(path, preset: str | ModelPreset, quant: Literal["
         "generator": "llm_attn.models.write_synthetic_checkpoint", "format_version": SYNTHETIC_FORMAT_VERSION,
         "preset": dataclasses.asdict(p), "quant": quant, "seed": seed, "group_size": group_size,
         "device": dev.type, "seconds": round(time.perf_counter() - t0, 2)}, indent=2))
+    (path / PROGRESS_FILE).unlink(missing_ok=True)
     return path
+
+
+def _read_progress(path: Path) -> dict | None:
+    try:
+        saved = json.loads((path / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and isinstance(saved.get("shards"), dict) else None
+
+
+def _write_progress(path: Path, progress: dict) -> None:
+    tmp = path / (PROGRESS_FILE + ".tmp")
+    tmp.write_text(json.dumps(progress))
+    os.replace(tmp, path / PROGRESS_FILE)
 
 
 def _cache_root(cache_dir) -> Path:
@@ -243,8 +293,10 @@ def cached_checkpoint(preset: str | ModelPreset, quant: Literal["awq", "fp16"], 
                       group_size: int = 128) -> Path:
     """The synthetic checkpoint for (preset, quant, seed), generated on first use and reused after.
 
-    The marker file is written after everything else, so a directory without it (an interrupted generation) is
-    deleted and generated again. A file lock keeps two processes from generating the same checkpoint at once.
+    The marker file is written after everything else. A directory without it is an interrupted generation: it
+    resumes from the shards it finished (``write_synthetic_checkpoint(resume=True)``; the 70B AWQ checkpoint is 20
+    shards of 2 GiB), or, without a progress file of this checkpoint, is deleted and generated again. A file lock
+    keeps two processes from generating the same checkpoint at once.
     """
     from filelock import FileLock
 
@@ -269,10 +321,21 @@ def cached_checkpoint(preset: str | ModelPreset, quant: Literal["awq", "fp16"], 
                                         eos_token_id=p.eos_token_id):
                 logger.info("added the offline tokenizer to %s", path)
             return path
-        if path.exists():
+        resume = path.exists() and _read_progress(path) is not None
+        if path.exists() and not resume:
             logger.warning("removing incomplete synthetic checkpoint %s (no %s marker)", path, MARKER_FILE)
             shutil.rmtree(path)
-        logger.info("generating synthetic %s %s checkpoint in %s", p.name, quant, path)
-        write_synthetic_checkpoint(path, p, quant, seed=seed, group_size=group_size)
+        logger.info("%s synthetic %s %s checkpoint in %s", "resuming the" if resume else "generating", p.name, quant,
+                    path)
+        try:
+            write_synthetic_checkpoint(path, p, quant, seed=seed, group_size=group_size, shard_bytes=SHARD_BYTES,
+                                       resume=resume)
+        except ValueError:
+            if not resume:
+                raise
+            # Progress of another recipe (e.g. written on a GPU, resumed on a CPU: other random streams): start over.
+            logger.warning("cannot resume %s (another recipe): generating it again", path)
+            shutil.rmtree(path)
+            write_synthetic_checkpoint(path, p, quant, seed=seed, group_size=group_size, shard_bytes=SHARD_BYTES)
         (path / MARKER_FILE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return path

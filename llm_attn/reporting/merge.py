@@ -171,6 +171,9 @@ def _model_label(row: dict) -> str:
     label = f"{m.get('name')} ({m.get('quant')}, {row['dtype']})"
     if m.get("dequant_fallback"):
         label += " [DEQUANTISED FALLBACK]"
+    tp = row.get("tp")
+    if tp:  # tensor-parallel rows: one series per TP degree (and interconnect), never merged with another degree's
+        label += f" TP={tp['degree']}" + (f" over {tp['interconnect']['kind']}" if tp["degree"] > 1 else "")
     return label
 
 

@@ -83,7 +83,8 @@ def device_table(m: Merged, device: str, series: tuple) -> str:
             continue
         p50 = t["stats"]["p50"] if t is not None and t["status"] == "ok" else None
         tflops = flops.prefill_flops(geom, batch, seq) / (p50 * 1e-3) / 1e12 if p50 and geom else None
-        pct = 100 * tflops / entry.fp16_tensor_tflops if tflops and entry else None
+        gpus = ((t or {}).get("tp") or {}).get("degree", 1)  # a TP row's TTFT is the work of that many GPUs
+        pct = 100 * tflops / (entry.fp16_tensor_tflops * gpus) if tflops and entry else None
         speed = []
         for s in stocks:
             # The paired ratio, its 95 % interval and verdict words where the row was measured paired;
