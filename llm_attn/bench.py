@@ -7,6 +7,7 @@
     python -m llm_attn.bench --impls ours flash cudnn naive flex numba --seqs 2048 8192   # registry entries too
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
     python -m llm_attn.bench --mode host                        # host µs per call: ours, the patch, SDPA
+    python -m llm_attn.bench --mode accuracy --seqs 8192 131072  # error vs float64: SDPA bf16, ours, fp8, int8
 
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
@@ -25,6 +26,12 @@ Host (issue 18): host microseconds to issue one attention call (300 back-to-back
 harness/hostcost.py) at the prefill (--seqs, default 2048) and decode (--kv, default 4096) shapes, for our op
 (flash_attn_func), ours through the transformers patch wrapper, transformers' sdpa and torch SDPA. Runs on CPU too
 (there every call also computes: not a host cost).
+
+Accuracy (issue 34): each implementation's output against float64 on the same inputs (Gaussian, K outlier channels,
+peaky queries, both; --kinds), compared on a seeded sample of --rows query rows of every length (harness/accuracy.py
+says how the reference stays bounded at 128k): cosine, relative L1, max error, the error as a multiple of SDPA's,
+and pass/FAIL per target (cosine >= 0.999, rel L1 <= 0.03 on the outlier inputs). Exit status 1 when a target is
+missed. Runs on CPU too (small sizes by default; our paths run their PyTorch references there).
 
 Each row of the JSONL output carries the environment and the command that reproduces it.
 """
@@ -62,6 +69,9 @@ def main(argv=None):
         non_negative_int,
         positive_int,
     )
+    from llm_attn.harness.accuracy import ACCURACY_IMPLS, DEFAULT_ROWS as ACCURACY_ROWS  # noqa: PLC0415
+    from llm_attn.harness.accuracy import DEFAULT_IMPLS as ACCURACY_DEFAULT_IMPLS  # noqa: PLC0415
+    from llm_attn.harness.accuracy import KINDS as ACCURACY_KINDS  # noqa: PLC0415
     from llm_attn.harness.kernel_bench import (  # noqa: PLC0415
         BENCH_IMPLS,
         DTYPES,
@@ -75,23 +85,27 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_plugin_argument(p)
     add_verbose_argument(p)
-    p.add_argument("--mode", choices=["prefill", "decode", "backward", "host"], default="prefill")
+    p.add_argument("--mode", choices=["prefill", "decode", "backward", "host", "accuracy"], default="prefill")
     p.add_argument("--seqs", type=positive_int, nargs="+", default=None,
-                   help="prefill: q_len = kv_len = S (default 512 .. 16384; host mode: 2048)")
+                   help="prefill: q_len = kv_len = S (default 512 .. 16384; host mode: 2048; accuracy: 1024 .. "
+                        "131072 on a GPU, 64 256 on CPU)")
     p.add_argument("--kv", type=positive_int, nargs="+", default=None,
                    help="decode: KV cache lengths (default 512 2048 8192 32768; host mode: 4096)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1])
     p.add_argument("--heads", type=positive_int, default=32)
     p.add_argument("--kv-heads", type=positive_int, default=8)
     p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None,
+                   help="default: bf16 fp16 (accuracy: bf16)")
     p.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
     entries = [n for n in registry.names() if n != "llm_attn"]  # llm_attn is 'ours' here
-    p.add_argument("--impls", nargs="+", default=["ours", "flash", "cudnn", "efficient"],
-                   choices=BENCH_IMPLS + entries,
+    p.add_argument("--impls", nargs="+", default=None,
+                   choices=BENCH_IMPLS + [i for i in ACCURACY_IMPLS if i not in BENCH_IMPLS] + entries,
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
                         "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
-                        f"function ({', '.join(entries)}; --plugin adds more)")
+                        f"function ({', '.join(entries)}; --plugin adds more). Default: ours flash cudnn efficient; "
+                        f"accuracy: {' '.join(ACCURACY_DEFAULT_IMPLS)} (sdpa: the default SDPA backend; ours-fp8, "
+                        f"ours-int8: precision='fp8', 'int8'; fp8-reference: the quantised PyTorch reference)")
     p.add_argument("--warmup", type=non_negative_int, default=5)
     p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,
@@ -101,10 +115,25 @@ def main(argv=None):
                    help="host mode: back-to-back calls timed per path and shape (default 300)")
     p.add_argument("--rounds", dest="host_rounds", type=positive_int, default=15,
                    help="host mode: interleaved rounds, every path once per round in a shuffled order (default 15)")
+    p.add_argument("--kinds", nargs="+", choices=list(ACCURACY_KINDS), default=list(ACCURACY_KINDS),
+                   help="accuracy: input kinds (default: all)")
+    p.add_argument("--rows", type=positive_int, default=ACCURACY_ROWS,
+                   help=f"accuracy: query rows compared with float64 per point (default {ACCURACY_ROWS}; all when S "
+                        "is smaller)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="accuracy: seed of the inputs and sampled rows")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
     apply_verbose(args)
+    accuracy = args.mode == "accuracy"
+    if args.dtypes is None:
+        args.dtypes = ["bf16"] if accuracy else ["bf16", "fp16"]
+    if args.impls is None:
+        args.impls = list(ACCURACY_DEFAULT_IMPLS) if accuracy else ["ours", "flash", "cudnn", "efficient"]
     host = args.mode == "host"
+    if args.seqs is None and accuracy:
+        import torch  # noqa: PLC0415
+
+        args.seqs = [1024, 8192, 32768, 65536, 131072] if torch.cuda.is_available() else [64, 256]
     if args.seqs is None:
         args.seqs = [2048] if host else [512, 1024, 2048, 4096, 8192, 16384]
     if args.kv is None:
@@ -120,7 +149,7 @@ def main(argv=None):
         p.error(f"--out {args.out}: {output_file_problem(args.out)}")
     import torch  # noqa: PLC0415
 
-    if not host and not torch.cuda.is_available():
+    if not host and not accuracy and not torch.cuda.is_available():
         p.error("the kernel benchmark needs a CUDA GPU")
     # --out is opened last, after every check: a rejected command leaves no file behind, and a bad path is an
     # argument error before anything is measured.
@@ -131,6 +160,9 @@ def main(argv=None):
     if host:  # -- --mode host: runs on CPU too (where it says the numbers include compute) --
         with out as f:
             return _host_mode(p, args, f, argv)
+    if accuracy:  # -- --mode accuracy: runs on CPU too (small sizes) --
+        with out as f:
+            return _accuracy_mode(p, args, f, argv)
     graphs = args.graph if args.graph is not None else {"decode": [0, 1], "prefill": [1], "backward": [0]}[args.mode]
     phases = ["fwd+bwd", "bwd"] if args.mode == "backward" else [None]
 
@@ -210,6 +242,56 @@ def _host_mode(p, args, f, argv) -> int:
     print(f"\n{written} rows appended to {args.out}" if f else
           "\nrows not saved: add --out FILE.jsonl to keep them (one JSON line per path and shape)")
     return 0
+
+
+def _accuracy_mode(p, args, f, argv) -> int:
+    """--mode accuracy: every implementation against float64 per (dtype, causal, batch, kind, S)
+    (harness/accuracy.py); rows to --out, the table and the target verdicts printed. 1 when a target was missed."""
+    import torch  # noqa: PLC0415
+
+    from llm_attn.envinfo import environment  # noqa: PLC0415
+    from llm_attn.harness.accuracy import (  # noqa: PLC0415
+        accuracy_line,
+        accuracy_point,
+        accuracy_table,
+        target_summary,
+    )
+    from llm_attn.harness.kernel_bench import DTYPES  # noqa: PLC0415
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("no GPU: our paths run their PyTorch references (ours-fp8, ours-int8: the quantised references); "
+              "SDPA runs PyTorch's CPU kernels", file=sys.stderr)
+    env = environment()
+    command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows = []
+    for dt in args.dtypes:
+        for causal in args.causal:
+            for b in args.batch:
+                for kind in args.kinds:
+                    for s in args.seqs:
+                        got = accuracy_point(args.impls, kind, batch=b, heads=args.heads, kv_heads=args.kv_heads,
+                                             seq=s, head_dim=args.head_dim, dtype=DTYPES[dt], causal=bool(causal),
+                                             device=device, rows=args.rows, seed=args.seed)
+                        for row in got:
+                            row.update(env=env, command=command)
+                            if f:
+                                try:
+                                    f.write(json.dumps(row) + "\n")
+                                    f.flush()
+                                except OSError as e:
+                                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
+                                              f"{e.strerror or e}\n")
+                        for row in got:
+                            print(accuracy_line(row), flush=True)
+                        rows += got
+    print(f"\nerror against float64 on {device} (B={args.batch}, {args.heads}/{args.kv_heads} heads, "
+          f"hd{args.head_dim}; up to {args.rows} sampled query rows per point; rel L1 / sdpa's: this row's relative "
+          f"L1 error over SDPA's at the same point, > 1 = larger error than SDPA's)")
+    print(accuracy_table(rows))
+    text, misses = target_summary(rows)
+    print("\n" + text)
+    return 1 if misses else 0
 
 
 def _fmt_last(table):
