@@ -14,7 +14,7 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
   and replayed (a fresh DynamicCache created inside the capture, or a StaticCache reset before each replay); the
   attention kernels of one profiled replay are named in the row. Off CUDA, or where capture fails: 'unsupported'.
 - Correctness: max |logit difference| at the prompt's last position and greedy-token agreement, a patched
-  implementation vs stock.
+  implementation vs stock; and the first 64 tokens' greedy agreement and the logit KL (``harness.agreement``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
+from llm_attn.harness.agreement import (
+    KL_PROMPT_POSITIONS,
+    agreement_fields,
+    continuation_tokens,
+    next_token_logprobs,
+)
 from llm_attn.harness.results import jsonable
 from llm_attn.harness.stats import summarize
 
@@ -393,14 +399,23 @@ def greedy_tokens(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tens
 def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, reference_impl: str, impl: str,
                         switch: Callable) -> dict:
     """Ours against a stock implementation on the same prompt: max |logit difference| at the last prompt position
-    (float32) and the fraction of identical greedy tokens over ``new_tokens``. ``switch(model, name)`` is the
-    context manager that puts the model on an implementation (``impls.use_impl``)."""
+    (float32) and the fraction of identical greedy tokens over ``new_tokens``; then the first 64 tokens' greedy
+    agreement and the KL of the next-token distributions, teacher-forced on stock's continuation
+    (``harness.agreement``). ``switch(model, name)`` is the context manager that puts the model on an
+    implementation (``impls.use_impl``)."""
     got, report, calls = {}, None, None
+    n64 = continuation_tokens(model, input_ids.shape[1])
+    prompt_kl = min(KL_PROMPT_POSITIONS, input_ids.shape[1])
+    cont, logprobs = {}, {}
     with torch.inference_mode():
-        for name in (reference_impl, impl):
+        for name in (reference_impl, impl):  # the reference first: its continuation is what both are fed for KL
             with switch(model, name) as rep:
                 _, logits = prefill_first_token(model, input_ids)
-                got[name] = (logits.float().cpu(), greedy_tokens(model, input_ids, new_tokens).cpu())
+                tokens = greedy_tokens(model, input_ids, max(new_tokens, n64)).cpu()
+                got[name] = (logits.float().cpu(), tokens[:, :new_tokens])
+                cont[name] = tokens[:, :n64]
+                forced = torch.cat([input_ids, cont[reference_impl].to(input_ids.device)], dim=1)
+                logprobs[name] = next_token_logprobs(model, forced, prompt_kl + n64)
                 if name == impl and rep is not None:
                     report = jsonable(rep)
                     calls = {"impl": rep.num_native_calls, "stock_fallback": rep.num_fallback_calls,
@@ -416,6 +431,7 @@ def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, referen
         "first_divergence": int(mismatch_cols[0, 0]) if mismatch_cols.numel() else None,
         "tokens_reference": ref_tok.tolist(),
         "tokens_impl": our_tok.tolist(),
+        **agreement_fields(cont[reference_impl], cont[impl], logprobs[reference_impl], logprobs[impl], prompt_kl),
         # The patch counters (cumulative since patching): proof that the implementation really ran, and on which
         # variant, and how many of its calls took the stock path.
         "patch": report,

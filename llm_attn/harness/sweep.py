@@ -23,6 +23,13 @@ from tqdm.auto import tqdm
 
 from llm_attn import registry
 from llm_attn.harness import energy, flops, hostenv
+from llm_attn.harness.agreement import (
+    AGREEMENT_HEADERS,
+    AGREEMENT_NOTE,
+    agreement_cells,
+    agreement_misses,
+    low_precision_note,
+)
 from llm_attn.harness.breakdown import measure_breakdown
 from llm_attn.harness.devices import Device
 from llm_attn.harness.impls import BASE_IMPL, impl_info, is_stock, use_impl
@@ -485,7 +492,7 @@ def row_notes(row: dict | None) -> list[str]:
     """What a reader must know before trusting a row's number: host-bound, fallbacks to stock, moved clocks."""
     if not row or row.get("status") != "ok":
         return []
-    notes = []
+    notes = [n for n in (low_precision_note(row.get("impl_info")),) if n]  # e.g. fp8 attention: its accuracy
     hb = row.get("host_bound")
     if hb and hb.get("host_bound"):
         span = hb.get("gpu_span_share")
@@ -614,15 +621,16 @@ def correctness_table(rows: list[dict], tablefmt: str = "github") -> str:
         if r["measurement"] != "correctness":
             continue
         if r["status"] != "ok":
-            table.append([r["impl"], "", r["batch"], r["seq"], r["status"].upper(), ""])
+            table.append([r["impl"], "", r["batch"], r["seq"], r["status"].upper(), "", "", ""])
             continue
         table.append([r["impl"], r["reference_impl"], r["batch"], r["seq"], f"{r['max_abs_logit_diff']:.3g}",
-                      f"{100 * r['greedy_agreement']:.1f}%"])
+                      f"{100 * r['greedy_agreement']:.1f}%", *agreement_cells(r)])
     if not table:
         return ""
-    return tabulate(sorted(table, key=lambda x: (x[2], x[3])),
-                    headers=["impl", "vs", "batch", "seq", "max |Δlogit|", "greedy agreement"], tablefmt=tablefmt,
-                    disable_numparse=True)
+    return "\n".join([tabulate(sorted(table, key=lambda x: (x[2], x[3])),
+                                headers=["impl", "vs", "batch", "seq", "max |Δlogit|", "greedy agreement",
+                                         *AGREEMENT_HEADERS], tablefmt=tablefmt, disable_numparse=True),
+                       AGREEMENT_NOTE, *agreement_misses(latest_rows(rows).values())])
 
 
 def breakdown_table(rows: list[dict], tablefmt: str = "github") -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from llm_attn.harness import flops
+from llm_attn.harness.agreement import AGREEMENT_HEADERS, AGREEMENT_NOTE, agreement_cells
 from llm_attn.harness.devices import Device
 from llm_attn.harness.stats import ratio_header
 from llm_attn.harness.sweep import row_notes, verdict_cell
@@ -141,14 +142,16 @@ def correctness_md(m: Merged, device: str) -> str:
         if r["measurement"] != "correctness":
             continue
         if r["status"] != "ok":
-            lines.append([_model_label(r), r["batch"], r["seq"], r["impl"], "", r["status"].upper(), ""])
+            lines.append([_model_label(r), r["batch"], r["seq"], r["impl"], "", r["status"].upper(), "", "", ""])
         else:
             lines.append([_model_label(r), r["batch"], r["seq"], r["impl"], r["reference_impl"],
-                          f"{r['max_abs_logit_diff']:.3g}", f"{100 * r['greedy_agreement']:.1f}%"])
+                          f"{r['max_abs_logit_diff']:.3g}", f"{100 * r['greedy_agreement']:.1f}%",
+                          *agreement_cells(r)])
     if not lines:
         return ""
-    return tabulate(lines, headers=["model", "batch", "seq", "impl", "vs", "max abs logit diff", "greedy agreement"],
-                    tablefmt="github", disable_numparse=True)
+    return tabulate(lines, headers=["model", "batch", "seq", "impl", "vs", "max abs logit diff", "greedy agreement",
+                                    *AGREEMENT_HEADERS], tablefmt="github", disable_numparse=True) \
+        + "\n\n" + AGREEMENT_NOTE
 
 
 def failures_md(m: Merged, device: str) -> str:
