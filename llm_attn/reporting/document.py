@@ -29,6 +29,7 @@ from llm_attn.reporting.tables import (
     runs_md,
     side_by_side_md,
 )
+from llm_attn.reporting.ttft_stack import plot_ttft_stacked
 
 
 def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str | Path | None = None,
@@ -116,6 +117,9 @@ def write_report(paths: list[str | Path], out_dir: str | Path, devices_path: str
             md.append(f"![TTFT speedup over stock, {series[0]}, batch {series[1]}](speedup{suffix}.png)\n")
         if plot_breakdown(m, series, out / f"breakdown{suffix}.png"):
             md.append(f"![Where prefill time goes, {series[0]}, batch {series[1]}](breakdown{suffix}.png)\n")
+        if plot_ttft_stacked(m, series, out / f"ttft_stacked{suffix}.png"):  # breakdowns at 2+ lengths
+            md.append(f"![TTFT vs prompt length by kernel class, {series[0]}, batch {series[1]}]"
+                      f"(ttft_stacked{suffix}.png)\n")
         if plot_decode(m, series, series_proj, out / f"decode_tok_s{suffix}.png"):
             md.append(f"![Decode tok/s, {series[0]}, batch {series[1]}](decode_tok_s{suffix}.png)\n")
     report = out / "report.md"
