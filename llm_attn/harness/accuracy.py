@@ -126,19 +126,21 @@ def reference_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torc
         chunk_bytes = REFERENCE_CHUNK_BYTES.get(q.device.type, 1 << 28)
     per_row = b * hq * sk * 8 * 2  # the scores and exp's temporary
     step = max(1, chunk_bytes // per_row)
-    k64 = k.to(torch.float64).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
-    v64 = v.to(torch.float64).unsqueeze(2)
+    k64 = k.to(torch.float64)  # (B, Hkv, Sk, D)
+    v64 = v.to(torch.float64)
     kpos = torch.arange(sk, device=q.device)
     out = []
     for start in range(0, rows.numel(), step):
         idx = rows[start:start + step]
-        qc = q[:, :, idx].to(torch.float64).reshape(b, hkv, g, idx.numel(), d)
-        s = torch.matmul(qc, k64.transpose(-1, -2)) * scale  # (B, Hkv, G, c, Sk)
+        c = idx.numel()
+        # A KV head's G query heads as G*c rows of one matrix: K and V are multiplied in place, never expanded.
+        qc = q[:, :, idx].to(torch.float64).reshape(b, hkv, g * c, d)
+        s = torch.matmul(qc, k64.transpose(-1, -2)).mul_(scale).view(b, hkv, g, c, sk)
         if causal:
             visible = kpos.view(1, -1) <= idx.view(-1, 1) + (sk - sq)  # (c, Sk)
             s.masked_fill_(~visible, float("-inf"))
         s = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row that sees no key: output 0, as the kernel
-        out.append(torch.matmul(s, v64).reshape(b, hq, idx.numel(), d))
+        out.append(torch.matmul(s.view(b, hkv, g * c, sk), v64).view(b, hq, c, d))
         del s
     return torch.cat(out, dim=2)
 
