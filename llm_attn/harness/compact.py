@@ -14,6 +14,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from llm_attn import registry
+from llm_attn.harness.stats import ratio_header
 from llm_attn.harness.sweep import drop_empty_columns, latest_rows, row_notes, verdict_cell
 
 STOCK_IMPLS = ("sdpa", "eager", "flash_attention_2")  # the verdict is against the first one measured
@@ -76,7 +77,7 @@ def compact_table(rows: list[dict], width: int = WIDTH) -> str:
                       f"{r['stats']['p50']:.2f}" if ok else r["status"].upper(),
                       verdict_cell(r, stock, p50(k, stock), p50(k, k[5])) if stock and ok else "",
                       "; ".join(row_notes(r))])
-    headers = ["model", "batch", "impl", "seq", "TTFT p50 ms", f"vs {stock}" if stock else "vs stock", "notes"]
+    headers = ["model", "batch", "impl", "seq", "TTFT p50 ms", ratio_header(stock or "stock"), "notes"]
     if all(row[1] == 1 for row in table):
         table, headers = [row[:1] + row[2:] for row in table], headers[:1] + headers[2:]
     table, headers = drop_empty_columns(table, headers, keep=("model", "impl", "seq", "TTFT p50 ms"))
