@@ -22,8 +22,9 @@ checkpoint at N > 1, fewer GPUs than N, a model that is neither a preset nor a l
 synthetic checkpoint if it is not cached (in a child process; free disk checked first; an interrupted write resumes)
 and then starts torchrun (``tp_launch.launch``), whose status it returns. Under torchrun every rank checks the same
 things again (plus WORLD_SIZE == N) before anything is loaded. Under a torchrun started by hand, a rank that finds
-bad input prints the one line and exits 0: torchrun answers any non-zero rank with its own thirty-line report after
-that line, which no rank can prevent; start ``python -m llm_attn.ttft --tp N`` for exit status 2.
+bad input prints the one line first and exits 2: torchrun then adds its own report of the failed rank, which no rank
+can prevent (a user error must not exit 0, which scripts read as success); ``python -m llm_attn.ttft --tp N`` starts
+torchrun itself and leaves that report out.
 
 Every rank then joins the process group (NCCL, one GPU per rank = LOCAL_RANK; gloo on CPU), loads the model sharded
 by transformers' plan (each rank holds Hq/N query and Hkv/N KV heads, and its attention function sees exactly
@@ -126,8 +127,8 @@ def run_ranks(args, parser, plugins: list[str], argv: list[str] | None) -> int:
     def fail(msg: str) -> int:
         if rank == 0:
             print(f"{parser.prog}: error: {msg}", file=sys.stderr, flush=True)
-        # Started by hand, torchrun would bury this line under its report for a non-zero status (module docstring).
-        return 2 if started_by_launcher() else 0
+        # Started by hand, torchrun adds its own report of the failed rank after this line (module docstring).
+        return 2
 
     def log(msg: str) -> None:
         if rank == 0:
