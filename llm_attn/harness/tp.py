@@ -66,7 +66,7 @@ from datetime import datetime, timezone
 from llm_attn.harness.impls import BASE_IMPL
 from llm_attn.harness.paired import paired_verdicts
 from llm_attn.harness.stats import format_ratio_interval, summarize
-from llm_attn.harness.tp_launch import launch, started_by_launcher
+from llm_attn.harness.tp_launch import launch
 from llm_attn.harness.tp_preflight import TPError, prepare_checkpoint, preflight
 from llm_attn.harness.tp_topology import interconnect, rank_env, under_torchrun
 
