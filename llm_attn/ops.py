@@ -43,6 +43,13 @@ def _empty_outputs(q: torch.Tensor):
     return out, lse
 
 
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where the kernels can read it in place, else a contiguous copy. cp.async and TMA move 16-byte
+    chunks: strides must be multiples of 8 elements and bases 16-byte aligned. Any layout transformers or a KV cache
+    produces is; anything else is copied once rather than rejected."""
+    return t if _aligned16(t) else t.contiguous()
+
+
 def _reference_impl(q, k, v, seqused_k, scale, causal):
     out, lse = _empty_outputs(q)
     ref_out, ref_lse = reference.attention_tiled(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k)
@@ -66,14 +73,7 @@ def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel):
 
 
 def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
-    # cp.async moves 16-byte chunks: strides must be multiples of 8 elements and bases 16-byte aligned. Any
-    # layout transformers or a KV cache produces is; anything else is copied once rather than rejected.
-    if not _aligned16(q):
-        q = q.contiguous()
-    if not _aligned16(k):
-        k = k.contiguous()
-    if not _aligned16(v):
-        v = v.contiguous()
+    q, k, v = _readable(q), _readable(k), _readable(v)
     # The build makes out (in _empty_outputs' layout) and lse: one crossing into C++ per call on the host-bound path
     # (lse is kept: the kernels write it unconditionally, one small float32 (B, Hq, Sq) allocation).
     return (ext or _current_ext()).mha_fwd_alloc(q, k, v, seqused_k, float(scale), bool(causal))
@@ -118,12 +118,7 @@ def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None):
     if not hasattr(ext, name):
         raise KernelNotBuiltError(f"precision={precision!r} runs in the AOT build only (llm_attn._C, built with nvcc); "
                                   f"this process uses the {kernel_build()} build")
-    if not _aligned16(q):
-        q = q.contiguous()
-    if not _aligned16(k):
-        k = k.contiguous()
-    if not _aligned16(v):
-        v = v.contiguous()
+    q, k, v = _readable(q), _readable(k), _readable(v)
     return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal))
 
 
