@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 import types
+from collections import deque
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -442,3 +445,16 @@ def test_energy_check_script_arithmetic_and_cpu_exit(capsys):
     if not torch.cuda.is_available():
         assert mod.main([]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_peak_of_a_window_shorter_than_the_sampling_period():
+    """A prefill shorter than the 10 ms period has no sample inside its window (a fast GPU host running the tiny
+    model): its peak is the larger of the two samples around it, not None."""
+    sampler = energy.Sampler.__new__(energy.Sampler)  # no thread: the samples are given
+    sampler.lock = threading.Lock()
+    sampler.samples = deque([(1.0, 5.0, {}), (1.01, 7.0, {}), (1.02, 6.0, {})])
+    assert sampler.peak(1.011, 1.012) == 7.0
+    assert sampler.peak(0.0, 2.0) == 7.0
+    assert sampler.peak(1.003, 1.004) == 7.0
+    sampler.samples = deque()
+    assert sampler.peak(0.0, 1.0) is None

@@ -181,8 +181,13 @@ class Sampler:
         return picked + ([after] if after is not None else [])
 
     def peak(self, t0: float, t1: float) -> float | None:
-        inside = [p[1] for p in self._window(t0, t1) if t0 <= p[0] <= t1]
-        return max(inside) if inside else None
+        """The largest sample inside [t0, t1]; for a window shorter than the sampling period (no sample inside), the
+        larger of the two samples around it, the ones ``integrate`` interpolates between. None without samples."""
+        pts = self._window(t0, t1)
+        inside = [p[1] for p in pts if t0 <= p[0] <= t1]
+        if inside:
+            return max(inside)
+        return max(p[1] for p in pts) if pts else None
 
     def integrate(self, t0: float, t1: float) -> tuple[float, dict[str, float]] | None:
         """Joules over [t0, t1] of the total and of each rail: the trapezoid of the samples, linearly interpolated at
