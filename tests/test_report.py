@@ -330,3 +330,17 @@ def test_plots_titles_and_tick_labels_fit(results, extra, tmp_path, monkeypatch)
     report_mod.write_report([results], tmp_path / "r", **extra)
     assert {"ttft_vs_seq.png", "speedup.png", "decode_tok_s.png"} <= set(saved)
     assert problems == []
+
+
+def test_runs_of_the_same_second_are_both_shown(two_runs):
+    """Rows carry whole-second times: two runs that finished in the same second cannot be ordered, so neither
+    replaces the other (the repro's two CLI runs on a fast machine often end in one second; the report then kept
+    run A and dropped B, or the other way round)."""
+    from llm_attn.reporting.merge import _drop_superseded_runs
+
+    a, b, _ = two_runs
+    same = a[0]["time"]
+    rows = [dict(r, time=same) for r in a + b]
+    kept, _ = _drop_superseded_runs(rows, {a[0]["run_id"]: {"a.jsonl"}, b[0]["run_id"]: {"b.jsonl"}})
+    assert {r["run_id"] for r in kept} == {a[0]["run_id"], b[0]["run_id"]}
+    assert len(kept) == len(rows)

@@ -25,7 +25,7 @@ from llm_attn.envinfo import REPO_ROOT
 from llm_attn.harness.devices import Device
 from llm_attn.harness.energy import format_energy_interval
 from llm_attn.reporting.merge import STOCK_ORDER, Merged, _impl_key
-from llm_attn.reporting.tables import projection
+from llm_attn.reporting.tables import _f, _sig, projection
 
 DEFAULT_REFERENCES = REPO_ROOT / "experiments" / "published_references.toml"
 METRICS = {"ttft_ms": "TTFT ms", "decode_ms_per_token": "decode ms/token", "decode_tok_s": "decode tok/s",
@@ -160,19 +160,6 @@ def references_md(refs: list[Reference]) -> str:
 
 
 # -- the measured + projected table ---------------------------------------------------------------------------------
-def _f(x, fmt="{:.2f}") -> str:
-    return "" if x is None else fmt.format(x)
-
-
-def _sig(x) -> str:
-    if x is None:
-        return ""
-    for limit, fmt in ((100, "{:.0f}"), (10, "{:.1f}"), (1, "{:.2f}")):
-        if abs(x) >= limit:
-            return fmt.format(x)
-    return f"{x:.3g}"
-
-
 def _ok(r):
     return r if r is not None and r.get("status") == "ok" else None
 

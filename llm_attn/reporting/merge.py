@@ -118,12 +118,15 @@ def _drop_superseded_runs(rows: list[dict], run_files: dict[str, set]) -> tuple[
     for where, by_run in groups.items():
         if len(by_run) < 2:
             continue
-        newest_first = sorted(by_run, key=lambda run: max(r["time"] for r in by_run[run]), reverse=True)
+        last = {run: max(r["time"] for r in by_run[run]) for run in by_run}
+        newest_first = sorted(by_run, key=lambda run: last[run], reverse=True)
         what = {run: {(r["impl"], r["measurement"], point_key(r)[6], point_key(r)[8]) for r in by_run[run]}
                 for run in newest_first}
         build = {run: {_build(r) for r in by_run[run]} for run in newest_first}
         for i, old in enumerate(newest_first):
-            newer = [run for run in newest_first[:i] if build[run] == build[old] and what[old] <= what[run]]
+            # Strictly newer: rows carry whole seconds, and two runs of one second cannot be ordered (both shown).
+            newer = [run for run in newest_first[:i]
+                     if last[run] > last[old] and build[run] == build[old] and what[old] <= what[run]]
             if newer:
                 dropped.add((where, old))
                 entry = replaced.setdefault(newer[0], {"runs": defaultdict(list), "where": []})
