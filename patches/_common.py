@@ -19,6 +19,7 @@ import torch
 
 from llm_attn import registry
 from llm_attn.kernel_contract import KERNEL_HEAD_DIMS
+from llm_attn.kv_cache_reference import FP8_READ_VIA_COPY, fp8_kv_of
 
 ON_UNSUPPORTED = ("error", "fallback")
 BACKENDS = registry.BACKENDS
@@ -72,6 +73,9 @@ class PatchReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     native_calls: Counter = dataclasses.field(default_factory=Counter)
     fallback_calls: Counter = dataclasses.field(default_factory=Counter)
+    # Calls whose K/V came from a quantised KV cache, by how they were read (today only "fp8 cache read via
+    # dequantised copy": no kernel reads llm_attn.models.kv_cache's FP8 data yet). Counted beside the two above.
+    kv_cache_reads: Counter = dataclasses.field(default_factory=Counter)
     compiled_native_seen: bool = False
     compiled_fallback_seen: bool = False
 
@@ -97,6 +101,7 @@ class PatchReport:
     def reset_counters(self) -> None:
         self.native_calls.clear()
         self.fallback_calls.clear()
+        self.kv_cache_reads.clear()
         self.compiled_native_seen = self.compiled_fallback_seen = False
 
     def __str__(self) -> str:
@@ -116,6 +121,8 @@ class PatchReport:
         lines.append(f"  calls on the stock path: {self.num_fallback_calls}")
         for reason, n in self.fallback_calls.most_common():
             lines.append(f"    {n} x {reason}")
+        for how, n in self.kv_cache_reads.most_common():
+            lines.append(f"  KV cache: {n} x {how}")
         if self.compiled_native_seen or self.compiled_fallback_seen:
             paths = [p for p, seen in ((self.impl, self.compiled_native_seen),
                                        ("the stock path", self.compiled_fallback_seen)) if seen]
@@ -173,6 +180,12 @@ class AttentionRuntime:
             self.report.compiled_native_seen = True
         else:
             self.report.native_calls[variant] += 1
+
+    def count_kv_cache_read(self, key: torch.Tensor) -> None:
+        """Count a call whose K came from the FP8 KV cache (``kv_cache_reference.fp8_kv_of``): read, for now, through
+        the dequantised copy the cache returned."""
+        if not _is_compiling() and fp8_kv_of(key) is not None:
+            self.report.kv_cache_reads[FP8_READ_VIA_COPY] += 1
 
     def setting_unsupported(self, reason: str) -> None:
         """A model/setting problem found at call time: raise under on_unsupported='error', else count a fallback."""

@@ -220,6 +220,7 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
     sdpa_attention_forward: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) un-repeated, returns ((B, Sq, Hq, D),
     None)."""
     runtime = getattr(module, RUNTIME_ATTR, None) or _default_runtime()
+    runtime.count_kv_cache_read(key)  # an FP8 KV cache's dequantised copy: counted, whichever path serves the call
 
     # 1. Settings llm_attn does not implement: error or counted fallback, per on_unsupported.
     problem = runtime.forced[0] if runtime.forced else None

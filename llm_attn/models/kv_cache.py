@@ -1,0 +1,252 @@
+"""An FP8 (e4m3) KV cache as transformers ``Cache`` objects: ``Fp8DynamicCache`` and ``Fp8StaticCache``.
+
+    cache = Fp8DynamicCache(config=model.config)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)      # greedy, sampling or beam search
+    cache = Fp8StaticCache(config=model.config, max_cache_len=4096)
+
+K and V are stored in the format of ``llm_attn.kv_cache_reference`` (its docstring is the spec): float8_e4m3fn
+(B, H, S, D) plus one float32 scale per (batch, KV head, 64-token block), K smoothed by a per-channel shift. Per
+model layer, the layers here are transformers 5.x's own layer classes (``DynamicLayer``, ``StaticLayer``) with the
+storage replaced, so every Cache operation goes through transformers' code: ``update``, ``get_seq_length``,
+``get_mask_sizes``, ``reorder_cache`` (beam search), ``crop``, ``batch_select_indices`` / ``batch_repeat_interleave``
+(dynamic), ``reset``, ``get_max_length`` (static: the capacity).
+
+``update`` quantises the new tokens and returns a dequantised copy of the whole layer in the model's dtype: what
+stock attention needs (the honest baseline: stock attention has no way to read FP8). That copy carries the raw
+data and scales (``kv_cache_reference.fp8_kv_of``), and ``cache.fp8(layer_idx)`` gives them too. The patched
+attention counts such calls as "fp8 cache read via dequantised copy": no kernel reads the FP8 data yet.
+
+Not supported (transformers 5.17): ``cache_implementation="fp8"``. Its ``generate`` accepts a fixed tuple of names
+(``GenerationConfig.validate``, ``ALL_CACHE_IMPLEMENTATIONS``) and builds each cache by name in
+``_prepare_cache_for_generation``, with no registry; pass the cache as ``past_key_values=`` instead. Models with
+sliding-window or linear-attention layers are refused (full attention only, as transformers' ``QuantizedCache``).
+The static variant keeps its write position on the host, so it is not ``torch.compile``-able or capturable in a
+CUDA graph yet (``is_compileable`` is False, and generate does not try).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
+
+from llm_attn import kv_cache_reference as ref
+
+_BATCHED = ("k_data", "v_data", "k_scale", "v_scale", "k_shift", "k_tail", "v_tail")  # tensors with a batch dim
+
+
+class _Fp8Storage:
+    """The FP8 storage of one layer, shared by the dynamic and the static layer: the data and scales, K's shift,
+    the float32 tail (original values of the open block's tokens) and the host-side length."""
+
+    def _init_storage(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        if value_states.shape[-1] != key_states.shape[-1]:
+            raise ValueError(f"the FP8 cache needs K and V of one head_dim, got {key_states.shape[-1]} and "
+                             f"{value_states.shape[-1]}")
+        self.dtype, self.device = key_states.dtype, key_states.device  # the dtype update returns K/V in
+        self._allocate(*key_states.shape[:2], key_states.shape[-1], capacity)
+
+    def _allocate(self, b: int, h: int, d: int, capacity: int) -> None:
+        self.k_data = torch.zeros((b, h, capacity, d), dtype=ref.STORAGE_DTYPE, device=self.device)
+        self.v_data = torch.zeros_like(self.k_data)
+        self.k_scale = torch.ones((b, h, ref.n_blocks(capacity)), dtype=torch.float32, device=self.device)
+        self.v_scale = torch.ones_like(self.k_scale)
+        self.k_shift = torch.zeros((b, h, d), dtype=torch.float32, device=self.device)
+        self.k_tail = torch.zeros((b, h, 0, d), dtype=torch.float32, device=self.device)
+        self.v_tail = torch.zeros_like(self.k_tail)
+        self.length = 0
+        self.keys, self.values = self.k_data, self.v_data  # transformers' generic code reads shapes off these
+
+    def _write_open(self, k_open: torch.Tensor, v_open: torch.Tensor) -> None:
+        """Quantise the open tokens (every token from the first non-full block on, original values in float32)
+        into place, and keep the ones of the last partial block as the new tail."""
+        full = self.length // ref.BLOCK  # blocks before the open ones: frozen
+        start, n = full * ref.BLOCK, k_open.shape[2]
+        if full == 0 and n > 0:  # block 0 is open: its median is K's shift until the block is full
+            self.k_shift = ref.smoothing_shift(k_open[:, :, :ref.BLOCK])
+        kq, ks = ref.quantize(k_open, self.k_shift)
+        vq, vs = ref.quantize(v_open, None)
+        self._store(start, full, kq, ks, vq, vs)
+        kept = (n // ref.BLOCK) * ref.BLOCK
+        self.k_tail, self.v_tail = k_open[:, :, kept:].clone(), v_open[:, :, kept:].clone()
+        self.length = start + n
+
+    def _open_tokens(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The tail's originals followed by the new tokens, float32."""
+        return (torch.cat([self.k_tail, key_states.to(torch.float32)], dim=2),
+                torch.cat([self.v_tail, value_states.to(torch.float32)], dim=2))
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns: the whole layer dequantised in the model's dtype, K tagged with its Fp8KV."""
+        view = self.fp8()
+        n = self._returned_tokens()
+        nb = ref.n_blocks(n)
+        k = ref.dequantize(self.k_data[:, :, :n], self.k_scale[:, :, :nb], self.k_shift, self.dtype)
+        v = ref.dequantize(self.v_data[:, :, :n], self.v_scale[:, :, :nb], None, self.dtype)
+        setattr(k, ref.FP8_KV_ATTR, view)
+        setattr(v, ref.FP8_KV_ATTR, view)
+        return k, v
+
+    def fp8(self) -> ref.Fp8KV:
+        """The raw FP8 data and scales (the storage itself, not a copy) and the number of valid tokens."""
+        return ref.Fp8KV(self.k_data, self.k_scale, self.k_shift, self.v_data, self.v_scale, self.length)
+
+    def _index_batch(self, fn) -> None:
+        for name in _BATCHED:
+            setattr(self, name, fn(getattr(self, name)))
+        self.keys, self.values = self.k_data, self.v_data
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._index_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def offload(self):
+        if self.is_initialized:
+            self._index_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized and self.k_data.device != self.device:
+            self._index_batch(lambda t: t.to(self.device, non_blocking=True))
+
+
+class Fp8DynamicLayer(_Fp8Storage, DynamicLayer):
+    """A ``DynamicLayer`` whose K/V are FP8 (``kv_cache_reference``): grows with every update, as transformers'
+    does (the full blocks are kept, the open block is re-quantised with the new tokens)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._init_storage(key_states, value_states, capacity=0)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._write_open(*self._open_tokens(key_states, value_states))
+        return self._dequantized()
+
+    def _store(self, start: int, full: int, kq, ks, vq, vs) -> None:
+        self.k_data = torch.cat([self.k_data[:, :, :start], kq], dim=2)
+        self.v_data = torch.cat([self.v_data[:, :, :start], vq], dim=2)
+        self.k_scale = torch.cat([self.k_scale[:, :, :full], ks], dim=2)
+        self.v_scale = torch.cat([self.v_scale[:, :, :full], vs], dim=2)
+        self.keys, self.values = self.k_data, self.v_data
+
+    def _returned_tokens(self) -> int:
+        return self.length
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            b, h, _, d = self.k_data.shape
+            self._allocate(b, h, d, capacity=0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove ``tokens_to_remove`` tokens (a negative count, transformers >= 5.16; a positive value is the
+        legacy "final length", as ``DynamicLayer.crop`` still accepts). The block the cut falls in becomes the open
+        block and is re-quantised from its remaining tokens: exactly from their original values when the cut stays
+        inside the open block (speculative decoding's rejected tokens), otherwise from their dequantised values (a
+        full block's originals are not kept)."""
+        if not self.is_initialized:
+            return
+        n = self.length
+        keep = (tokens_to_remove if tokens_to_remove < n else n) if tokens_to_remove > 0 else n + tokens_to_remove
+        keep = max(0, keep)
+        if keep >= n:
+            return
+        start = (keep // ref.BLOCK) * ref.BLOCK
+        if start == (n // ref.BLOCK) * ref.BLOCK:  # inside the open block: the originals are in the tail
+            k_open, v_open = self.k_tail[:, :, :keep - start], self.v_tail[:, :, :keep - start]
+        else:
+            nb = ref.n_blocks(keep)
+            k_open = ref.dequantize(self.k_data[:, :, start:keep], self.k_scale[:, :, start // ref.BLOCK:nb],
+                                    self.k_shift)
+            v_open = ref.dequantize(self.v_data[:, :, start:keep], self.v_scale[:, :, start // ref.BLOCK:nb])
+        self.length = start
+        self._write_open(k_open, v_open)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._index_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._index_batch(lambda t: t[indices, ...])
+
+
+class Fp8StaticLayer(_Fp8Storage, StaticLayer):
+    """A ``StaticLayer`` whose K/V are FP8: storage for ``max_cache_len`` tokens allocated once, written in place.
+    Like ``StaticLayer`` it returns K/V of the whole capacity (unused slots hidden by the mask transformers builds
+    from ``get_mask_sizes``) and has no crop."""
+
+    is_compileable = False  # the write position is a host int (the open block's place): not traceable yet
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._init_storage(key_states, value_states, capacity=self.max_cache_len)
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim = self.v_head_dim = key_states.shape[-1]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[2]
+        if self.length + new > self.max_cache_len:
+            raise IndexError(f"Fp8StaticCache holds {self.max_cache_len} tokens: {self.length} cached + {new} new "
+                             f"do not fit")
+        self._write_open(*self._open_tokens(key_states, value_states))
+        self.cumulative_length.add_(new)
+        return self._dequantized()
+
+    def _store(self, start: int, full: int, kq, ks, vq, vs) -> None:
+        self.k_data[:, :, start:start + kq.shape[2]] = kq
+        self.v_data[:, :, start:start + vq.shape[2]] = vq
+        self.k_scale[:, :, full:full + ks.shape[2]] = ks
+        self.v_scale[:, :, full:full + vs.shape[2]] = vs
+
+    def _returned_tokens(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for t in (self.k_data, self.v_data, self.k_shift):
+                t.zero_()
+            for t in (self.k_scale, self.v_scale):
+                t.fill_(1.0)
+            self.k_tail, self.v_tail = self.k_tail[:, :, :0], self.v_tail[:, :, :0]
+            self.length = 0
+        self.cumulative_length.zero_()
+
+
+def _full_attention_layers(config, what: str) -> int:
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    other = sorted(set(layer_types) - {"full_attention"})
+    if other:
+        raise ValueError(f"{what} supports models with full-attention layers only; this one has {other}")
+    return len(layer_types)
+
+
+class _Fp8CacheMixin:
+    def fp8(self, layer_idx: int) -> ref.Fp8KV:
+        """Layer ``layer_idx``'s raw FP8 data and scales (``kv_cache_reference.Fp8KV``)."""
+        return self.layers[layer_idx].fp8()
+
+
+class Fp8DynamicCache(_Fp8CacheMixin, Cache):
+    """A dynamic cache (grows with every token, as ``DynamicCache``) that stores K/V in FP8. With ``config`` one layer
+    per decoder layer is made up front; without, layers are added as ``update`` meets them."""
+
+    def __init__(self, config=None):
+        if config is None:
+            super().__init__(layer_class_to_replicate=Fp8DynamicLayer)
+        else:
+            n = _full_attention_layers(config, "Fp8DynamicCache")
+            super().__init__(layers=[Fp8DynamicLayer() for _ in range(n)])
+
+
+class Fp8StaticCache(_Fp8CacheMixin, Cache):
+    """A static cache of ``max_cache_len`` tokens per layer (as ``StaticCache``) that stores K/V in FP8."""
+
+    def __init__(self, config, max_cache_len: int):
+        n = _full_attention_layers(config, "Fp8StaticCache")
+        super().__init__(layers=[Fp8StaticLayer(max_cache_len=max_cache_len) for _ in range(n)])
