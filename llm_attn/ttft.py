@@ -8,6 +8,7 @@
     python -m llm_attn.ttft --impl sdpa llm_attn --seq 2048 8192 --measure ttft breakdown
     python -m llm_attn.ttft --seq 2048 --prompts prompts.jsonl    # dataset text, cut or repeated to 2048 tokens
     python -m llm_attn.ttft --seq dataset --prompts prompts.jsonl # its own lengths: TTFT p50 / p90 over prompts
+    python -m llm_attn.ttft --seq 131072 --prefill-chunk 8192 --measure ttft   # the prompt in 16 chunks of 8192
 
 Without ``--model`` (``auto``) a GPU gets the synthetic Llama 3 8B AWQ checkpoint (exact geometry, seeded int4
 weights, loaded through a real AWQ loader; generated once and cached) and a machine without a GPU gets a tiny
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode_graph decodes with N tokens in the KV cache (the prompt's keys and values repeated "
                         "after its prefill): decode at 8k or 32k context without a long prefill (default: the "
                         "prompt's length)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="run every prompt in chunks of N tokens against the growing KV cache (each chunk causal "
+                        "over everything cached; activations scale with N, not the prompt) in ttft, both decodes' "
+                        "prefills and ttft_graph; rows carry the chunk (default: the whole prompt in one forward)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "
                         f"{' '.join(DEFAULT_MEASUREMENTS)})")
@@ -155,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         longest = max((s for s in (args.seq or []) if isinstance(s, int)), default=0)
         if args.context < longest:
             parser.error(f"--context {args.context} is shorter than the longest prompt (--seq {longest})")
+    if args.prefill_chunk is not None:  # -- chunked prefill: checked before anything loads --
+        if args.prefill_chunk <= 0:
+            fail(parser, f"--prefill-chunk {args.prefill_chunk}: must be a positive number of tokens")
+        if args.tp is not None or (args.seq and "dataset" in args.seq):
+            parser.error("--prefill-chunk is not supported with --tp or --seq dataset yet")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 
@@ -242,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
-                      context=args.context, allow_dequant_fallback=args.allow_dequant_fallback,
+                      context=args.context, prefill_chunk=args.prefill_chunk,
+                      allow_dequant_fallback=args.allow_dequant_fallback,
                       experiment=args.experiment, device=device,
                       plugins=plugins)
     if dataset_seq:  # -- --seq dataset --

@@ -5,6 +5,8 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 
 - TTFT: prefill forward over exactly ``seq`` tokens with a fresh cache and ``logits_to_keep=1``, then greedy
   sampling of the first token, timed with CUDA events (on CPU, ``perf_counter``) after warm-up at the same shape.
+  With ``prefill_chunk`` (``--prefill-chunk N``) the prompt runs as forwards of N tokens against the growing cache
+  (``prefill_first_token``); TTFT, both decodes' prefills and the graph TTFT take it.
 - Decode, "generate": ``model.generate`` with the default cache, exactly as users call it; a streamer timestamps
   every token as it reaches the host, so the first token (the prefill) is excluded and each later token is timed.
 - Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
@@ -110,13 +112,14 @@ def _pad_token_id(model) -> int:
     return 0
 
 
-def _generate_kwargs(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
+def _generate_kwargs(model, input_ids: torch.Tensor, new_tokens: int, prefill_chunk: int | None = None) -> dict:
     """Greedy, exactly ``new_tokens`` new tokens whatever the model's EOS. Given as total lengths (prompt + new)
     rather than max/min_new_tokens: checkpoints' generation configs often set max_length, and transformers warns
-    on every call when both are set."""
+    on every call when both are set. ``prefill_chunk``: generate's own chunked prefill (``prefill_chunk_size``)."""
     total = input_ids.shape[1] + new_tokens
+    chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk and prefill_chunk < input_ids.shape[1] else {}
     return dict(attention_mask=torch.ones_like(input_ids), max_length=total, min_length=total, do_sample=False,
-                num_beams=1, pad_token_id=_pad_token_id(model))
+                num_beams=1, pad_token_id=_pad_token_id(model), **chunked)
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -130,17 +133,23 @@ def cache_kwarg(model, cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def prefill_first_token(model, input_ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One prefill forward (fresh DynamicCache unless one is given) and greedy sampling: (token ids (B,), logits of
-    the last position (B, vocab))."""
+def prefill_first_token(model, input_ids: torch.Tensor, cache=None,
+                        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill (fresh DynamicCache unless one is given) and greedy sampling: (token ids (B,), logits of the last
+    position (B, vocab)). ``chunk``: the prompt goes in forwards of ``chunk`` tokens against the growing cache, each
+    chunk causal bottom-right over everything cached (transformers builds that mask from the cache's length, as
+    ``generate(prefill_chunk_size=)`` does), so activations scale with the chunk, not the prompt; a chunk at least as
+    long as the prompt is one forward."""
     cache = DynamicCache(config=model.config) if cache is None else cache
-    out = model(input_ids=input_ids, **cache_kwarg(model, cache), use_cache=True, **_logits_kwargs(model))
+    kwargs = {**cache_kwarg(model, cache), "use_cache": True, **_logits_kwargs(model)}
+    for part in input_ids.split(chunk, dim=1) if chunk else (input_ids,):
+        out = model(input_ids=part, **kwargs)
     logits = out.logits[:, -1, :]
     return logits.argmax(dim=-1), logits
 
 
 def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
-                 on_repeat: Callable[[], None] | None = None) -> dict:
+                 on_repeat: Callable[[], None] | None = None, prefill_chunk: int | None = None) -> dict:
     """TTFT samples in ms: prompt in, first token out. ``samples_ms`` are device times (CUDA events: start before
     the forward, end after the argmax); ``wall_samples_ms`` add the copy of the token to the host."""
     device = input_ids.device
@@ -148,7 +157,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
     samples, wall = [], []
     with torch.inference_mode(), no_gc():
         for _ in range(warmup):
-            prefill_first_token(model, input_ids)
+            prefill_first_token(model, input_ids, chunk=prefill_chunk)
         _sync(device)
         _reset_peak(device)
         for _ in range(repeats):
@@ -157,7 +166,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
                 start.record()
-                tok, _ = prefill_first_token(model, input_ids)
+                tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk)
                 end.record()
                 tok.cpu()
                 t1 = time.perf_counter()
@@ -165,7 +174,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
                 samples.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                tok, _ = prefill_first_token(model, input_ids)
+                tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk)
                 tok.cpu()
                 t1 = time.perf_counter()
                 samples.append((t1 - t0) * 1e3)
@@ -217,14 +226,15 @@ def _decode_fields(run_steps_ms: list[list[float]], run_total_ms: list[float], n
 
 
 def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, runs: int,
-                            warmup_runs: int = 1, on_run: Callable[[], None] | None = None, meter=None) -> dict:
+                            warmup_runs: int = 1, on_run: Callable[[], None] | None = None, meter=None,
+                            prefill_chunk: int | None = None) -> dict:
     """Decode through ``model.generate`` (default dynamic cache, greedy), tokens 2..N timed by their arrival.
     ``meter`` (``harness.energy``): each run's energy from the first new token's arrival to the end of generate
     (``energy_windows``)."""
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device
-    kwargs = _generate_kwargs(model, input_ids, new_tokens)
+    kwargs = _generate_kwargs(model, input_ids, new_tokens, prefill_chunk)
     steps, totals, first_token_ms, tokens, windows = [], [], [], None, []
     with torch.inference_mode(), no_gc():
         # Warm-up runs cover the decode shapes too: the first generate after a shape change is much slower.
@@ -275,7 +285,7 @@ def _extend_static_cache(cache, seq: int, context: int) -> None:
 
 def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs: int, use_graph: bool,
                           on_run: Callable[[], None] | None = None, context: int | None = None,
-                          meter=None) -> dict:
+                          meter=None, prefill_chunk: int | None = None) -> dict:
     """Kernel-limited decode: StaticCache, one greedy decode step per token, replayed from a CUDA graph when
     ``use_graph`` (CUDA only). Each step reads the previous token from a static buffer and writes the next one
     into it, so the replayed graph feeds itself. The cache's position counters are tensors that the step advances
@@ -302,7 +312,7 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     cache = StaticCache(config=model.config, max_cache_len=kv_len + max(new_tokens, GRAPH_WARMUP_STEPS + 1))
     with torch.inference_mode():
         _reset_peak(device)
-        first, _ = prefill_first_token(model, input_ids, cache=cache)
+        first, _ = prefill_first_token(model, input_ids, cache=cache, chunk=prefill_chunk)
         first = first.view(batch, 1).clone()
         cur = first.clone()
         for layer in cache.layers:
@@ -546,7 +556,8 @@ def _kernel_changes(before: list[dict], after: list[dict], keep: int = 3, min_ms
 
 
 def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int, cache: str = "dynamic",
-                       profile: bool = True, on_repeat: Callable[[], None] | None = None) -> dict:
+                       profile: bool = True, on_repeat: Callable[[], None] | None = None,
+                       prefill_chunk: int | None = None) -> dict:
     """Kernel-limited TTFT: the whole prefill (exact prompt, ``logits_to_keep=1``, greedy argmax of the first token)
     captured in one CUDA graph and replayed; each sample is one replay timed with CUDA events. Host noise cannot
     reach it: it is what an engine with graph capture (or ``torch.compile(mode="reduce-overhead")``) sees.
@@ -568,9 +579,9 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
 
     def prefill():
         if static is not None:
-            tok, _ = prefill_first_token(model, input_ids, cache=static)
+            tok, _ = prefill_first_token(model, input_ids, cache=static, chunk=prefill_chunk)
         else:
-            tok, _ = prefill_first_token(model, input_ids)
+            tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk)
         return tok
 
     def reset():
@@ -627,9 +638,9 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
         if profile:
             # The same prefill, eager (a fresh dynamic cache, as the eager TTFT measurement runs it): which attention
             # kernels that path runs and how long the GPU is busy, for graph_vs_eager_account.
-            prefill_first_token(model, input_ids)
+            prefill_first_token(model, input_ids, chunk=prefill_chunk)
             torch.cuda.synchronize(device)
-            eager_prof = profile_device(lambda: prefill_first_token(model, input_ids), device)
+            eager_prof = profile_device(lambda: prefill_first_token(model, input_ids, chunk=prefill_chunk), device)
     return {
         "timer": "cuda_event",
         "mode": f"cuda_graph_{cache}_cache",

@@ -81,9 +81,11 @@ def point_key(row: dict) -> tuple:
     measurement = row["measurement"]
     new_tokens = None if measurement in ("ttft", "breakdown", "ttft_graph", "ttft_graph_static", "ttft_dataset") \
         else row.get("new_tokens")
-    # decode_graph with --context: the KV length is part of the point (absent, and so None, everywhere else).
+    # decode_graph with --context: the KV length is part of the point (absent, and so None, everywhere else); so is
+    # --prefill-chunk where a row carries it (absent in rows without chunking).
     return (row.get("experiment"), row.get("model_spec"), row.get("dtype"), row.get("impl"), row.get("batch"),
-            row.get("seq"), new_tokens, measurement, row.get("context") if measurement == "decode_graph" else None)
+            row.get("seq"), new_tokens, measurement, row.get("context") if measurement == "decode_graph" else None,
+            row.get("prefill_chunk"))
 
 
 def is_finished(row: dict) -> bool:

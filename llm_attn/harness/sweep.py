@@ -54,6 +54,9 @@ ALL_MEASUREMENTS = PER_POINT + ("correctness",)
 # What runs when nothing is asked for: the profiled breakdown is opt-in (``--measure breakdown``).
 DEFAULT_MEASUREMENTS = ("ttft", "decode_generate", "decode_graph", "correctness")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# The measurements whose prefill --prefill-chunk splits (and whose rows carry it); breakdown and correctness run the
+# prompt in one forward.
+PREFILL_CHUNKED = ("ttft", "decode_generate", "decode_graph", "ttft_graph", "ttft_graph_static")
 # Reference implementation of the correctness check: the stock path the patched implementations are built on.
 CORRECTNESS_REFERENCE = BASE_IMPL
 _OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
@@ -87,6 +90,9 @@ class SweepParams:
     seed: int = 0
     # decode_graph at this KV length after the prompt (measure_decode_static's context); None: the prompt's length.
     context: int | None = None
+    # --prefill-chunk: the prompt in forwards of this many tokens against the growing cache (PREFILL_CHUNKED);
+    # None: one forward.
+    prefill_chunk: int | None = None
     allow_dequant_fallback: bool = False
     # --plugin specs (a .py path or module[:attr]) that register implementations named in impls.
     plugins: list[str] = field(default_factory=list)
@@ -111,6 +117,8 @@ class SweepParams:
             if self.context < max(self.seqs):
                 raise ValueError(f"context ({self.context}) must be at least every prompt length (largest: "
                                  f"{max(self.seqs)})")
+        if self.prefill_chunk is not None:
+            _int_at_least("prefill_chunk", self.prefill_chunk, 1)
         if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
             raise ValueError(f"plugins must be a list of plugin specs (file.py or module[:attr]), got "
                              f"{self.plugins!r}")
@@ -148,6 +156,8 @@ class SweepConfig(SweepParams):
                  "--seed", str(self.seed), "--device", self.device]
         if self.context is not None:
             args += ["--context", str(self.context)]
+        if self.prefill_chunk is not None:
+            args += ["--prefill-chunk", str(self.prefill_chunk)]
         if self.allow_dequant_fallback:
             args.append("--allow-dequant-fallback")
         return shlex.join(args)
@@ -223,6 +233,7 @@ class Sweep:
             "impl": impl, "impl_info": impl_info(impl), "dtype": self.cfg.dtype, "batch": batch, "seq": seq,
             "new_tokens": self.cfg.new_tokens,
             **self._context_field(measurement),
+            **self._chunk_fields(measurement, seq),
             "env": self.env, "command": command,
             "argv": shlex.join(self.argv),
         }
@@ -231,11 +242,19 @@ class Sweep:
         return point_key({"experiment": self.cfg.experiment, "model_spec": self.cfg.model_spec,
                           "dtype": self.cfg.dtype, "impl": impl, "batch": batch, "seq": seq,
                           "new_tokens": self.cfg.new_tokens, "measurement": measurement,
-                          **self._context_field(measurement)})
+                          **self._context_field(measurement), **self._chunk_fields(measurement, seq)})
 
     def _context_field(self, measurement: str) -> dict:
         """--context belongs to decode_graph's rows (and resume keys) only."""
         return {"context": self.cfg.context} if measurement == "decode_graph" and self.cfg.context else {}
+
+    def _chunk_fields(self, measurement: str, seq: int) -> dict:
+        """--prefill-chunk belongs to the rows (and resume keys) of the measurements it splits: the chunk asked for
+        and the forwards the prompt took (1 when the chunk is at least the prompt)."""
+        chunk = self.cfg.prefill_chunk
+        if chunk is None or measurement not in PREFILL_CHUNKED:
+            return {}
+        return {"prefill_chunk": chunk, "prefill_chunks": -(-seq // chunk)}
 
     def _emit(self, row: dict) -> None:
         self.writer.write(row)
@@ -286,23 +305,25 @@ class Sweep:
         """One run of a decode measurement on the model as it is switched now (a repeat of a paired decode point)."""
         cfg = self.cfg
         if measurement == "decode_generate":
-            return measure_decode_generate(self.model, prompt, cfg.new_tokens, 1, warmup_runs=0, meter=self.meter)
+            return measure_decode_generate(self.model, prompt, cfg.new_tokens, 1, warmup_runs=0, meter=self.meter,
+                                           prefill_chunk=cfg.prefill_chunk)
         return measure_decode_static(self.model, prompt, cfg.new_tokens, 1, use_graph=self.device.type == "cuda",
-                                     context=cfg.context, meter=self.meter)
+                                     context=cfg.context, meter=self.meter, prefill_chunk=cfg.prefill_chunk)
 
     def _measure(self, measurement: str, prompt: torch.Tensor, inner: tqdm) -> dict:
         cfg = self.cfg
         batch, seq = prompt.shape
         if measurement == "ttft":
             inner.reset(total=cfg.repeats)
-            fields = measure_ttft(self.model, prompt, cfg.warmup, cfg.repeats, on_repeat=inner.update)
+            fields = measure_ttft(self.model, prompt, cfg.warmup, cfg.repeats, on_repeat=inner.update,
+                                  prefill_chunk=cfg.prefill_chunk)
             fields.update(self._ttft_extras(fields, batch, seq))
             return fields
         if measurement in ("ttft_graph", "ttft_graph_static"):
             inner.reset(total=cfg.repeats)
             return measure_ttft_graph(self.model, prompt, cfg.warmup, cfg.repeats,
                                       cache="static" if measurement == "ttft_graph_static" else "dynamic",
-                                      on_repeat=inner.update)
+                                      on_repeat=inner.update, prefill_chunk=cfg.prefill_chunk)
         if measurement == "breakdown":
             inner.reset(total=1)
             entry = registry.get(self._impl_now)
@@ -312,11 +333,12 @@ class Sweep:
         inner.reset(total=cfg.decode_repeats)
         if measurement == "decode_generate":
             fields = measure_decode_generate(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
-                                             warmup_runs=1 if cfg.warmup > 0 else 0, on_run=inner.update)
+                                             warmup_runs=1 if cfg.warmup > 0 else 0, on_run=inner.update,
+                                             prefill_chunk=cfg.prefill_chunk)
         elif measurement == "decode_graph":
             fields = measure_decode_static(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
                                            use_graph=self.device.type == "cuda", on_run=inner.update,
-                                           context=cfg.context)
+                                           context=cfg.context, prefill_chunk=cfg.prefill_chunk)
         else:
             raise ValueError(f"unknown measurement {measurement!r}")
         return {**fields, **self._decode_extras(fields, batch, seq)}
@@ -414,7 +436,8 @@ class Sweep:
             else:
                 failed = {}
                 got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
-                                          seed=cfg.seed, on_repeat=inner.update, meter=self.meter)
+                                          seed=cfg.seed, on_repeat=inner.update, meter=self.meter,
+                                          prefill_chunk=cfg.prefill_chunk)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
@@ -489,10 +512,14 @@ def verdict_cell(row: dict | None, stock: str, ref_p50: float | None, mine_p50: 
 
 
 def row_notes(row: dict | None) -> list[str]:
-    """What a reader must know before trusting a row's number: host-bound, fallbacks to stock, moved clocks."""
+    """What a reader must know before trusting a row's number: low precision, a chunked prefill, host-bound,
+    fallbacks to stock, moved clocks."""
     if not row or row.get("status") != "ok":
         return []
     notes = [n for n in (low_precision_note(row.get("impl_info")),) if n]  # e.g. fp8 attention: its accuracy
+    if row.get("prefill_chunk"):  # --prefill-chunk: how the prompt went in
+        notes.append(f"prefill chunk {row['prefill_chunk']} >= prompt: one chunk" if row.get("prefill_chunks") == 1
+                     else f"prefill in {row['prefill_chunks']} chunks of {row['prefill_chunk']}")
     hb = row.get("host_bound")
     if hb and hb.get("host_bound"):
         span = hb.get("gpu_span_share")
