@@ -1,5 +1,6 @@
 """The device datasheet table (``experiments/devices.toml``): peak fp16 tensor FLOP/s and memory bandwidth per
-GPU, for %-of-peak figures and roofline projections."""
+GPU, for %-of-peak figures and roofline projections; memory capacity and what the runtime keeps of it, for what fits
+(``harness.fit``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class Device:
     arch: str | None = None
     sms: int | None = None
     device_class: str | None = None
+    memory_gib: float | None = None    # device memory as torch reports it (Jetson: the unified memory)
+    reserved_gib: float | None = None  # of it, what torch's allocator cannot have: CUDA context, display, OS
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -57,12 +60,16 @@ def load_devices(path: str | Path | None = None) -> list[Device]:
                 raise ValueError(f"{path}: device {entry['slug']!r}: {k} must be a positive number, got {entry[k]!r}")
         if not isinstance(entry["match"], list) or not entry["match"]:
             raise ValueError(f"{path}: device {entry['slug']!r}: match must be a non-empty list of strings")
-        known = set(_REQUIRED) | {"arch", "sms", "class"}
+        for k in ("memory_gib", "reserved_gib"):
+            if k in entry and (not isinstance(entry[k], (int, float)) or entry[k] < 0):
+                raise ValueError(f"{path}: device {entry['slug']!r}: {k} must be a number >= 0, got {entry[k]!r}")
+        known = set(_REQUIRED) | {"arch", "sms", "class", "memory_gib", "reserved_gib"}
         devices.append(Device(
             slug=entry["slug"], name=entry["name"], match=tuple(m.lower() for m in entry["match"]),
             mem_bandwidth_gb_s=float(entry["mem_bandwidth_gb_s"]),
             fp16_tensor_tflops=float(entry["fp16_tensor_tflops"]), arch=entry.get("arch"), sms=entry.get("sms"),
-            device_class=entry.get("class"), extra={k: v for k, v in entry.items() if k not in known}))
+            device_class=entry.get("class"), memory_gib=entry.get("memory_gib"),
+            reserved_gib=entry.get("reserved_gib"), extra={k: v for k, v in entry.items() if k not in known}))
     if not devices:
         raise ValueError(f"{path}: no [[device]] entries")
     return devices

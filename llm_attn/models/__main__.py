@@ -1,4 +1,4 @@
-"""The command line of llm_attn.models (see its docstring): generate, load, backends."""
+"""The command line of llm_attn.models (see its docstring): generate, load, backends, fit."""
 
 from __future__ import annotations
 
@@ -29,9 +29,12 @@ def main(argv=None) -> int:
     ld.add_argument("--awq-backend")
     ld.add_argument("--allow-dequant-fallback", action="store_true")
     sub.add_parser("backends", help="print installed AWQ packages")
+    _add_fit_parser(sub)
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="show third-party banners and progress bars (transformers, gptqmodel), held back by default")
     args = ap.parse_args(argv)
+    if args.cmd == "fit":
+        return _fit(ap, args)
     if args.verbose:
         from llm_attn._cli import set_verbose  # noqa: PLC0415
 
@@ -59,6 +62,98 @@ def main(argv=None) -> int:
         print(json.dumps({**info.to_dict(), "load_seconds": round(time.perf_counter() - t0, 2)}, indent=2))
     else:
         print(json.dumps(detect_awq_backends(), indent=2))
+    return 0
+
+
+def _chunk(text: str) -> int | None:
+    """A --chunks value: 'none' (the prompt in one forward) or a number of tokens (checked by _fit)."""
+    return None if text == "none" else int(text)
+
+
+def _add_fit_parser(sub) -> None:
+    from llm_attn.harness.devices import DEFAULT_TABLE  # noqa: PLC0415
+    from llm_attn.harness.fit import CACHES  # noqa: PLC0415
+
+    f = sub.add_parser("fit", help="the longest prompt, and prompt + decode, that each device's memory takes, per KV "
+                                   "cache format and prefill chunk (a memory model: llm_attn/harness/fit.py)")
+    f.add_argument("--model", default="llama-3-8b",
+                   help="a preset; ':awq' (the default) or ':fp16' weights (default llama-3-8b)")
+    f.add_argument("--device", nargs="+", default=["all"], metavar="SLUG",
+                   help="devices of the device table by slug, or a prefix naming one (rtx-4060-ti, jetson, h100), "
+                        "or 'all' (the default)")
+    f.add_argument("--cache", nargs="+", choices=CACHES, default=list(CACHES),
+                   help="KV cache formats: fp16; fp8-copy (the FP8 cache as it runs today, each layer's attention "
+                        "on a dequantised copy); fp8 (read in place by a kernel: planned, issue 38)")
+    f.add_argument("--chunks", nargs="+", type=_chunk, default=[None, 8192, 2048], metavar="N|none",
+                   help="prefill chunk sizes (--prefill-chunk of llm_attn.ttft); 'none': one forward "
+                        "(default: none 8192 2048)")
+    f.add_argument("--decode", type=int, default=1024, metavar="N", help="tokens decoded after the prompt (1024)")
+    f.add_argument("--batch", type=int, default=1, help="batch size (1)")
+    f.add_argument("--devices", default=str(DEFAULT_TABLE), help="device table (TOML)")
+    f.add_argument("--check", nargs="+", metavar="RESULTS.jsonl",
+                   help="instead: the model's predicted prefill peak against the measured peaks of these result "
+                        "files' ttft rows")
+
+
+def _fit(ap, args) -> int:
+    from llm_attn.harness import fit  # noqa: PLC0415
+    from llm_attn.harness.devices import load_devices  # noqa: PLC0415
+    from llm_attn.harness.results import iter_rows  # noqa: PLC0415
+    from llm_attn.models.presets import get_preset  # noqa: PLC0415
+
+    def error(message: str):
+        ap.exit(2, f"{ap.prog} fit: error: {message}\n")
+
+    name, _, weights = args.model.partition(":")
+    weights = weights or "awq"
+    try:
+        preset = get_preset(name)
+    except ValueError as e:
+        error(f"--model {args.model}: {e}")
+    if weights not in fit.WEIGHTS:
+        error(f"--model {args.model}: weights must be one of {', '.join(fit.WEIGHTS)}")
+    bad = [c for c in args.chunks if c is not None and c <= 0]
+    if bad or args.decode < 0 or args.batch < 1:
+        error(f"--chunks {bad[0]}: must be a positive number of tokens or 'none'" if bad else
+              f"--decode {args.decode}: must be >= 0" if args.decode < 0 else f"--batch {args.batch}: must be >= 1")
+    if args.check:
+        rows = []
+        for path in args.check:
+            try:
+                rows += [{**r, "_source": path} for r in iter_rows(path) if isinstance(r, dict)]
+            except OSError as e:
+                error(f"--check {path}: {e.strerror or e}")
+        checks = fit.check_rows(rows, preset)
+        if not checks:
+            error(f"--check: no successful fp16 ttft row of {preset.name} with a peak in {' '.join(args.check)}")
+        print(fit.check_table(checks))
+        return 0
+    try:
+        table = load_devices(args.devices)
+    except (OSError, ValueError) as e:
+        error(f"--devices {args.devices}: {e}")
+    known = [d.slug for d in table]
+    devices = []
+    for want in args.device:
+        hits = table if want == "all" else [d for d in table if d.slug == want] or \
+            [d for d in table if d.slug.startswith(want)]
+        if len(hits) != 1 and want != "all":
+            error(f"--device {want}: {'ambiguous' if hits else 'unknown device'}; known: {', '.join(known)}")
+        devices += [d for d in hits if d not in devices]
+    missing = [d.slug for d in devices if d.memory_gib is None]
+    if missing:
+        error(f"--devices {args.devices}: no memory_gib for {', '.join(missing)}")
+    rows = fit.fit_rows(preset, weights, devices, caches=tuple(args.cache), chunks=tuple(args.chunks),
+                        new_tokens=args.decode, batch=args.batch)
+    print(f"{preset.name} ({weights} weights), batch {args.batch}: the longest prompt whose prefill peak (and, last "
+          f"column, with {args.decode} tokens decoded after it) fits the device's memory_gib - reserved_gib")
+    print(fit.fit_table(rows))
+    if "fp8" in args.cache:
+        print("* fp8: the FP8 cache read in place by a decode/prefill kernel (issue 38), which does not exist yet: "
+              "a projection. fp8-copy is the FP8 cache as it runs today (each layer's attention reads a dequantised "
+              "fp16 copy).")
+    print("The memory model and how it was checked: llm_attn/harness/fit.py (python -m llm_attn.models fit --check "
+          "RESULTS.jsonl compares it with measured peaks).")
     return 0
 
 
