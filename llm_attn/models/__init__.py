@@ -10,13 +10,15 @@ loaded modules and reported in ModelInfo.awq_backend.
     python -m llm_attn.models generate llama-3-8b awq        # generate (or reuse) the cached checkpoint, print time
     python -m llm_attn.models load tiny:awq --device cpu      # load a spec, print its ModelInfo as JSON
     python -m llm_attn.models backends                        # installed AWQ packages
+    python -m llm_attn.models fit --device rtx-4060-ti        # the longest prompt that fits (harness/fit.py)
 
 Specs accepted by load_model: "auto" (CUDA: synthetic llama-3-8b AWQ; CPU: synthetic tiny fp16), a preset name
 with an optional ":awq" / ":fp16" suffix, a local checkpoint directory (AWQ or not), or a hub id that is already in
 the local Hugging Face cache (nothing is fetched: this project runs offline).
 
 Laid out as presets.py (geometries), synthetic.py (the checkpoint writer and its cache), loading.py (load_model,
-ModelInfo, AWQ backend detection) and __main__.py (the command line). The names below are the public API.
+ModelInfo, AWQ backend detection), kv_cache.py (the FP8 KV cache, imported from there: it needs transformers) and
+__main__.py (the command line). The names below are the public API.
 """
 
 # The private names are re-exported for the tests that reach into the loader.
