@@ -4,6 +4,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernel_tiles.h"  // Fp8Tiles<D>
+#include "tma_host.h"      // sm90::tuning_env
+
 namespace llm_attn {
 
 int cc_major_current_device();
@@ -22,11 +25,27 @@ bool flash_fwd_fp8_available() {
     return cache[dev] == 2;
 }
 
-cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream) {
+template <int kHeadDim>
+int fp8_tile(int requested, int env) {
+    const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN;
+    return Fp8Tiles<kHeadDim>::has(n) ? n : 0;
+}
+
+// LLM_ATTN_FP8_BLOCK_N (read once): the tile of calls that ask for none (block_n 0), e.g. a whole TTFT run; a value
+// this build lacks makes those calls fail in the binding, saying so.
+int flash_fwd_fp8_block_n(int head_dim, int requested) {
+    static const int env = sm90::tuning_env("LLM_ATTN_FP8_BLOCK_N", 0);
+    return head_dim == 128 ? fp8_tile<128>(requested, env) : head_dim == 64 ? fp8_tile<64>(requested, env) : 0;
+}
+
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n) {
     if (!flash_fwd_fp8_available()) return cudaErrorNotSupported;
     const FlashFwdParams& p = params.p;
-#define LLM_ATTN_FP8_CAUSAL(T, D) \
-    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream) : run_flash_fwd_fp8_<T, D, false>(params, stream)
+    block_n = flash_fwd_fp8_block_n(p.head_dim, block_n);
+    if (block_n == 0) return cudaErrorInvalidValue;
+#define LLM_ATTN_FP8_CAUSAL(T, D)                                           \
+    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream, block_n) \
+                    : run_flash_fwd_fp8_<T, D, false>(params, stream, block_n)
     if (p.is_bf16) {
         if (p.head_dim == 128) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 128);
         if (p.head_dim == 64) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 64);

@@ -4,7 +4,8 @@
 // What the call computes (llm_attn/quant_reference.py holds the same algorithm in PyTorch):
 //   Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448.
 //   K: smoothed by its per-channel mean over the valid keys (q . mean is the same for every key of a row, so no
-//      softmax row changes), then e4m3 with one scale per (batch, KV head, 128 keys).
+//      softmax row changes), then e4m3 with one scale per (batch, KV head, 64 keys): a 64-key column group of the
+//      kernel's S tile (2 in a 128-key tile, 3 in a 192-key one), applied in its softmax.
 //   V: e4m3 with one scale per (batch, KV head, channel) over the valid keys, stored transposed (head_dim rows of
 //      keys: wgmma's fp8 B operand is K-major), keys permuted inside each group of 16 to match the registers that
 //      hold P (flash_fwd_fp8_sm90_kernel.cuh); keys past the valid ones are zero.
@@ -21,7 +22,8 @@ namespace llm_attn {
 
 // Workspace geometry: blocks of rows the scales cover.
 constexpr int kFp8QBlock = 64;    // query rows per Q scale (one consumer warpgroup's rows)
-constexpr int kFp8KBlock = 128;   // keys per K scale (the kernel's key tile)
+constexpr int kFp8KBlock = 64;    // keys per K scale (a column group of the kernel's 128- or 192-key S tile)
+constexpr int kFp8KvChunk = 128;  // keys per block of the K/V pre-pass, and the padding of V^T's rows
 
 struct FlashFwdFp8Params {
     FlashFwdParams p;  // the caller's q, k, v (fp16/bf16), o, lse, strides, shapes, seqused_k, scale, causal
@@ -30,7 +32,8 @@ struct FlashFwdFp8Params {
     float* q_scale;      // (batch, num_heads, ceil(seqlen_q / kFp8QBlock))
     uint8_t* k8;         // (batch, num_kv_heads, seqlen_k, head_dim) e4m3, mean-subtracted
     float* k_scale;      // (batch, num_kv_heads, ceil(seqlen_k / kFp8KBlock))
-    uint8_t* vt8;        // (batch, num_kv_heads, head_dim, seqlen_k_pad) e4m3; seqlen_k_pad = 128 * ceil(seqlen_k / 128)
+    uint8_t* vt8;        // (batch, num_kv_heads, head_dim, seqlen_k_pad) e4m3, seqlen_k_pad = fp8_seqlen_k_pad; keys at
+                         // or past the valid ones are zero
     float* v_scale;      // (batch, num_kv_heads, head_dim)
     float* stats;        // (2, batch, num_kv_heads, head_dim): K's channel sums, then V's channel amax (as float
                          // bits); ZERO before the launch
@@ -38,16 +41,25 @@ struct FlashFwdFp8Params {
                          // the row, added back to the row's lse
 };
 
-__host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) { return (seqlen_k + kFp8KBlock - 1) / kFp8KBlock * kFp8KBlock; }
+// V^T's keys per row: the 128-key chunks of the keys plus one more of zeros, so that every V^T box the kernel loads
+// (128 keys at a multiple of 128; 64 keys at n 192 + {0, 64, 128} for the 192-key tile, whose last tile may start
+// up to 191 keys before the end) lies inside the rows the pre-pass wrote, never past them (no TMA out-of-bounds fill).
+__host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) {
+    return ((seqlen_k + kFp8KvChunk - 1) / kFp8KvChunk + 1) * kFp8KvChunk;
+}
 
-// Launches the pre-pass and the kernel on `stream`; never synchronises. cudaErrorNotSupported when this build has no
-// sm_90a code or the device is not compute capability 9.0 (the binding checks first and says so).
-cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream);
+// The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
+// (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default.
+int flash_fwd_fp8_block_n(int head_dim, int requested);
+// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n);
+// never synchronises. cudaErrorNotSupported when this build has no sm_90a code or the device is not compute
+// capability 9.0, cudaErrorInvalidValue for a tile this build lacks (the binding checks both first and says so).
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n = 0);
 // True when the current device is compute capability 9.0 and this build holds the FP8 kernel's sm_90a code.
 bool flash_fwd_fp8_available();
 
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream);
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n);
 template <typename T, int kHeadDim>
 bool flash_fwd_fp8_built_();
 

@@ -1,12 +1,14 @@
 // FP8 FlashAttention forward for Hopper (sm_90a): the bf16 kernel's structure (flash_fwd_sm90_kernel.cuh: a TMA
 // producer warpgroup, two consumer warpgroups of 64 query rows, software-pipelined and ping-ponged wgmma) on the
 // e4m3 operands the pre-pass writes (quant_fp8.cuh; flash_fp8.h says what is computed):
-//   S = Q8 K8^T      wgmma m64n128k32 e4m3, both operands K-major from shared memory; dequantised by the tile's
-//                    q_scale * k_scale folded into the softmax scale
+//   S = Q8 K8^T      wgmma m64n{kBlockN}k32 e4m3 (kBlockN = 128 or 192 keys), both operands K-major from shared
+//                    memory; dequantised by q_scale * k_scale of each 64-key column group, folded into the softmax
+//                    scale of that group's columns (fp8_update_scores)
 //   softmax          online, base 2, fp32, with the exact running max (SoftmaxState<.., 0, 8>): P' = 2^8 P lies in
 //                    [0, 256], inside e4m3's range (448) and keeping small probabilities out of its subnormals
-//   O += P8 V8       wgmma m64n{head_dim}k32 e4m3, P from registers, V^T (head_dim rows of 128 keys) from shared
-//                    memory. The fp8 A fragment wants keys 4t..4t+3 of each 16 in thread t's registers, where the
+//   O += P8 V8       wgmma m64n{head_dim}k32 e4m3, P from registers, V^T (head_dim rows of keys: one 128-key box,
+//                    128-byte swizzle, or three 64-key boxes, 64-byte swizzle) from shared memory. The fp8 A
+//                    fragment wants keys 4t..4t+3 of each 16 in thread t's registers, where the
 //                    S accumulators hold keys 2t, 2t+1, 8+2t, 9+2t: rather than shuffle P between lanes, the pre-pass
 //                    wrote V^T with its keys in that order (vt_key_of_position), so P packs in place.
 // The epilogue multiplies O by v_scale / rowsum per channel and writes it straight from registers.
@@ -23,12 +25,17 @@ namespace sm90 {
 // probabilities above its subnormals; the row sum is of the same 256 P, so O / rowsum needs no correction.
 constexpr int kPOffsetLog2 = 8;
 
-template <int kHeadDim_, int kStages_ = 2>
+// kBlockN_: keys per S tile. 128: one 128-byte V^T box per stage. 192 (v3, kernels/NOTES.md): each tile's waits,
+// barriers and row reductions serve 1.5x the GEMM work; S is then 96 fp32 registers a thread (O 64 at head_dim
+// 128, P 24), inside the consumers' 240. A V^T row of 192 keys is no swizzle width, so its stage is three 64-key
+// boxes with the 64-byte swizzle, each a K-major wgmma operand of its own (k32 steps 2 per box).
+template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128>
 struct Fp8Traits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kConsumers = 2;
     static constexpr int kBlockM = 64 * kConsumers;
-    static constexpr int kBlockN = kFp8KBlock;  // 128 keys: one 128-byte V^T row, and the K scale's block
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kKGroups = kBlockN / kFp8KBlock;  // K scales (64-key column groups) per S tile
     static constexpr int kStages = kStages_;
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -36,13 +43,19 @@ struct Fp8Traits {
     static constexpr int kRowBytes = kHeadDim;  // e4m3 Q/K rows: 64 or 128 bytes, swizzled as wide
     static constexpr int kTileBytesQ = kBlockM * kRowBytes;
     static constexpr int kTileBytesK = kBlockN * kRowBytes;
-    static constexpr int kTileBytesV = kHeadDim * kBlockN;  // V^T: head_dim rows of 128 key bytes
+    static constexpr int kTileBytesV = kHeadDim * kBlockN;  // V^T: head_dim rows of kBlockN key bytes, in boxes of
+    static constexpr int kVtBoxKeys = kBlockN % 128 == 0 ? 128 : 64;  // kVtBoxKeys keys (bytes) = the swizzle width
+    static constexpr int kVtBoxes = kBlockN / kVtBoxKeys;
+    static constexpr int kVtBoxBytes = kHeadDim * kVtBoxKeys;
     static constexpr int kNumBarriers = 1 + 4 * kStages;
     static constexpr int kSmemBytes = kTileBytesQ + kStages * (kTileBytesK + kTileBytesV) + kNumBarriers * 8 + 1024;
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
     static_assert(kBlockM == kFp8QBlock * kConsumers, "one Q scale per consumer warpgroup");
+    static_assert(kBlockN == 128 || kBlockN == 192, "WgmmaFp8<kBlockN> exists for 128 and 192 (TMA boxes <= 256 rows)");
+    static_assert(kBlockN % kFp8KBlock == 0 && kFp8KBlock % 32 == 0, "whole K-scale groups, whole k32 steps each");
+    static_assert(kVtBoxKeys % 32 == 0 && kVtBoxBytes % 1024 == 0, "k32 steps inside a box; boxes swizzle-aligned");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 64 * 1024, "the SM's register file");
     static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory a Hopper block can have");
 };
@@ -94,9 +107,59 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
                     b.kv_head, b.batch);
         mbar_wait(&sm.empty_v[stage], parity ^ 1);
         mbar_arrive_expect_tx(&sm.full_v[stage], Traits::kTileBytesV);
-        tma_load_4d(sm.vt + stage * Traits::kTileBytesV, &params.tma_vt, &sm.full_v[stage], n_block * Traits::kBlockN, 0,
-                    b.kv_head, b.batch);
+#pragma unroll
+        for (int box = 0; box < Traits::kVtBoxes; ++box) {  // inside V^T's padded rows (fp8_seqlen_k_pad)
+            tma_load_4d(sm.vt + stage * Traits::kTileBytesV + box * Traits::kVtBoxBytes, &params.tma_vt,
+                        &sm.full_v[stage], n_block * Traits::kBlockN + box * Traits::kVtBoxKeys, 0, b.kv_head, b.batch);
+        }
     }
+}
+
+// SoftmaxState::update_scores with one scale per 64-key column group of S (the K scales of the tile's groups, each
+// times q_scale and the softmax scale): the group's max times its scale (positive, so the max of the scaled scores),
+// and the scale inside the exp2's FMA, so finer K scales cost no instruction per score. Exact running max (the
+// state's kRescaleLog2 is 0): rescale whenever a row max grows.
+template <int kGroups, int kNT, typename State>
+__device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][kNT][4],
+                                                  const float (&scale_log2)[kGroups], float (&alpha)[1][2]) {
+    constexpr int kNTG = kNT / kGroups;  // n8 blocks per group
+    static_assert(kNT % kGroups == 0, "whole n8 blocks per group");
+    float tile_max[2];
+    bool grow = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) {
+            float gm = -INFINITY;
+#pragma unroll
+            for (int nt = g * kNTG; nt < (g + 1) * kNTG; ++nt) {
+                gm = fmaxf(gm, fmaxf(acc_s[0][nt][2 * r], acc_s[0][nt][2 * r + 1]));
+            }
+            mx = fmaxf(mx, gm * scale_log2[g]);
+        }
+        tile_max[r] = quad_max(mx);
+        grow |= tile_max[r] > st.row_max[0][r];  // -inf > -inf is false: fully masked rows never ask
+    }
+    const bool rescale = __any_sync(0xffffffff, grow);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float new_max = rescale ? fmaxf(st.row_max[0][r], tile_max[r]) : st.row_max[0][r];
+        const float mm = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp2 gives 0, not NaN
+        alpha[0][r] = exp2f(st.row_max[0][r] - mm);
+        const float shift = static_cast<float>(kPOffsetLog2) - mm;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            const float sc = scale_log2[nt / kNTG];
+            acc_s[0][nt][2 * r] = exp2f(fmaf(acc_s[0][nt][2 * r], sc, shift));
+            acc_s[0][nt][2 * r + 1] = exp2f(fmaf(acc_s[0][nt][2 * r + 1], sc, shift));
+            sum += acc_s[0][nt][2 * r] + acc_s[0][nt][2 * r + 1];
+        }
+        st.row_sum[0][r] = st.row_sum[0][r] * alpha[0][r] + sum;  // per-thread partial; quad-reduced at the end
+        st.row_max[0][r] = new_max;
+    }
+    return rescale;
 }
 
 template <typename T, typename Traits, bool kCausal>
@@ -107,6 +170,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     constexpr int kNT = kBlockN / 8;   // n8 blocks of S per warp
     constexpr int kDT = kHeadDim / 8;  // n8 blocks of O per warp
     constexpr int kKP = kBlockN / 32;  // k32 steps of P V
+    constexpr int kKGroups = Traits::kKGroups;
     using Scores = float[1][kNT][4];
     const FlashFwdParams& p = params.f.p;
     const int tid = threadIdx.x % 128;
@@ -129,7 +193,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
 
     const SmemDesc desc_q = kmajor_desc<Traits::kRowBytes>(sm.q + wg * 64 * Traits::kRowBytes);
     const SmemDesc desc_k0 = kmajor_desc<Traits::kRowBytes>(sm.k);
-    const SmemDesc desc_v0 = kmajor_desc<128>(sm.vt);
+    const SmemDesc desc_v0 = kmajor_desc<Traits::kVtBoxKeys>(sm.vt);
 
     auto issue_qk = [&](int stage) {
         const SmemDesc k = desc_k0 + stage * Traits::kTileBytesK;
@@ -157,18 +221,29 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         const SmemDesc v = desc_v0 + stage * Traits::kTileBytesV;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kKP; ++kk) WgmmaFp8<kHeadDim>::rs(o_flat, pa[kk], (v + kk * 32).u64(), 1);
+        for (int kk = 0; kk < kKP; ++kk) {  // k32 step kk: box (32 kk) / kVtBoxKeys, 32-byte step inside it
+            constexpr int kStepsPerBox = Traits::kVtBoxKeys / 32;
+            const SmemDesc vk = v + (kk / kStepsPerBox) * Traits::kVtBoxBytes + (kk % kStepsPerBox) * 32;
+            WgmmaFp8<kHeadDim>::rs(o_flat, pa[kk], vk.u64(), 1);
+        }
         wgmma_commit();
     };
-    // The tile's K scale is loaded before its S = Q K^T is issued (tile_scale), so that the load's latency hides
-    // behind the GEMM: read after the wgmma wait (a memory clobber), it would stall every softmax.
-    auto tile_scale = [&](int n_block) { return qk_scale_log2 * __ldg(k_scale + n_block); };
-    auto softmax = [&](int n_block, float scale_log2, float (&alpha)[1][2]) {
+    // The tile's K scales are loaded before its S = Q K^T is issued (tile_scale), so that the loads' latency hides
+    // behind the GEMM: read after the wgmma wait (a memory clobber), they would stall every softmax. A 192-key tail
+    // tile may reach past the last 64-key group (ceil(seqlen_k / 64) scales): its columns there are masked, and the
+    // clamp keeps the read inside this head's scales (a finite scale, so -inf stays -inf).
+    auto tile_scale = [&](int n_block, float (&sc)[kKGroups]) {
+#pragma unroll
+        for (int g = 0; g < kKGroups; ++g) {
+            sc[g] = qk_scale_log2 * __ldg(k_scale + min(n_block * kKGroups + g, k_blocks - 1));
+        }
+    };
+    auto softmax = [&](int n_block, const float (&sc)[kKGroups], float (&alpha)[1][2]) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
             mask_scores<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
         }
-        return st.update_scores(acc_s, scale_log2, alpha);
+        return fp8_update_scores(st, acc_s, sc, alpha);
     };
     auto release = [&](uint64_t* bar) {
         __syncwarp();
@@ -188,7 +263,8 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
 
     mbar_wait(sm.bar_q, 0);
     if (b.n_blocks > 0) {
-        const float scale0 = tile_scale(b.n_blocks - 1);
+        float scale0[kKGroups];
+        tile_scale(b.n_blocks - 1, scale0);
         mbar_wait(&sm.full_k[0], 0);
         my_turn();
         issue_qk(0);
@@ -203,7 +279,8 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     for (int it = 1; it < b.n_blocks; ++it) {
         const int stage = it % Traits::kStages, prev = (it - 1) % Traits::kStages;
         const uint32_t parity = (it / Traits::kStages) & 1, prev_parity = ((it - 1) / Traits::kStages) & 1;
-        const float scale_it = tile_scale(b.n_blocks - 1 - it);
+        float scale_it[kKGroups];
+        tile_scale(b.n_blocks - 1 - it, scale_it);
         mbar_wait(&sm.full_k[stage], parity);
         mbar_wait(&sm.full_v[prev], prev_parity);
         my_turn();

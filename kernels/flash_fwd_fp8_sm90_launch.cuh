@@ -3,6 +3,7 @@
 #pragma once
 
 #include "flash_fwd_fp8_sm90_kernel.cuh"
+#include "kernel_tiles.h"  // Fp8Tiles<D>: the key tiles built
 #include "launch_smem.h"
 #include "quant_fp8.cuh"
 #include "tma_host.h"  // tensor_map_encoder, tuning_env
@@ -34,12 +35,12 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
     constexpr int kHeadDim = Traits::kHeadDim;
     const FlashFwdParams& p = f.p;
     const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;
-    const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
+    const int kv_chunks = fp8_seqlen_k_pad(p.seqlen_k) / kFp8KvChunk;  // every V^T key written, the padding too
     // Pre-pass: channel statistics of K and V, then Q, then K and V^T (each waits for the one before on the stream).
     fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, p.num_kv_heads, p.batch), fp8::kThreads, 0,
                                             stream>>>(f);
     fp8::fp8_quant_q_kernel<T, kHeadDim><<<dim3(q_blocks, p.num_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
-    fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3(k_blocks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
+    fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
 
@@ -47,11 +48,12 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
     Fp8Sm90Params sp;
     sp.f = f;
     sp.pingpong = pingpong;
+    // V^T in boxes of kVtBoxKeys keys, each inside the padded rows (fp8_seqlen_k_pad).
     const int pad = fp8_seqlen_k_pad(p.seqlen_k);
     const bool ok =
         encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, kHeadDim, Traits::kBlockM) &&
         encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, kHeadDim, Traits::kBlockN) &&
-        encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, Traits::kBlockN, kHeadDim);
+        encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, Traits::kVtBoxKeys, kHeadDim);
     if (!ok) return cudaErrorInvalidValue;
     err = opt_in_dynamic_smem<flash_fwd_fp8_sm90_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
     if (err != cudaSuccess) return err;
@@ -61,12 +63,24 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// LLM_ATTN_FP8_STAGES=3: a third K/V stage (tuning A/B; two is the default, kernels/NOTES.md "FP8 forward").
+// block_n: the key tile, resolved by flash_fwd_fp8_block_n (flash_fp8.cu): 128 or 192 where Fp8Tiles<D> has it.
+// LLM_ATTN_FP8_STAGES=3: a third K/V stage for the 128-key tile (tuning A/B; two is the default, kernels/NOTES.md
+// "FP8 forward"); the 192-key tile is built with two only.
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream) {
+cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream, int block_n) {
     static const int stages = tuning_env("LLM_ATTN_FP8_STAGES", 2);
-    if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, stream);
-    return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, stream);
+    if (block_n == 192) {
+        if constexpr (Fp8Tiles<kHeadDim>::has(192)) {
+            return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192>, kCausal>(f, stream);
+        }
+        return cudaErrorInvalidValue;
+    }
+    if (block_n != 128) return cudaErrorInvalidValue;
+    if constexpr (Fp8Tiles<kHeadDim>::has(128)) {
+        if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, stream);
+        return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, stream);
+    }
+    return cudaErrorInvalidValue;
 }
 
 template <typename T, int kHeadDim>
@@ -82,8 +96,8 @@ bool fp8_has_device_code() {
 }  // namespace sm90
 
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream) {
-    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream);
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n) {
+    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream, block_n);
 }
 template <typename T, int kHeadDim>
 bool flash_fwd_fp8_built_() {

@@ -8,7 +8,8 @@
   kernels/flash_bwd_sm90_hdim{D}_{dtype}_{causal}.cu   Hopper backward (wgmma/TMA), run_flash_bwd_sm90_
   kernels/flash_fwd_int8_hdim{D}_{dtype}_{causal}.cu   portable INT8 forward (mma.sync s8/e4m3), run_flash_fwd_int8_
   kernels/flash_fwd_fp8_sm90_hdim{D}_{dtype}_{causal}.cu  Hopper FP8 forward (wgmma e4m3), run_flash_fwd_fp8_
-  kernels/kernel_tiles.h       the tile tables the launch templates read: FwdConfig<D>, DecodeConfig<D>, BwdTile<D>
+  kernels/kernel_tiles.h       the tile tables the launch templates read: FwdConfig<D>, DecodeConfig<D>, BwdTile<D>,
+                               Fp8Tiles<D>
   llm_attn/_kernel_table.py    the same tables for llm_attn/_plan.py (the NVRTC backend's mirror of the dispatch)
 
 so that the nvcc build (setup.py compiles kernels/*.cu), NVRTC (llm_attn/_nvrtc.py compiles _plan.all_kernels())
@@ -72,6 +73,13 @@ BWD_TILES = {128: dict(block_m=32, block_n=128, n_warps=8, split_dp=1),
 BWD_NARROW = {128: dict(block_m=32, block_n=64, n_warps=4, split_dp=1),
               64: BWD_TILES[64]}
 
+# The FP8 forward's key tiles per head_dim: the kBlockN of Fp8Traits<D, kStages, kBlockN>
+# (flash_fwd_fp8_sm90_kernel.cuh) each (head_dim, dtype, causal) file builds, the first the default (block_n 0 and
+# LLM_ATTN_FP8_BLOCK_N unset).
+# 192 keys amortise each tile's waits, barriers and row reductions over 1.5x the GEMM work (kernels/NOTES.md "FP8
+# ... v3"); 128 stays the default until measured. The launch knows 128 and 192 only.
+FP8_BLOCK_N = {128: (128, 192), 64: (128, 192)}
+
 # The instantiation files: kind -> (launch header, C++ function template, one file per causal/noncausal?).
 KINDS = {
     "fwd": ("flash_fwd_launch.cuh", "run_flash_fwd_", True),
@@ -120,8 +128,9 @@ def instantiation_source(kind: str, d: int, tag: str, causal: bool | None) -> st
     params = {"bwd": "FlashBwdParams", "bwd_sm90": "FlashBwdParams", "fwd_int8": "FlashFwdInt8Params",
               "fwd_fp8_sm90": "FlashFwdFp8Params"}.get(kind, "FlashFwdParams")
     targs = f"{cpp}, {d}" + ("" if causal is None else f", {str(causal).lower()}")
+    extra = ", int block_n" if kind == "fwd_fp8_sm90" else ""  # the key tile, Fp8Tiles<D> (kernel_tiles.h)
     lines = [f"// Instantiation: {what}", GENERATED.rstrip("\n"), f'#include "{header}"', "", "namespace llm_attn {",
-             f"template cudaError_t {fn}<{targs}>({params}& params, cudaStream_t stream);"]
+             f"template cudaError_t {fn}<{targs}>({params}& params, cudaStream_t stream{extra});"]
     if kind == "fwd_sm90":
         lines.append(f"template bool flash_fwd_sm90_built_<{targs}>();")
     if kind == "fwd_fp8_sm90" and causal:  # one availability probe per (dtype, head_dim)
@@ -160,6 +169,12 @@ def tiles_header() -> str:
             out += ["template <>", f"struct {name}<{d}> {{",
                     f"    static constexpr int kBlockM = {b['block_m']}, kBlockN = {b['block_n']}, "
                     f"kNWarps = {b['n_warps']}, kSplitDp = {b['split_dp']};", "};"]
+    out += ["", "// The FP8 forward's key tiles per head_dim (flash_fwd_fp8_sm90_launch.cuh): the default, those built.",
+            "template <int kHeadDim>", "struct Fp8Tiles;"]
+    for d, tiles in FP8_BLOCK_N.items():
+        out += ["template <>", f"struct Fp8Tiles<{d}> {{", f"    static constexpr int kDefaultBlockN = {tiles[0]};",
+                "    static constexpr bool has(int block_n) { return "
+                + " || ".join(f"block_n == {n}" for n in tiles) + "; }", "};"]
     out += ["", "}  // namespace llm_attn", ""]
     return "\n".join(out)
 
@@ -188,6 +203,8 @@ def python_table() -> str:
               f"BWD_TILES = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_TILES.items()) + "}",
               "# per head_dim: BwdTileNarrow<D>, for devices whose shared memory per block is below BwdTile<D>'s",
               f"BWD_NARROW = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_NARROW.items()) + "}",
+              "# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default",
+              f"FP8_BLOCK_N = {FP8_BLOCK_N!r}",
               "# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file",
               "INSTANTIATIONS = ("]
     lines += [f"    {(k, d, t, c, file_name(k, d, t, c))!r}," for k, d, t, c in instantiations()]
@@ -210,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="write nothing; exit 1 if a file under --out differs from the spec, or a stale "
                          "instantiation file is there")
     args = ap.parse_args(argv)
+    assert all(set(t) <= {128, 192} and d in HEAD_DIMS for d, t in FP8_BLOCK_N.items()), "FP8 tiles: 128, 192"
     files = outputs()
     if args.check:
         bad = [p for p, text in files.items()

@@ -70,4 +70,18 @@ struct BwdTileNarrow<64> {
     static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 8, kSplitDp = 1;
 };
 
+// The FP8 forward's key tiles per head_dim (flash_fwd_fp8_sm90_launch.cuh): the default, those built.
+template <int kHeadDim>
+struct Fp8Tiles;
+template <>
+struct Fp8Tiles<128> {
+    static constexpr int kDefaultBlockN = 128;
+    static constexpr bool has(int block_n) { return block_n == 128 || block_n == 192; }
+};
+template <>
+struct Fp8Tiles<64> {
+    static constexpr int kDefaultBlockN = 128;
+    static constexpr bool has(int block_n) { return block_n == 128 || block_n == 192; }
+};
+
 }  // namespace llm_attn

@@ -2,8 +2,8 @@
 // reading its bf16/fp16 input once in 16-byte chunks.
 //   fp8_kv_stats_kernel   K's channel sums and V's channel amax over the valid keys (float atomics into `stats`)
 //   fp8_quant_q_kernel    Q -> e4m3, one scale per 64 rows of a head
-//   fp8_quant_kv_kernel   K - mean -> e4m3 (one scale per 128 keys) and V -> e4m3 transposed (one scale per
-//                         channel), key-permuted for the kernel's P registers
+//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 (one scale per 64 keys) and V -> e4m3 transposed
+//                         (one scale per channel), key-permuted for the kernel's P registers
 // Keys at or past a batch's valid length (seqused_k) may hold anything (NaN in an unused cache slot): they are never
 // read into a statistic and are written as zeros.
 #pragma once
@@ -38,16 +38,22 @@ __device__ __forceinline__ int valid_keys(const FlashFwdParams& p, int batch) {
     return p.seqused_k ? max(0, min(p.seqused_k[batch], p.seqlen_k)) : p.seqlen_k;
 }
 
-// Max over the block's threads of a non-negative value (every thread gets it).
-__device__ __forceinline__ float block_max(float v, float* red) {
+// Max over the block's threads of each of N non-negative values, in place (every thread gets them).
+template <int N>
+__device__ __forceinline__ void block_max(float (&v)[N], float (&red)[N][kThreads / 32]) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v[i] = fmaxf(v[i], __shfl_xor_sync(0xffffffff, v[i], o));
+        if (threadIdx.x % 32 == 0) red[i][threadIdx.x / 32] = v[i];
+    }
     __syncthreads();
-    v = red[0];
 #pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) v = fmaxf(v, red[w]);
-    return v;
+    for (int i = 0; i < N; ++i) {
+        v[i] = red[i][0];
+#pragma unroll
+        for (int w = 1; w < kThreads / 32; ++w) v[i] = fmaxf(v[i], red[i][w]);
+    }
 }
 
 // The scale of a block whose largest magnitude is amax (1 for an all-zero block, so that 0 / scale stays 0).
@@ -95,9 +101,9 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8QBlock / kRowStep;
     const FlashFwdParams& p = params.p;
     const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks, blk = blockIdx.x;
-    __shared__ float red[kThreads / 32];
+    __shared__ float red[1][kThreads / 32];
     float x[kIters][8];
-    float amax = 0.f;
+    float amax[1] = {0.f};
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + c * 8;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
@@ -109,9 +115,10 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
             for (int i = 0; i < 8; ++i) x[it][i] = 0.f;
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[it][i]));
+        for (int i = 0; i < 8; ++i) amax[0] = fmaxf(amax[0], fabsf(x[it][i]));
     }
-    const float scale = e4m3_scale(block_max(amax, red)), inv = 1.f / scale;
+    block_max(amax, red);
+    const float scale = e4m3_scale(amax[0]), inv = 1.f / scale;
     const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
     if (threadIdx.x == 0) params.q_scale[bh * gridDim.x + blk] = scale;
     // q . mean(K) of each row (the smoothing's shift of its scores, for its lse): the row's kChunks lanes are
@@ -146,10 +153,14 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
 // 9+2t of each 16 (two n8 accumulator blocks), which the fp8 A operand reads as k = 4t .. 4t+3.
 __device__ __forceinline__ int vt_key_of_position(int j) { return (j & 3) < 2 ? 2 * (j >> 2) + (j & 3) : 6 + 2 * (j >> 2) + (j & 3); }
 
-// grid (seqlen_k_pad / kFp8KBlock, num_kv_heads, batch). Reads `stats` (complete: the stats kernel ran before).
+// grid (seqlen_k_pad / kFp8KvChunk, num_kv_heads, batch). Reads `stats` (complete: the stats kernel ran before).
+// Iteration `it` of a thread reads key it * kRowStep + threadIdx.x / kChunks: iterations [0, kIters / 2) cover the
+// block's first 64 keys (K scale 2 blk), the rest its second 64 (2 blk + 1, written if the keys reach it).
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp8Params params) {
-    constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8KBlock / kRowStep;
+    constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8KvChunk / kRowStep;
+    constexpr int kScales = kFp8KvChunk / kFp8KBlock, kItersPerScale = kIters / kScales;
+    static_assert(kFp8KvChunk % kFp8KBlock == 0 && kFp8KBlock % kRowStep == 0, "whole scale blocks per iteration");
     constexpr int kPitch = kHeadDim + 16;  // V bytes of a key in shared memory, padded against bank conflicts
     const FlashFwdParams& p = params.p;
     const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks, blk = blockIdx.x;
@@ -157,8 +168,8 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
     const int pad = fp8_seqlen_k_pad(p.seqlen_k);
     const int64_t bh = static_cast<int64_t>(b) * p.num_kv_heads + h;
     const int64_t n_stats = static_cast<int64_t>(p.batch) * p.num_kv_heads * kHeadDim;
-    __shared__ float red[kThreads / 32];
-    __shared__ __align__(16) uint8_t v_s[kFp8KBlock * kPitch];
+    __shared__ float red[kScales][kThreads / 32];
+    __shared__ __align__(16) uint8_t v_s[kFp8KvChunk * kPitch];
 
     float mean[8], v_inv[8];
 #pragma unroll
@@ -174,10 +185,10 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h * p.k_head_stride + c * 8;
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + c * 8;
     float x[kIters][8];
-    float amax = 0.f;
+    float amax[kScales] = {};
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-        const int r = it * kRowStep + threadIdx.x / kChunks, key = blk * kFp8KBlock + r;
+        const int r = it * kRowStep + threadIdx.x / kChunks, key = blk * kFp8KvChunk + r;
         float y[8];
         if (key < kv_len) {
             load8<T>(x[it], k + key * p.k_row_stride);
@@ -187,25 +198,36 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
             for (int i = 0; i < 8; ++i) x[it][i] = mean[i], y[i] = 0.f;  // K row becomes exactly 0 after smoothing
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[it][i] -= mean[i], amax = fmaxf(amax, fabsf(x[it][i]));
+        for (int i = 0; i < 8; ++i) {
+            x[it][i] -= mean[i];
+            amax[it / kItersPerScale] = fmaxf(amax[it / kItersPerScale], fabsf(x[it][i]));
+        }
         uint2 vq;
         vq.x = sm90::pack4_e4m3(y[0] * v_inv[0], y[1] * v_inv[1], y[2] * v_inv[2], y[3] * v_inv[3]);
         vq.y = sm90::pack4_e4m3(y[4] * v_inv[4], y[5] * v_inv[5], y[6] * v_inv[6], y[7] * v_inv[7]);
         *reinterpret_cast<uint2*>(v_s + r * kPitch + c * 8) = vq;
     }
-    const float scale = e4m3_scale(block_max(amax, red)), inv = 1.f / scale;  // block_max's barrier also orders v_s
-    if (threadIdx.x == 0) params.k_scale[bh * gridDim.x + blk] = scale;
+    block_max(amax, red);  // its barrier also orders v_s
+    const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
+    float inv[kScales];
+#pragma unroll
+    for (int s = 0; s < kScales; ++s) {
+        const float scale = e4m3_scale(amax[s]);
+        inv[s] = 1.f / scale;
+        if (threadIdx.x == 0 && blk * kScales + s < k_blocks) params.k_scale[bh * k_blocks + blk * kScales + s] = scale;
+    }
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
-        const int key = blk * kFp8KBlock + it * kRowStep + threadIdx.x / kChunks;
+        const int key = blk * kFp8KvChunk + it * kRowStep + threadIdx.x / kChunks;
         if (key >= p.seqlen_k) continue;
+        const float iv = inv[it / kItersPerScale];
         uint2 out;
-        out.x = sm90::pack4_e4m3(x[it][0] * inv, x[it][1] * inv, x[it][2] * inv, x[it][3] * inv);
-        out.y = sm90::pack4_e4m3(x[it][4] * inv, x[it][5] * inv, x[it][6] * inv, x[it][7] * inv);
+        out.x = sm90::pack4_e4m3(x[it][0] * iv, x[it][1] * iv, x[it][2] * iv, x[it][3] * iv);
+        out.y = sm90::pack4_e4m3(x[it][4] * iv, x[it][5] * iv, x[it][6] * iv, x[it][7] * iv);
         *reinterpret_cast<uint2*>(params.k8 + (bh * p.seqlen_k + key) * kHeadDim + c * 8) = out;
     }
     // V^T: thread -> (channel d, group of 16 keys); 16 bytes out, consecutive threads along the keys of one channel.
-    constexpr int kGroups = kFp8KBlock / 16;
+    constexpr int kGroups = kFp8KvChunk / 16;
 #pragma unroll
     for (int o = threadIdx.x; o < kHeadDim * kGroups; o += kThreads) {
         const int d = o / kGroups, g = o % kGroups;
@@ -218,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
                 word |= static_cast<uint32_t>(v_s[(g * 16 + vt_key_of_position(4 * q + e)) * kPitch + d]) << (8 * e);
             w[q] = word;
         }
-        *reinterpret_cast<uint4*>(params.vt8 + (bh * kHeadDim + d) * pad + blk * kFp8KBlock + g * 16) =
+        *reinterpret_cast<uint4*>(params.vt8 + (bh * kHeadDim + d) * pad + blk * kFp8KvChunk + g * 16) =
             make_uint4(w[0], w[1], w[2], w[3]);
     }
 }

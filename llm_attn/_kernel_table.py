@@ -33,6 +33,8 @@ BWD_NARROW = {
     128: {'block_m': 32, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
     64: {'block_m': 64, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
 }
+# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
+FP8_BLOCK_N = {128: (128, 192), 64: (128, 192)}
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
 INSTANTIATIONS = (
     ('fwd', 128, 'fp16', False, 'flash_fwd_hdim128_fp16_noncausal.cu'),

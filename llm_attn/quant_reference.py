@@ -4,7 +4,7 @@ for scale, so that the CUDA kernel can be checked against it and the CPU can run
 - Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448 (1 for an all-zero block).
 - K: minus its per-channel mean over the valid keys (``q . mean`` is the same for every key of a row, so no softmax
   row changes; it removes the per-channel bias that makes K's amax large), then e4m3 with one scale per (batch,
-  KV head, 128 keys).
+  KV head, 64 keys): a 64-key column group of the kernel's S tile, whichever tile (128 or 192 keys) it runs.
 - V: e4m3 with one scale per (batch, KV head, channel) over the valid keys.
 - S = (Q8 K8^T) q_scale k_scale, masked; P = exp(S scale - rowmax) in fp32; P8 = e4m3(256 P);
   O = (P8 V8) v_scale / (256 rowsum(P)), the row sum over the unquantised P; lse that of the quantised scores plus
@@ -12,7 +12,8 @@ for scale, so that the CUDA kernel can be checked against it and the CPU can run
 
 The kernel quantises P against its running row max (online softmax, key tiles last to first); this reference
 against the row's final max. Where the two maxima differ, P is quantised at a different point of the e4m3 grid:
-the two agree to e4m3 rounding, not bit for bit.
+the two agree to e4m3 rounding, not bit for bit (and the kernel's key tile, 128 or 192, moves where they differ;
+nothing else in these semantics depends on it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llm_attn.reference import _group, _valid_key_mask
 
 E4M3_MAX = 448.0
 Q_BLOCK = 64     # query rows per Q scale (kernels/flash_fp8.h kFp8QBlock)
-K_BLOCK = 128    # keys per K scale (kFp8KBlock)
+K_BLOCK = 64     # keys per K scale (kFp8KBlock: a 64-key column group of the kernel's S tile)
 P_SCALE = 256.0  # P in [0, 1] -> [0, 256] before e4m3
 
 
