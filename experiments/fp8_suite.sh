@@ -24,7 +24,8 @@ if has sanitize; then
   done
 fi
 if has bench; then
-  python3 -m llm_attn.bench --impls ours llm_attn_fp8 cudnn --seqs ${FP8_SEQS:-4096 8192 16384 32768} --causal 1 0 \
+  # llm_attn_fp8: the build's default key tile; ours-fp8-192 (ours-fp8-128): that tile forced, same run
+  python3 -m llm_attn.bench --impls ${FP8_IMPLS:-ours llm_attn_fp8 ours-fp8-192 cudnn} --seqs ${FP8_SEQS:-4096 8192 16384 32768} --causal 1 0 \
     --dtypes bf16 --graph 1 --repeats ${FP8_REPEATS:-10} --out "$OUT/fp8_bench.jsonl" 2>&1 | tee "$OUT/fp8_bench.txt" | tail -30
 fi
 if has int8bench; then  # the portable INT8 kernel against the portable bf16 tiles (what sm_80-89 run) and cuDNN
@@ -34,7 +35,7 @@ fi
 if has accuracy; then
   python3 -m llm_attn.bench --mode accuracy ${ACC_ARGS:-} --out "$OUT/fp8_accuracy.jsonl" 2>&1 | tee "$OUT/fp8_accuracy.txt" | tail -30
 fi
-if has ncu; then  # one FP8 launch at B=1, 32/8 heads, hd128, S=16384 causal: speed of light, pipes, warp stalls
+if has ncu; then  # one FP8 launch at B=1, 32/8 heads, hd128, S=16384 causal (LLM_ATTN_FP8_BLOCK_N=192: that tile): speed of light, pipes, warp stalls
   ncu --clock-control none -k regex:flash_fwd_fp8_sm90 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats python3 -c "
 import torch; from llm_attn import flash_attn_func

@@ -294,14 +294,21 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q, const at::
 
 // The FP8 forward (kernels/flash_fp8.h): the same inputs as mha_fwd_alloc, quantised by the kernel's pre-pass into
 // workspaces made here (e4m3 Q, K, V^T in one byte buffer; their scales and the zeroed channel statistics in one
-// float32 buffer), so the quantisation is part of every call.
+// float32 buffer), so the quantisation is part of every call. block_n: the kernel's key tile (128 or 192 keys per S
+// tile; 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default, kernel_tiles.h Fp8Tiles<D>): a tuning choice, the
+// result's semantics are the same.
 std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+                                               const std::optional<at::Tensor>& seqused_k, double scale, bool causal,
+                                               int64_t block_n) {
     check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
     const c10::cuda::CUDAGuard guard(q.device());
     TORCH_CHECK(llm_attn::flash_fwd_fp8_available(),
                 "llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) and a build with "
                 "sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
+    const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n));
+    TORCH_CHECK(tile != 0, "llm_attn.mha_fwd_fp8: the FP8 kernel has no ",
+                block_n ? std::to_string(block_n) + "-key tile" : std::string("tile of the LLM_ATTN_FP8_BLOCK_N set"),
+                " for head_dim ", q.size(3), " in this build (128 or 192: kernel_tiles.h Fp8Tiles)");
     at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
     at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
     llm_attn::FlashFwdFp8Params f{};
@@ -322,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     float* fb = floats.data_ptr<float>();
     f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats + n_qs + n_ks;
     f.q_dot_kmean = fb + n_stats + n_qs + n_ks + n_vs;
-    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream());
+    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream(), tile);
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd_fp8: kernel launch failed: ", cudaGetErrorString(err));
     return {out, lse};
 }
@@ -544,7 +551,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("num_splits", &num_splits, "KV splits the forward would use for these shapes (1 = none)");
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
     m.def("mha_fwd_fp8", &mha_fwd_fp8, "FP8 (e4m3) attention forward, quantisation included; returns (out, lse)",
-          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"),
+          py::arg("block_n") = 0);
+    m.def("fp8_block_n", [](int64_t head_dim, int64_t block_n) {
+        return llm_attn::flash_fwd_fp8_block_n(static_cast<int>(head_dim), static_cast<int>(block_n));
+    }, "The FP8 key tile a call with this head_dim and block_n runs (0 = the default), 0 if not built",
+          py::arg("head_dim"), py::arg("block_n") = 0);
     m.def("mha_fwd_int8", &mha_fwd_int8, "INT8 attention forward, quantisation included; returns (out, lse)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("int8_available", [] {

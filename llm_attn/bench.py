@@ -102,6 +102,8 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=None,
                    choices=BENCH_IMPLS + [i for i in ACCURACY_IMPLS if i not in BENCH_IMPLS] + entries,
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
+                        "ours-fp8-128, ours-fp8-192: our FP8 kernel with that key tile forced (llm_attn_fp8: the "
+                        "default tile); "
                         "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
                         f"function ({', '.join(entries)}; --plugin adds more). Default: ours flash cudnn efficient; "
                         f"accuracy: {' '.join(ACCURACY_DEFAULT_IMPLS)} (sdpa: the default SDPA backend; ours-fp8, "

@@ -178,6 +178,25 @@ def quant_problem(precision, q: torch.Tensor, use_kernel: bool, available: bool 
     return None
 
 
+def fp8_tile_problem(block_n: int, head_dim: int | None = None) -> str | None:
+    """Why the FP8 kernel cannot run with key tile ``block_n`` (keys per S tile; 0 = the build's default) for
+    ``head_dim`` (None: for some head_dim), or None. The tiles built are kernels/generate_kernels.py's
+    ``FP8_BLOCK_N`` (``kernel_tiles.h`` ``Fp8Tiles<D>``); the choice changes speed, not the result's semantics."""
+    from llm_attn._kernel_table import FP8_BLOCK_N  # noqa: PLC0415 (plain data, generated)
+
+    if block_n == 0 and type(block_n) is int:
+        return None
+    if head_dim is None:
+        tiles = sorted({n for t in FP8_BLOCK_N.values() for n in t})
+    else:
+        tiles = FP8_BLOCK_N.get(head_dim, ())
+    if type(block_n) is int and block_n in tiles:
+        return None
+    where = f" for head_dim {head_dim} (default {tiles[0]})" if head_dim is not None and tiles else ""
+    return (f"the FP8 kernel has no {block_n!r}-key tile{where}: block_n must be 0 (the default) or one of "
+            f"{', '.join(map(str, tiles))}")
+
+
 def aligned16(t: torch.Tensor) -> bool:
     """The layout cp.async reads in place: 16-byte aligned base, strides of batch/heads/seq multiples of 8 elements
     (a dim of size 1 has any stride). Other layouts are copied once by the op, never rejected."""

@@ -24,6 +24,7 @@ from llm_attn.kernel_contract import (  # noqa: E402,F401
     PRECISIONS,
     aligned16,
     check_inputs,
+    fp8_tile_problem,
     quant_problem,
 )
 
@@ -112,31 +113,36 @@ def int8_pv(q) -> str:
     return "e4m3" if q.is_cuda and torch.cuda.get_device_capability(q.device) == (8, 9) else "input"
 
 
-def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None):
+def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, block_n=0):
     ext = ext or _current_ext()
     name = _QUANT_BINDING[precision]
     if not hasattr(ext, name):
         raise KernelNotBuiltError(f"precision={precision!r} runs in the AOT build only (llm_attn._C, built with nvcc); "
                                   f"this process uses the {kernel_build()} build")
     q, k, v = _readable(q), _readable(k), _readable(v)
+    if block_n and precision == "fp8":  # the FP8 kernel's key tile (force_fp8_tile); 0: the build's default
+        return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n))
     return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal))
 
 
+# block_n: the FP8 kernel's key tile (0 = the build's default; force_fp8_tile). The reference computes the same
+# result for every tile and ignores it.
 @torch.library.custom_op("llm_attn::flash_fwd_quant", mutates_args=())
 def _flash_fwd_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
-                     scale: float, causal: bool, use_kernel: bool, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, causal: bool, use_kernel: bool, precision: str,
+                     block_n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
 
 
 @_flash_fwd_quant.register_kernel("cuda")
-def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision):
+def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0):
     if not use_kernel:
         return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
-    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision)
+    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, block_n=block_n)
 
 
 @_flash_fwd_quant.register_fake
-def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision):
+def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0):
     return _empty_outputs(q)
 
 
@@ -215,7 +221,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision):
-    problem = quant_problem(precision, q, use_kernel)
+    block_n = _fp8_block_n if precision == "fp8" else 0  # the FP8 kernel's key tile, as forced now
+    problem = quant_problem(precision, q, use_kernel) or (use_kernel and fp8_tile_problem(block_n, q.shape[-1]))
     if problem:
         raise ValueError(problem)
     ext = _current_ext() if use_kernel and not torch.compiler.is_compiling() else None
@@ -224,11 +231,11 @@ def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not torch.compiler.is_compiling() and direct_call_allowed(q, k, v):
         if use_kernel:
-            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext)
+            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext, block_n)
         else:
             out, lse = _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
     else:
-        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision)
+        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n)
     return (out, lse) if return_lse else out
 
 
@@ -275,6 +282,30 @@ def _current_ext():
 
 
 TILES = {"auto": 0, "large": 1, "wide": 2, "small": 3, "hopper": 4}
+
+# The FP8 kernel's key tile for the calls issued now (0: the build's default): force_fp8_tile sets it, and
+# _flash_attn_quant passes it to the op as an argument, so a CUDA graph or a compiled graph keeps the one it saw.
+_fp8_block_n = 0
+
+
+@contextlib.contextmanager
+def force_fp8_tile(block_n: int):
+    """Force the FP8 kernel's key tile inside the block (tests and benchmarks: both tiles in one process).
+
+    ``block_n``: keys per S tile, 128 or 192 (those built: kernels/generate_kernels.py ``FP8_BLOCK_N``), or 0 for the
+    build's default (``LLM_ATTN_FP8_BLOCK_N`` where set). The result's semantics do not depend on it (the PyTorch
+    reference ignores it); only speed does. Applies to ``flash_attn_func(..., precision='fp8')`` calls issued in the
+    block; process-wide, not for concurrent use from threads.
+    """
+    global _fp8_block_n
+    problem = fp8_tile_problem(block_n)
+    if problem:
+        raise ValueError(problem)
+    prev, _fp8_block_n = _fp8_block_n, block_n
+    try:
+        yield
+    finally:
+        _fp8_block_n = prev
 
 
 @contextlib.contextmanager

@@ -12,7 +12,11 @@ from llm_attn import registry
 from llm_attn.harness.stats import ratio_header, speed_ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", "flash", "cudnn", "efficient", "math"]
+# Our FP8 forward (precision='fp8', its quantising pre-pass included) with its key tile forced (128 or 192 keys per S
+# tile; llm_attn.ops.force_fp8_tile): both tiles A/B in one run, beside llm_attn_fp8 (the build's default tile).
+FP8_TILE_IMPLS = {"ours-fp8-128": 128, "ours-fp8-192": 192}
+BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS, "flash", "cudnn",
+               "efficient", "math"]
 
 
 def _sdpa_backends():
@@ -32,6 +36,16 @@ def make_fn(impl: str, q, k, v, causal: bool):
         from llm_attn.ops import flash_attn_func
 
         return (lambda: flash_attn_func(q, k, v, causal=causal, path="kernel")), ""
+    if impl in FP8_TILE_IMPLS:  # set for each call/capture, as the forced prefill tiles below
+        from llm_attn.ops import flash_attn_func, force_fp8_tile
+
+        block_n = FP8_TILE_IMPLS[impl]
+
+        def fp8_forced():
+            with force_fp8_tile(block_n):
+                return flash_attn_func(q, k, v, causal=causal, path="kernel", precision="fp8")
+
+        return fp8_forced, f"fp8 tile {block_n}"
     if impl.startswith("ours-"):  # ours with one prefill tile forced (kernel tuning); set for each call/capture
         from llm_attn.ops import flash_attn_func, force_tile
 
