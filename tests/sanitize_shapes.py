@@ -6,7 +6,8 @@ TMA/mbarrier/warp-specialised pipelines); `--backward` only the backward's.
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --hopper
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --backward
 `--fp8` (`--int8`) runs only the FP8 (INT8) forward's launches (its pre-pass and its TMA/mbarrier/wgmma pipeline: memcheck, racecheck,
-synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks.
+synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks; FP8 with each key tile it has
+(128, 192: llm_attn/_kernel_table.py FP8_BLOCK_N).
 """
 import itertools
 import math
@@ -15,6 +16,7 @@ import sys
 import torch
 
 from llm_attn._ext import get_ext
+from llm_attn._kernel_table import FP8_BLOCK_N
 
 ext = get_ext()
 SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
@@ -57,18 +59,22 @@ FP8_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 8, 8, 300, 1000, 128, False, None),
     (2, 8, 2, 129, 700, 64, False, [700, 333]),
     (2, 8, 2, 300, 700, 128, True, [700, 5]),
+    (1, 4, 1, 200, 577, 128, True, [577]),      # the 192-key tile's tail: 1 key past 3 tiles
 ]
 for lowp in ("fp8", "int8"):
     if f"--{lowp}" not in sys.argv:
         continue
     if not getattr(ext, f"{lowp}_available")():
         sys.exit(f"--{lowp}: this GPU/build does not run the {lowp.upper()} kernel")
-    for dtype, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product((torch.float16, torch.bfloat16), FP8_SHAPES):
+    cases = [(dtype, shape, block_n) for dtype in (torch.float16, torch.bfloat16) for shape in FP8_SHAPES
+             for block_n in (FP8_BLOCK_N[shape[5]] if lowp == "fp8" else (0,))]  # FP8: each key tile of its head_dim
+    for dtype, (b, hq, hkv, sq, sk, d, causal, used), block_n in cases:
         q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
-        out, _ = getattr(ext, f"mha_fwd_{lowp}")(q, k, v, su, 1 / math.sqrt(d), causal)
+        tile = {"block_n": block_n} if block_n else {}
+        out, _ = getattr(ext, f"mha_fwd_{lowp}")(q, k, v, su, 1 / math.sqrt(d), causal, **tile)
         torch.cuda.synchronize()
         assert not out.isnan().any()
     print(f"sanitize shapes done ({lowp})")

@@ -110,3 +110,66 @@ def test_lse_includes_the_smoothing_shift(causal):
     _, ref_lse = attention_naive(q, k, v, causal=causal)
     _, lse = qr.attention_fp8(q, k, v, causal=causal, return_lse=True)
     assert (lse.double() - ref_lse.double()).abs().max() < 0.05
+
+
+def test_k_scales_cover_64_keys():
+    """One K scale per 64 keys (kernels/flash_fp8.h kFp8KBlock): a large key in keys 64..127 coarsens only its own
+    group's e4m3 grid, not that of keys 0..63 (the kernel's 128- and 192-key tiles apply one scale per 64 columns)."""
+    assert qr.K_BLOCK == 64
+    torch.manual_seed(4)
+    q = torch.randn(1, 1, 8, 64)
+    k = torch.randn(1, 1, 200, 64)
+    v = torch.randn(1, 1, 200, 64)
+    k_big = k.clone()
+    k_big[0, 0, 100] *= 1000  # mean(K) moves: compare the smoothed keys' errors, group by group
+    for kk in (k, k_big):
+        kd = qr.quantize_fp8(q, kk, v)[1]
+        err = (kd - (kk - kk.mean(2, keepdim=True))).abs()
+        if kk is k:
+            base = err[..., :64, :].max()
+        else:
+            assert err[..., :64, :].max() < 4 * base     # group 0: its own scale, unchanged by key 100
+            assert err[..., 64:128, :].max() > 20 * base  # group 1: the large key's scale
+    _, scales = qr._blockwise(torch.randn(1, 2, 200, 64), qr.K_BLOCK)
+    assert scales.shape == (1, 2, 4)  # ceil(200 / 64) scales per head, as the kernel's workspace holds
+
+
+def test_fp8_tile_choice_is_checked_and_changes_nothing_on_the_reference():
+    """force_fp8_tile takes the tiles the build has (kernels/generate_kernels.py FP8_BLOCK_N, the first the default),
+    refuses others in one line and restores the previous choice; the tile is speed only, so the reference path
+    (which ignores it) gives the same result under either."""
+    from llm_attn import _kernel_table, ops
+    from llm_attn.kernel_contract import fp8_tile_problem
+
+    for d, tiles in _kernel_table.FP8_BLOCK_N.items():
+        assert 128 in tiles and set(tiles) <= {128, 192}, (d, tiles)
+        assert all(fp8_tile_problem(n, d) is None for n in (0, *tiles))
+    msg = fp8_tile_problem(256, 128)
+    assert "256-key tile" in msg and "128" in msg and "\n" not in msg
+    with pytest.raises(ValueError, match="no 256-key tile"):
+        with ops.force_fp8_tile(256):
+            pass
+    assert ops._fp8_block_n == 0
+    q = torch.randn(1, 4, 70, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 250, 64, dtype=torch.bfloat16)
+    want = flash_attn_func(q, k, k, causal=True, precision="fp8")
+    with ops.force_fp8_tile(192):
+        assert ops._fp8_block_n == 192
+        with ops.force_fp8_tile(128):
+            assert ops._fp8_block_n == 128
+        assert ops._fp8_block_n == 192
+        assert torch.equal(flash_attn_func(q, k, k, causal=True, precision="fp8"), want)
+    assert ops._fp8_block_n == 0
+
+
+def test_fp8_tile_is_an_argument_of_the_op():
+    """The tile reaches the custom op as an argument (so a CUDA graph or a compiled graph keeps the one it saw); its
+    reference implementation ignores it."""
+    from llm_attn import ops
+
+    q = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 90, 64, dtype=torch.bfloat16)
+    out, lse = ops._flash_fwd_quant(q, k, k, None, 0.125, True, False, "fp8", 192)
+    ref, ref_lse = qr.attention_fp8(q, k, k, causal=True, scale=0.125, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert "block_n=0" in str(torch.ops.llm_attn.flash_fwd_quant.default._schema)

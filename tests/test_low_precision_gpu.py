@@ -2,31 +2,42 @@
 kernels/flash_int8.h; the INT8 kernel runs on any sm_80-90 GPU, so an H100 tests its input-dtype P V): fresh random inputs
 shaped like LLM activations (K with outlier channels), awkward shapes, both input dtypes, MHA/GQA/MQA, q_len != kv_len,
 seqused_k with NaN in the unused keys. The kernel allocates its output, so the memory it will get is poisoned with NaN
-first (the caching allocator hands the freed block back), and an element it never writes stays NaN.
+first (the caching allocator hands the freed block back), and an element it never writes stays NaN. FP8 runs with each
+of its key tiles forced (``fp8-128``, ``fp8-192``: llm_attn.ops.force_fp8_tile), the same bounds for both.
 
 Two bounds per case (output and lse): against float64 (the error of FP8 attention itself, bounded loosely: ~5 % relative L1 on Gaussian
 data, kernels/NOTES.md "FP8 forward"), and against the quantised PyTorch reference of the same algorithm
 (llm_attn/quant_reference.py, quant_reference_int8.py): the kernel's error against float64 may exceed the reference's by at most 25 % + a
 floor, so a wrong scale, a misplaced key or a lost tile fails even where the loose bound would pass."""
 
+import contextlib
 import math
+import re
 import zlib
 
 import pytest
 import torch
 
 from conftest import HEADS, LENGTHS, UNEQUAL, grid
-from llm_attn import attention_naive, flash_attn_func
-from llm_attn.ops import int8_pv
+from llm_attn import _kernel_table, attention_naive, flash_attn_func
+from llm_attn.ops import force_fp8_tile, int8_pv
 from llm_attn.quant_reference import attention_fp8
 from llm_attn.quant_reference_int8 import attention_int8
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PAIRS = [(n, n) for n in LENGTHS if n > 1] + [(s, k) for s, k in UNEQUAL if s > 16]
+# + lengths around the 192-key tile: one key past a tile, and a tail tile whose last 64-key group is past the keys
+PAIRS = [(n, n) for n in LENGTHS if n > 1] + [(s, k) for s, k in UNEQUAL if s > 16] + [(193, 193), (200, 577)]
 
 
 PRECISIONS = ["fp8", "int8"]
+# What runs: the precision and, for FP8, the key tile forced (every tile the build has for head_dim 128).
+VARIANTS = {**{f"fp8-{n}": ("fp8", n) for n in _kernel_table.FP8_BLOCK_N[128]}, "int8": ("int8", 0)}
+
+
+def tile(block_n):
+    """The FP8 key tile forced for the calls in the block (0: the build's default)."""
+    return force_fp8_tile(block_n) if block_n else contextlib.nullcontext()
 
 
 def require(ext, precision):
@@ -72,10 +83,11 @@ def metrics(out, ref):
     return cos, rel_l1
 
 
-def check(q, k, v, causal, seqused_k=None, precision="fp8"):
+def check(q, k, v, causal, seqused_k=None, precision="fp8", block_n=0):
     poison_next_alloc(q)
-    out, lse = flash_attn_func(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True, path="kernel",
-                               precision=precision)
+    with tile(block_n):
+        out, lse = flash_attn_func(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True, path="kernel",
+                                   precision=precision)
     torch.cuda.synchronize()
     assert out.dtype == q.dtype and out.shape == q.shape
     ref, ref_lse = attention_naive(q, k, v, causal=causal, seqused_k=seqused_k)  # float64
@@ -96,25 +108,29 @@ def check(q, k, v, causal, seqused_k=None, precision="fp8"):
     assert rel <= 1.25 * rrel + 2e-3, f"kernel rel L1 {rel:.4f} vs the quantised reference's {rrel:.4f}"
 
 
-@pytest.mark.parametrize("precision,dtype,causal,d,heads,sq,sk",
-                         grid([PRECISIONS, list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2))
-def test_low_precision_grid(cuda_ext, precision, dtype, causal, d, heads, sq, sk):
+GRID = grid([list(VARIANTS), list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2)
+
+
+@pytest.mark.parametrize("variant,dtype,causal,d,heads,sq,sk", GRID)
+def test_low_precision_grid(cuda_ext, variant, dtype, causal, d, heads, sq, sk):
+    precision, block_n = VARIANTS[variant]
     require(cuda_ext, precision)
-    seed = zlib.crc32(repr((precision, dtype, causal, d, heads, sq, sk)).encode())
+    seed = zlib.crc32(repr((variant, dtype, causal, d, heads, sq, sk)).encode())
     hq, hkv = HEADS[heads]
     dt = DTYPES[dtype]
     q = llm_like(2, hq, sq, d, dt, seed)
     k = llm_like(2, hkv, sk, d, dt, seed + 1, outliers=True)
     v = llm_like(2, hkv, sk, d, dt, seed + 2)
-    check(q, k, v, causal, precision=precision)
+    check(q, k, v, causal, precision=precision, block_n=block_n)
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_seqused_k_ignores_garbage(cuda_ext, precision, causal, d):
-    require(cuda_ext, precision)
+def test_seqused_k_ignores_garbage(cuda_ext, variant, causal, d):
     """Keys past seqused_k hold NaN and huge values: they must reach no scale, no statistic and no output."""
+    precision, block_n = VARIANTS[variant]
+    require(cuda_ext, precision)
     b, hq, hkv, sk = 3, 8, 2, 1000
     q = llm_like(b, hq, 300, d, torch.bfloat16, 7)
     k = llm_like(b, hkv, sk, d, torch.bfloat16, 8, outliers=True)
@@ -123,16 +139,18 @@ def test_seqused_k_ignores_garbage(cuda_ext, precision, causal, d):
     for i, n in enumerate(used.tolist()):
         k[i, :, n:] = float("nan")
         v[i, :, n:] = 1e4
-    check(q, k, v, causal, seqused_k=used, precision=precision)
+    check(q, k, v, causal, seqused_k=used, precision=precision, block_n=block_n)
 
 
-def test_fp8_long_row_accuracy(fp8_ext):
+@pytest.mark.parametrize("block_n", _kernel_table.FP8_BLOCK_N[128])
+def test_fp8_long_row_accuracy(fp8_ext, block_n):
     """One long causal row set (16k keys, the 8B's heads) against float64 on sampled query rows."""
     d, s = 128, 16384
     q = llm_like(1, 32, s, d, torch.bfloat16, 11)
     k = llm_like(1, 8, s, d, torch.bfloat16, 12, outliers=True)
     v = llm_like(1, 8, s, d, torch.bfloat16, 13)
-    out = flash_attn_func(q, k, v, causal=True, precision="fp8")
+    with tile(block_n):
+        out = flash_attn_func(q, k, v, causal=True, precision="fp8")
     rows = torch.tensor([0, 1, 777, 4095, 8191, 12000, s - 1], device="cuda")
     # The float64 reference of the sampled rows: each row sees keys <= its index.
     qs = q[:, :, rows]
@@ -146,6 +164,30 @@ def test_fp8_long_row_accuracy(fp8_ext):
     cos, rel = metrics(out[:, :, rows], ref)
     assert not out.isnan().any()
     assert cos >= 0.995 and rel <= 0.09, f"cosine {cos:.5f}, rel L1 {rel:.4f}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_tile_asked_is_the_tile_run(fp8_ext, d):
+    """The binding resolves the tile (0: the build's default), refuses one it lacks, and the kernel launched is the
+    one forced, through the op's dispatcher path too (the profiler makes flash_attn_func take it)."""
+    assert fp8_ext.fp8_block_n(d, 0) in _kernel_table.FP8_BLOCK_N[d]  # the default, or LLM_ATTN_FP8_BLOCK_N's
+    assert all(fp8_ext.fp8_block_n(d, n) == n for n in _kernel_table.FP8_BLOCK_N[d])
+    assert fp8_ext.fp8_block_n(d, 256) == 0 and fp8_ext.fp8_block_n(96, 128) == 0
+    q = llm_like(1, 4, 300, d, torch.bfloat16, 21)
+    k = llm_like(1, 2, 300, d, torch.bfloat16, 22, outliers=True)
+    with pytest.raises(RuntimeError, match="no 256-key tile"):
+        fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, block_n=256)
+    with pytest.raises(ValueError, match="no 256-key tile"):
+        with force_fp8_tile(256):
+            pass
+    for block_n in _kernel_table.FP8_BLOCK_N[d]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with force_fp8_tile(block_n):
+                flash_attn_func(q, k, k, causal=True, precision="fp8")
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if "flash_fwd_fp8_sm90_kernel" in e.name}
+        ran = re.compile(rf"Fp8Traits<{d}, \d, {block_n}>|Fp8TraitsILi{d}ELi\dELi{block_n}E")  # demangled or not
+        assert names and all(ran.search(n) for n in names), names
 
 
 def test_fp8_bad_input_is_one_line(fp8_ext):
