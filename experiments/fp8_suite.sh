@@ -18,7 +18,7 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
    for lowp in ${SANITIZE_PRECISIONS:-fp8 int8}; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_shapes.py --$lowp \
+    timeout ${SANITIZE_TIMEOUT:-480} compute-sanitizer --tool $tool --error-exitcode 9 python3 tests/sanitize_shapes.py --$lowp \
       >"$OUT/sanitize_${lowp}_$tool.log" 2>&1; echo "compute-sanitizer $tool $lowp: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_${lowp}_$tool.log" | tail -1))"
    done
   done
