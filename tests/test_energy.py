@@ -8,6 +8,7 @@ J/token plot and published references, the edge kit's experiment file and the GP
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -52,10 +53,10 @@ class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801
 
 
 def fake_pynvml(watts: float = 300.0, counter_fails_after: int | None = None, init_error=None,
-                counter_error=None) -> types.ModuleType:
-    """A pynvml whose energy counter integrates ``watts`` over real time (mJ), whose power reads ``watts``, with a
-    700 W limit; the counter raises NoPermission from its ``counter_fails_after``-th read on, or ``counter_error`` on
-    every read."""
+                counter_error=None, update_s: float = 0.0) -> types.ModuleType:
+    """A pynvml whose energy counter integrates ``watts`` over real time (mJ), updated every ``update_s`` (0: at every
+    read; a real H100 updates it every ~100 ms), whose power reads ``watts``, with a 700 W limit; the counter raises
+    NoPermission from its ``counter_fails_after``-th read on, or ``counter_error`` on every read."""
     m = types.ModuleType("pynvml")
     m.NVMLError, m.NVMLError_NoPermission = NVMLError, NVMLError_NoPermission
     t0 = time.perf_counter()
@@ -66,12 +67,16 @@ def fake_pynvml(watts: float = 300.0, counter_fails_after: int | None = None, in
             raise init_error
 
     def energy_mj(handle):
-        reads["n"] += 1
+        if threading.current_thread() is threading.main_thread():  # the harness's reads, not the meter's poll
+            reads["n"] += 1
         if counter_error is not None:
             raise counter_error
         if counter_fails_after is not None and reads["n"] > counter_fails_after:
             raise NVMLError_NoPermission()
-        return int((time.perf_counter() - t0) * watts * 1e3)
+        elapsed = time.perf_counter() - t0
+        if update_s:
+            elapsed = update_s * math.floor(elapsed / update_s)
+        return int(elapsed * watts * 1e3)
 
     m.nvmlInit = init
     m.nvmlShutdown = lambda: reads.__setitem__("shutdown", reads["shutdown"] + 1)
@@ -108,6 +113,31 @@ def test_nvml_counter_windows_and_settings(monkeypatch):
     finally:
         meter.close()
     assert fake.reads["shutdown"] == 1
+
+
+def test_windows_shorter_than_the_counter_update_read_their_share(monkeypatch):
+    """NVML's counter moves in steps (every ~100 ms on an H100): the raw difference over a 40 ms window is 0 or one
+    whole step (the 60 % spread of 2k-token prefills on an H100). Interpolated between the updates, every such window
+    reads watts x its length, and the row says how it was read."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(watts=400.0, update_s=0.1))
+    meter = energy.open_nvml_meter(0)
+    try:
+        time.sleep(0.25)  # updates before the first window, as after a model load and warm-up
+        got = []
+        for _ in range(5):
+            w = meter.begin()
+            time.sleep(0.04)
+            got.append(meter.end(w))
+        assert meter.counter_period_s() == pytest.approx(0.1, rel=0.2)
+        fields = energy.ttft_energy_fields(got, meter, {})
+    finally:
+        meter.close()
+    for g in got:
+        assert g["energy_j"] == pytest.approx(400.0 * g["duration_s"], rel=0.15), got
+    assert fields["energy"]["stats"]["stdev_pct"] < 10
+    assert "interpolated" in fields["energy"]["interpolation"]
+    assert fields["energy"]["counter_period_s"] == pytest.approx(0.1, rel=0.2)
+    assert fields["energy"]["note"] is None
 
 
 def test_paired_ttft_and_decode_carry_nvml_energy(monkeypatch, tiny):
@@ -458,3 +488,28 @@ def test_peak_of_a_window_shorter_than_the_sampling_period():
     assert sampler.peak(1.003, 1.004) == 7.0
     sampler.samples = deque()
     assert sampler.peak(0.0, 1.0) is None
+
+
+def test_energy_table_never_mixes_runs_in_one_row():
+    """Two committed H100 runs at 2048 tokens: one timed TTFT before rows carried energy, the other decoded with
+    energy and timed no TTFT. Each energy-table line takes its cells from one run: the TTFT line has no J/token,
+    the J/token line no TTFT (the table used to show one line with the first run's TTFT, the second run's J/token
+    and the note 'the row predates energy readings')."""
+    from llm_attn.harness.devices import load_devices
+    from llm_attn.reporting.energy import energy_md
+    from llm_attn.reporting.merge import Merged, load_rows
+
+    res = REPO / "experiments" / "results" / "h100-80gb-hbm3"
+    rows, _ = load_rows([res / "default.jsonl", res / "decode_energy_fp8_agreement_2048.jsonl"])
+    m = Merged(rows, load_devices(None))
+    series = next(s for s in m.all_series() if any(r["seq"] == 2048 and "energy" in r for r in rows
+                                                   if m.series(r) == s))
+    table = energy_md(m, series, [])
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in table.splitlines()[2:]]
+    sdpa = [dict(zip(header, c)) for c in cells if c[2] == "2048" and c[3] == "sdpa"]
+    assert len(sdpa) == 2, table
+    assert sum(bool(r["TTFT p50 ms"]) for r in sdpa) == 1 and sum(bool(r["J / token"]) for r in sdpa) == 1
+    for r in sdpa:
+        assert not (r["TTFT p50 ms"] and r["J / token"]), r
+        assert r["notes"].startswith("run "), r

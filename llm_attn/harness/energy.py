@@ -14,10 +14,17 @@ Where the energy comes from (``open_meter``), in this order:
   The nvpmodel mode is read at the start of each point (``/var/lib/nvpmodel/status`` and ``/etc/nvpmodel.conf``,
   else ``nvpmodel -q``).
 - **NVIDIA GPU with NVML** (``nvidia-ml-py``, import name ``pynvml``; the ``nvml`` extra): the GPU's total-energy
-  counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded, Volta and newer), read right before
-  and right after each timed repeat. A thread samples ``nvmlDeviceGetPowerUsage`` every ``NVML_PERIOD_S`` for the
-  peak power only (on Ampere and newer, except GA100, NVML returns that reading averaged over one second). The
-  board power limit in force is read at the start of each point.
+  counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded, Volta and newer). The driver updates
+  it only every ~100 ms (an H100, measured by experiments/energy_check.py), so its raw difference over a 69 ms
+  prefill is 0 or one or two updates' worth (60 % repeat-to-repeat spread at 2k tokens on an H100). A thread polls it
+  every ``NVML_PERIOD_S`` and keeps the times at which its value changed; a repeat's energy is the counter
+  interpolated linearly between those updates at the repeat's start and end (``end`` waits for the first update past
+  the end, at most ``COUNTER_WAIT_S``), the raw difference where no update brackets the window. The resolution is
+  still the update period: the energy of a window shorter than it is the average power of the updates around it
+  times its length, so back-to-back repeats of one implementation read alike (spread <= 5 % at 2k on an H100), and
+  short windows of different implementations are told apart only by their average power. The same thread reads
+  ``nvmlDeviceGetPowerUsage`` for the peak power only (on Ampere and newer, except GA100, NVML returns that reading
+  averaged over one second). The board power limit in force is read at the start of each point.
 - **Neither** (a CPU run off a Jetson, a GPU without NVML or whose counter cannot be read: no nvidia-ml-py, a
   container without the library, NVML_ERROR_NO_PERMISSION, a pre-Volta GPU): the energy columns stay empty and
   ``energy.note`` says why. Reading energy never fails a run: a read that fails mid-run empties that repeat's value
@@ -44,7 +51,8 @@ from llm_attn.harness.stats import format_ratio_interval, paired_ratio_interval,
 
 METHOD_NVML = "nvml_total_energy_counter"
 METHOD_JETSON = "ina3221_rails_sampled"
-NVML_PERIOD_S = 0.05  # peak power only: NVML's own reading is a 1 s average on recent GPUs
+NVML_PERIOD_S = 0.005  # the counter's poll (its updates come every ~100 ms) and the peak power's samples
+COUNTER_WAIT_S = 0.5  # how long ``end`` waits for the counter's first update past a window
 JETSON_PERIOD_S = 0.01  # 6-8 sysfs reads per sample; a 256-token prefill on Orin (~170 ms) gets ~17 samples
 SYSFS_ROOT_ENV = "LLM_ATTN_SYSFS_ROOT"
 
@@ -85,6 +93,7 @@ class Meter:
     method: str | None = None
     scope: str | None = None
     peak_method: str | None = None
+    interpolation: str | None = None  # how a window's energy is read between the source's updates, where it is
 
     def __init__(self, note: str | None = None):
         self.note = note
@@ -101,6 +110,10 @@ class Meter:
 
     def close(self) -> None:
         pass
+
+    def counter_period_s(self) -> float | None:
+        """Seconds between the energy source's updates, where it has a counter that updates in steps."""
+        return None
 
     def _failed(self, what: str, e: BaseException) -> None:
         msg = f"{what}: {type(e).__name__}: {e}"
@@ -223,14 +236,56 @@ class NvmlMeter(Meter):
     method = METHOD_NVML
     scope = "the GPU board (NVML total-energy counter)"
     peak_method = f"max of nvmlDeviceGetPowerUsage sampled every {NVML_PERIOD_S * 1e3:.0f} ms inside the repeats"
+    interpolation = ("the counter interpolated linearly between its updates (polled every "
+                     f"{NVML_PERIOD_S * 1e3:.0f} ms) at each repeat's start and end")
 
     def __init__(self, pynvml, handle, match: str, period_s: float = NVML_PERIOD_S):
         super().__init__(None)
         self.nvml, self.handle, self.match = pynvml, handle, match
+        self.updates: deque = deque(maxlen=20_000)  # (perf_counter time first seen, mJ) of each counter value
+        self.updates_lock = threading.Lock()
         self.sampler = Sampler(self._power, period_s)
 
     def _power(self) -> tuple[float, dict]:
+        self._poll_counter()
         return self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3, {}
+
+    def _poll_counter(self) -> None:
+        try:
+            mj = self.energy_mj()
+        except Exception:  # noqa: BLE001 (end() reads the counter itself and records its failure)
+            return
+        t = time.perf_counter()
+        with self.updates_lock:
+            if not self.updates or mj != self.updates[-1][1]:
+                self.updates.append((t, mj))
+
+    def counter_period_s(self) -> float | None:
+        """Median seconds between the counter's updates seen so far (None before three updates)."""
+        with self.updates_lock:
+            ts = [t for t, _ in self.updates]
+        return float(np.median(np.diff(ts[-50:]))) if len(ts) > 3 else None
+
+    def interpolated_j(self, t0: float, t1: float, wait_s: float = COUNTER_WAIT_S) -> float | None:
+        """Joules over [t0, t1] from the counter interpolated between its updates, waiting up to ``wait_s`` for an
+        update past ``t1``; None when no update at or before ``t0`` or after ``t1`` is seen (the caller keeps the raw
+        difference)."""
+        deadline = time.perf_counter() + wait_s
+        while True:
+            with self.updates_lock:
+                last = self.updates[-1][0] if self.updates else None
+            if last is not None and last > t1:
+                break
+            if time.perf_counter() > deadline or not self.sampler.alive():
+                return None
+            time.sleep(NVML_PERIOD_S)
+        with self.updates_lock:
+            pts = list(self.updates)
+        ts = np.array([t for t, _ in pts])
+        if ts[0] > t0:
+            return None
+        mj = np.array([v for _, v in pts], dtype=np.float64)
+        return float(np.interp(t1, ts, mj) - np.interp(t0, ts, mj)) / 1e3
 
     def energy_mj(self) -> int:
         return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
@@ -266,7 +321,12 @@ class NvmlMeter(Meter):
         if e1 < e0:
             self._failed("the NVML energy counter", ValueError(f"went backwards ({e0} -> {e1} mJ): driver reloaded?"))
             return None
-        return {"energy_j": (e1 - e0) / 1e3, "duration_s": t1 - t0, "peak_w": self.sampler.peak(t0, t1),
+        joules = self.interpolated_j(t0, t1)
+        if joules is None:  # no update brackets the window (the poll failed or stalled): the raw difference
+            self._failed("interpolating the NVML energy counter",
+                         RuntimeError("no counter update around the window; its raw difference is used"))
+            joules = (e1 - e0) / 1e3
+        return {"energy_j": joules, "duration_s": t1 - t0, "peak_w": self.sampler.peak(t0, t1),
                 "rails_j": None, "tokens": tokens}
 
     def close(self) -> None:
@@ -509,6 +569,9 @@ def _common(windows: list[dict | None], meter: Meter, settings: dict) -> dict:
         "peak_power_w": max(peaks) if peaks else None, "peak_method": meter.peak_method,
         "settings": settings, "note": "; ".join(notes) or None,
     }
+    if meter.interpolation:
+        out["interpolation"] = meter.interpolation
+        out["counter_period_s"] = meter.counter_period_s()
     if any(w.get("rails_j") for w in ok):
         names = list(next(w["rails_j"] for w in ok if w.get("rails_j")))
         out["rails"] = {n: {"meaning": RAIL_MEANING.get(n), "samples_j": [w["rails_j"][n] if w else None

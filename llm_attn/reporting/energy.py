@@ -213,15 +213,20 @@ def energy_md(m: Merged, series: tuple, proj: list[Device]) -> str:
     prefill, decode tok/s and joules per token (CUDA-graph decode, else generate) with their paired energy verdicts;
     then the PROJECTED rows (roofline bounds, no energy) of the table devices without results."""
     lines = []
+    # One line per (device, seq, run, impl): its time, energy and verdict cells all from that one run (as in the
+    # device tables); a run label where a device has several runs of this series.
     for d in (d for d in m.measured if has_energy(m, d, series)):
+        several_runs = len(m.runs(d, series)) > 1
         for seq in m.seqs(d, series):
-            for impl in m.impls(d, series):
-                t = _ok(m.get(d, series, seq, impl, "ttft"))
-                dgr = _ok(m.get(d, series, seq, impl, "decode_graph"))
-                dec = dgr or _ok(m.get(d, series, seq, impl, "decode_generate"))
+            for run, impl in ((run, impl) for run in m.runs(d, series, seq) for impl in m.impls(d, series)):
+                t = _ok(m.get(d, series, seq, impl, "ttft", run=run))
+                dgr = _ok(m.get(d, series, seq, impl, "decode_graph", run=run))
+                dec = dgr or _ok(m.get(d, series, seq, impl, "decode_generate", run=run))
                 if t is None and dec is None:
                     continue
                 notes = [n for n in (energy_note(t), energy_note(dec)) if n]
+                if several_runs:
+                    notes.insert(0, f"run {run}")
                 lines.append([m.device_name[d], "measured", seq, impl,
                               _f(t["stats"]["p50"]) if t else "", _sig((t or {}).get("energy_j")), _vs(t),
                               (_f(dec["tok_s"], "{:.1f}") + ("" if dec is dgr else " (generate)")) if dec else "",
