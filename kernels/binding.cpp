@@ -308,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n));
     TORCH_CHECK(tile != 0, "llm_attn.mha_fwd_fp8: the FP8 kernel has no ",
                 block_n ? std::to_string(block_n) + "-key tile" : std::string("tile of the LLM_ATTN_FP8_BLOCK_N set"),
-                " for head_dim ", q.size(3), " in this build (128 or 192: kernel_tiles.h Fp8Tiles)");
+                " for head_dim ", num(q.size(3)), " in this build (128 or 192: kernel_tiles.h Fp8Tiles)");
     at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
     at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
     llm_attn::FlashFwdFp8Params f{};

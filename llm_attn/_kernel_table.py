@@ -34,7 +34,7 @@ BWD_NARROW = {
     64: {'block_m': 64, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
 }
 # per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
-FP8_BLOCK_N = {128: (128, 192), 64: (128, 192)}
+FP8_BLOCK_N = {128: (192, 128), 64: (128, 192)}
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
 INSTANTIATIONS = (
     ('fwd', 128, 'fp16', False, 'flash_fwd_hdim128_fp16_noncausal.cu'),
