@@ -1,4 +1,4 @@
-// The INT8 forward's host side: workspace layout, the pre-pass launches (flash_fwd_int8_quant.cuh, instantiated here
+// The INT8 forward's host side: the pre-pass launches (flash_fwd_int8_quant.cuh, instantiated here
 // per dtype and head_dim) and the runtime -> compile-time dispatch of run_flash_fwd_int8 (flash_int8.h).
 #include "flash_int8.h"
 #include "flash_fwd_int8_quant.cuh"
@@ -7,43 +7,6 @@
 #include <cuda_fp16.h>
 
 namespace llm_attn {
-
-namespace {
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-}  // namespace
-
-FlashFwdInt8Workspace flash_fwd_int8_workspace(const FlashFwdInt8Params& p) {
-    const size_t heads = static_cast<size_t>(p.batch) * p.num_kv_heads;
-    const size_t pad = static_cast<size_t>(int8_seqlen_k_pad(p.seqlen_k));
-    const size_t d = static_cast<size_t>(p.head_dim);
-    FlashFwdInt8Workspace w{};
-    size_t at = 0;
-    w.k_int8 = at;
-    at += align256(heads * pad * d);
-    w.k_scale = at;
-    at += align256(heads * (pad / kInt8BlockN) * sizeof(float));
-    w.k_mean = at;
-    at += align256(heads * d * sizeof(float));
-    w.v_fp8 = at;
-    if (p.fp8_pv) at += align256(heads * d * pad);
-    w.v_scale = at;
-    if (p.fp8_pv) at += align256(heads * d * sizeof(float));
-    w.stats = at;
-    at += align256(heads * static_cast<size_t>(int8_stat_chunks(p.seqlen_k)) * 2 * d * sizeof(float));
-    w.bytes = at;
-    return w;
-}
-
-void flash_fwd_int8_set_workspace(FlashFwdInt8Params& p, void* base) {
-    const FlashFwdInt8Workspace w = flash_fwd_int8_workspace(p);
-    unsigned char* b = static_cast<unsigned char*>(base);
-    p.k_int8 = reinterpret_cast<int8_t*>(b + w.k_int8);
-    p.k_scale = reinterpret_cast<float*>(b + w.k_scale);
-    p.k_mean = reinterpret_cast<float*>(b + w.k_mean);
-    p.v_fp8 = p.fp8_pv ? b + w.v_fp8 : nullptr;
-    p.v_scale = p.fp8_pv ? reinterpret_cast<float*>(b + w.v_scale) : nullptr;
-    p.stats = reinterpret_cast<float*>(b + w.stats);
-}
 
 // Compute capability 8.9 (the fp8 configuration's only build, Int8FwdTraits::kMaxArch), per device: 0 = unknown,
 // 1 = no, 2 = yes.

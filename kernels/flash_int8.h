@@ -93,12 +93,44 @@ struct FlashFwdInt8Workspace {
     size_t k_int8, k_scale, k_mean, v_fp8, v_scale, stats;  // offsets; v_fp8/v_scale meaningful only with fp8_pv
     size_t bytes;                                            // total
 };
-FlashFwdInt8Workspace flash_fwd_int8_workspace(const FlashFwdInt8Params& p);
+// Defined here, in the contract, for every host that sizes it: the extension's binding, and the NVRTC build's
+// mirror (llm_attn/_plan.py int8_workspace, which tests/test_nvrtc.py checks against this function).
+inline FlashFwdInt8Workspace flash_fwd_int8_workspace(const FlashFwdInt8Params& p) {
+    const auto align256 = [](size_t n) { return (n + 255) / 256 * 256; };
+    const size_t heads = static_cast<size_t>(p.batch) * p.num_kv_heads;
+    const size_t pad = static_cast<size_t>(int8_seqlen_k_pad(p.seqlen_k));
+    const size_t d = static_cast<size_t>(p.head_dim);
+    FlashFwdInt8Workspace w{};
+    size_t at = 0;
+    w.k_int8 = at;
+    at += align256(heads * pad * d);
+    w.k_scale = at;
+    at += align256(heads * (pad / kInt8BlockN) * sizeof(float));
+    w.k_mean = at;
+    at += align256(heads * d * sizeof(float));
+    w.v_fp8 = at;
+    if (p.fp8_pv) at += align256(heads * d * pad);
+    w.v_scale = at;
+    if (p.fp8_pv) at += align256(heads * d * sizeof(float));
+    w.stats = at;
+    at += align256(heads * static_cast<size_t>(int8_stat_chunks(p.seqlen_k)) * 2 * d * sizeof(float));
+    w.bytes = at;
+    return w;
+}
 inline size_t flash_fwd_int8_workspace_bytes(const FlashFwdInt8Params& p) { return flash_fwd_int8_workspace(p).bytes; }
 // Points the workspace fields of `p` into `base` (device memory of flash_fwd_int8_workspace_bytes(p) bytes,
 // 256-byte aligned, e.g. a torch uint8 tensor's data_ptr()). A caller may instead point each field at its own
 // buffer of the size documented above.
-void flash_fwd_int8_set_workspace(FlashFwdInt8Params& p, void* base);
+inline void flash_fwd_int8_set_workspace(FlashFwdInt8Params& p, void* base) {
+    const FlashFwdInt8Workspace w = flash_fwd_int8_workspace(p);
+    unsigned char* b = static_cast<unsigned char*>(base);
+    p.k_int8 = reinterpret_cast<int8_t*>(b + w.k_int8);
+    p.k_scale = reinterpret_cast<float*>(b + w.k_scale);
+    p.k_mean = reinterpret_cast<float*>(b + w.k_mean);
+    p.v_fp8 = p.fp8_pv ? b + w.v_fp8 : nullptr;
+    p.v_scale = p.fp8_pv ? reinterpret_cast<float*>(b + w.v_scale) : nullptr;
+    p.stats = reinterpret_cast<float*>(b + w.stats);
+}
 
 // True when the current device runs P V in e4m3 natively: compute capability 8.9 (sm_90 has no native e4m3
 // mma.sync: ptxas emulates it with f16 unpacks, so the fp8 configuration is not built for it). Cached per device.
