@@ -1,7 +1,9 @@
-"""What the NVRTC launchers pass to the kernels, and the CUDA driver API they go through: the ctypes mirror of
-``llm_attn::FlashFwdParams`` (kernels/flash.h; every program NVRTC compiles static_asserts its layout) and
-cuda-python's driver module with one error check. Shared by ``llm_attn._nvrtc`` (portable kernels) and
-``llm_attn._nvrtc_sm90`` (the Hopper kernel's parameters and tensor maps), below both.
+"""What the NVRTC launchers pass to the kernels, and the CUDA driver API they go through: the ctypes mirrors of
+``llm_attn::FlashFwdParams`` (kernels/flash.h), ``FlashFwdFp8Params`` (kernels/flash_fp8.h) and ``FlashFwdInt8Params``
+(kernels/flash_int8.h) (every program NVRTC compiles static_asserts their sizes; tests/test_nvrtc.py checks every
+offset with the host C++ compiler) and cuda-python's driver module with one error check. Shared by
+``llm_attn._nvrtc`` (the launchers) and ``llm_attn._nvrtc_sm90`` (the Hopper kernels' parameters and tensor maps),
+below both.
 """
 
 from __future__ import annotations
@@ -28,6 +30,35 @@ class FlashFwdParams(ctypes.Structure):
         ("num_splits", ctypes.c_int),
         ("o_accum", ctypes.c_void_p), ("lse_accum", ctypes.c_void_p), ("split_counters", ctypes.c_void_p),
     ]
+
+
+# FlashFwdParams' fields up to is_bf16: FlashFwdInt8Params begins with them.
+_COMMON = FlashFwdParams._fields_[:[name for name, _ in FlashFwdParams._fields_].index("tile")]
+
+
+class FlashFwdFp8Params(ctypes.Structure):
+    """Mirror of llm_attn::FlashFwdFp8Params (kernels/flash_fp8.h): FlashFwdParams and the pre-pass workspaces."""
+
+    _fields_ = [("p", FlashFwdParams),
+                ("q8", ctypes.c_void_p), ("q_scale", ctypes.c_void_p), ("k8", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("vt8", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+                ("stats", ctypes.c_void_p), ("q_dot_kmean", ctypes.c_void_p)]
+
+
+class FlashFwdInt8Params(ctypes.Structure):
+    """Mirror of llm_attn::FlashFwdInt8Params (kernels/flash_int8.h): FlashFwdParams' fields up to is_bf16, then
+    fp8_pv and the workspace."""
+
+    _fields_ = _COMMON + [
+        ("fp8_pv", ctypes.c_bool),
+        ("k_int8", ctypes.c_void_p), ("k_scale", ctypes.c_void_p), ("k_mean", ctypes.c_void_p),
+        ("v_fp8", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("stats", ctypes.c_void_p),
+    ]
+
+
+# (C++ name, mirror) of every by-value parameter struct of kernels/ (flash.h, flash_fp8.h, flash_int8.h).
+STRUCTS = (("llm_attn::FlashFwdParams", FlashFwdParams), ("llm_attn::FlashFwdFp8Params", FlashFwdFp8Params),
+           ("llm_attn::FlashFwdInt8Params", FlashFwdInt8Params))
 
 
 @functools.lru_cache(maxsize=1)

@@ -17,10 +17,16 @@ keyed by a hash of the kernel headers, the generated source, the NVRTC version, 
 On a compute capability 9.0 GPU it also runs the Hopper kernel where the extension does (``llm_attn._plan``):
 compiled for sm_90a, with its four TMA descriptors built on the host through the driver API and passed inside the
 by-value Sm90Params (``llm_attn._nvrtc_sm90``). The portable kernels compile for the device's own arch (sm_90).
+
+The low-precision forwards are here too, as the extension has them: ``mha_fwd_fp8`` (compute capability 9.0: the
+quantising pre-pass and the FP8 kernel for sm_90a, the kernel's three e4m3 tensor maps in Fp8Sm90Params) and
+``mha_fwd_int8`` (sm_80-90: the pre-pass and the INT8 kernel for the device's arch, P V in e4m3 on sm_89), with
+binding.cpp's workspaces (torch's allocator), launches (``llm_attn._plan``: fp8_launches, int8_launches) and checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -34,19 +40,29 @@ from pathlib import Path
 
 import torch
 
-from llm_attn import _plan, kernel_contract
-from llm_attn._cuda_abi import FlashFwdParams
+from llm_attn import _cuda_abi, _plan, kernel_contract
+from llm_attn._cuda_abi import FlashFwdFp8Params, FlashFwdInt8Params, FlashFwdParams
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
 
 CACHE_FORMAT = 1
 # NVRTC has no C++ standard library: flash.h and ptx.cuh include <cstdint>, which this in-memory header provides
 # (LP64: int64_t is long, as in glibc, so the struct layout matches the host's).
+# flash_int8.h includes <cstddef> (size_t), the INT8 kernel <type_traits> (std::integral_constant): the same.
 _SHIM_HEADERS = {
     "cstdint": "#pragma once\n"
                "typedef signed char int8_t; typedef short int16_t; typedef int int32_t; typedef long int64_t;\n"
                "typedef unsigned char uint8_t; typedef unsigned short uint16_t; typedef unsigned int uint32_t;\n"
                "typedef unsigned long uint64_t; typedef unsigned long uintptr_t; typedef long intptr_t;\n",
+    "cstddef": "#pragma once\ntypedef unsigned long size_t; typedef long ptrdiff_t;\n",
+    "type_traits": "#pragma once\nnamespace std {\n"
+                   "template <class T, T v> struct integral_constant {\n"
+                   "    static constexpr T value = v;\n    using value_type = T;\n    using type = integral_constant;\n"
+                   "    constexpr operator T() const noexcept { return v; }\n"
+                   "    constexpr T operator()() const noexcept { return v; }\n};\n"
+                   "using true_type = integral_constant<bool, true>;\n"
+                   "using false_type = integral_constant<bool, false>;\n"
+                   "}  // namespace std\n",
 }
 # What nvcc gets from setup.py, in NVRTC's words. -default-device: flash.h declares host functions, which NVRTC
 # would otherwise reject; INFINITY comes from <cmath> under nvcc.
@@ -133,37 +149,56 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def params_struct_asserts(offsets: bool = False) -> str:
-    """static_asserts that FlashFwdParams has the layout of the ctypes mirror below. NVRTC has no offsetof, so every
-    program checks the size; tests/test_nvrtc.py checks each offset with the host C++ compiler (offsets=True)."""
-    lines = [f"static_assert(sizeof(llm_attn::FlashFwdParams) == {ctypes.sizeof(FlashFwdParams)}, "
-             f"\"FlashFwdParams changed: update llm_attn/_nvrtc.py\");"]
-    for name, *_ in FlashFwdParams._fields_ if offsets else ():
-        off = getattr(FlashFwdParams, name).offset
-        lines.append(f"static_assert(offsetof(llm_attn::FlashFwdParams, {name}) == {off}, "
-                     f"\"FlashFwdParams.{name} moved: update llm_attn/_nvrtc.py\");")
+def params_struct_asserts(offsets: bool = False, structs=_cuda_abi.STRUCTS[:1]) -> str:
+    """static_asserts that each C++ struct of `structs` ((name, ctypes mirror) pairs of _cuda_abi.STRUCTS) has its
+    mirror's layout. NVRTC has no offsetof, so every program checks the sizes of the structs its kernels take;
+    tests/test_nvrtc.py checks each offset with the host C++ compiler (offsets=True)."""
+    lines = []
+    for cpp, mirror in structs:
+        short = cpp.rsplit("::", 1)[-1]
+        lines.append(f"static_assert(sizeof({cpp}) == {ctypes.sizeof(mirror)}, "
+                     f"\"{short} changed: update llm_attn/_cuda_abi.py\");")
+        for name, *_ in mirror._fields_ if offsets else ():
+            lines.append(f"static_assert(offsetof({cpp}, {name}) == {getattr(mirror, name).offset}, "
+                         f"\"{short}.{name} moved: update llm_attn/_cuda_abi.py\");")
     return "\n".join(lines) + "\n"
 
 
+# (what a kernel's name expression contains, the header that defines it, the parameter structs it takes: their
+# _cuda_abi.STRUCTS index and the Hopper struct of _nvrtc_sm90.STRUCTS, if any). Each kernel's own header: they
+# share the parts smem_tile.cuh, softmax.cuh, mask.cuh, mma_frag.cuh and combine.cuh, which _headers_digest hashes
+# with every other kernels/*.h and *.cuh.
+_KERNEL_HEADERS = (
+    ("flash_fwd_kernel<", "flash_fwd_kernel.cuh", (0,), None),
+    ("flash_combine_kernel<", "combine.cuh", (0,), None),
+    ("flash_decode_kernel<", "flash_decode_kernel.cuh", (0,), None),
+    ("flash_bwd_", "flash_bwd_kernel.cuh", (0,), None),
+    ("flash_fwd_sm90_kernel<", "flash_fwd_sm90_kernel.cuh", (0,), "Sm90Params"),
+    ("llm_attn::fp8::", "quant_fp8.cuh", (0, 1), None),
+    ("flash_fwd_fp8_sm90_kernel<", "flash_fwd_fp8_sm90_kernel.cuh", (0, 1), "Fp8Sm90Params"),
+    ("llm_attn::int8fwd::int8_", "flash_fwd_int8_quant.cuh", (2,), None),
+    ("flash_fwd_int8_kernel<", "flash_fwd_int8_kernel.cuh", (2,), None),
+)
+
+
 def program_source(kernels: list[str]) -> str:
-    # Each kernel's own header (they share the parts smem_tile.cuh, softmax.cuh, mask.cuh, mma_frag.cuh and
-    # combine.cuh, which _headers_digest hashes with every other kernels/*.h and *.cuh).
-    by_name = (("flash_fwd_kernel<", "flash_fwd_kernel.cuh"), ("flash_combine_kernel<", "combine.cuh"),
-               ("flash_decode_kernel<", "flash_decode_kernel.cuh"), ("flash_bwd_", "flash_bwd_kernel.cuh"),
-               ("flash_fwd_sm90_kernel<", "flash_fwd_sm90_kernel.cuh"))
-    headers = [h for key, h in by_name if any(key in k for k in kernels)] or ["flash_fwd_kernel.cuh"]
-    src = "".join(f'#include "{h}"\n' for h in headers) + params_struct_asserts()
-    if "flash_fwd_sm90_kernel.cuh" in headers:
+    used = [row for row in _KERNEL_HEADERS if any(row[0] in k for k in kernels)] or [_KERNEL_HEADERS[0]]
+    src = "".join(f'#include "{h}"\n' for _, h, _, _ in used)
+    src += params_struct_asserts(structs=[_cuda_abi.STRUCTS[i] for i in sorted({i for row in used for i in row[2]})])
+    hopper = [row[3] for row in used if row[3]]
+    if hopper:
         from llm_attn import _nvrtc_sm90  # noqa: PLC0415
 
-        src += _nvrtc_sm90.struct_asserts()
+        src += "".join(_nvrtc_sm90.struct_asserts(h) for h in hopper)
     return src
 
 
 def kernel_arch(device_arch: str, kernel: str) -> str:
-    """The arch a kernel is compiled for on a device of `device_arch`: the Hopper kernel needs sm_90a (wgmma,
-    setmaxnreg), as in the AOT build; every other kernel the device's own."""
-    return "sm_90a" if "flash_fwd_sm90_kernel<" in kernel else device_arch
+    """The arch a kernel is compiled for on a device of `device_arch`: the Hopper kernels need sm_90a (wgmma,
+    setmaxnreg), and the FP8 forward's pre-pass is built with them, as in the AOT build; every other kernel the
+    device's own."""
+    hopper = ("flash_fwd_sm90_kernel<", "flash_fwd_fp8_sm90_kernel<", "llm_attn::fp8::")
+    return "sm_90a" if any(h in kernel for h in hopper) else device_arch
 
 
 def sm90_compilable() -> bool:
@@ -231,21 +266,32 @@ def compile_cubin(arch: str, kernels: list[str]) -> tuple[bytes, dict[str, str],
 
 
 _PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers, used (\d+) barriers")
 _PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'|Function properties for (\S+)")
 
 
-def local_memory_report(log: str) -> dict[str, tuple[int, int, int]]:
-    """{mangled kernel: (stack frame, spill stores, spill loads) bytes} from the ptxas -v lines of a compile log."""
+def _ptxas_report(log: str, pattern: re.Pattern) -> dict[str, tuple[int, ...]]:
+    """{mangled kernel: the numbers of `pattern`'s line} from the ptxas -v lines of a compile log."""
     out, current = {}, None
     for line in log.splitlines():
         m = _PTXAS_FUNC.search(line)
         if m:
             current = m.group(1) or m.group(2)
             continue
-        m = _PTXAS_PROPS.search(line)
+        m = pattern.search(line)
         if m and current:
             out[current] = tuple(int(x) for x in m.groups())
     return out
+
+
+def local_memory_report(log: str) -> dict[str, tuple[int, int, int]]:
+    """{mangled kernel: (stack frame, spill stores, spill loads) bytes} from the ptxas -v lines of a compile log."""
+    return _ptxas_report(log, _PTXAS_PROPS)
+
+
+def register_report(log: str) -> dict[str, tuple[int, int]]:
+    """{mangled kernel: (registers, named barriers)} from the ptxas -v lines of a compile log."""
+    return _ptxas_report(log, _PTXAS_REGS)
 
 
 _compile_lock = threading.Lock()
@@ -387,7 +433,9 @@ def _cu_stream(stream: int):
     return cu_stream
 
 
-def _launch(index: int, launch: _plan.Launch, params: FlashFwdParams, stream: int):
+def _launch(index: int, launch: _plan.Launch, params: ctypes.Structure, stream: int):
+    """Queue `launch` on `stream` with `params` (the by-value struct its kernel takes; a FlashFwdParams becomes the
+    Hopper kernel's Sm90Params here)."""
     driver = _driver()
     fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
     if launch.sm90 is not None:  # the Hopper kernel takes Sm90Params: FlashFwdParams + its four tensor maps
@@ -504,17 +552,30 @@ def _prepare(q, k, v, out, lse, seqused_k, scale, causal):
         _fail("kernel launch failed: ", e)
 
     p = FlashFwdParams()
+    _set_shapes(p, q, k, v, out, scale, causal)
+    p.tile, p.num_splits = _tile, plan.num_splits
+    return index, plan, p
+
+
+def _set_shapes(p, q, k, v, out, scale: float, causal: bool) -> None:
+    """binding.cpp's set_shared_params without the pointers: strides, shapes, scale and mask into `p` (a
+    FlashFwdParams or a FlashFwdInt8Params, which begins with the same fields)."""
     (p.q_batch_stride, p.q_head_stride, p.q_row_stride) = q.stride()[:3]
     (p.k_batch_stride, p.k_head_stride, p.k_row_stride) = k.stride()[:3]
     (p.v_batch_stride, p.v_head_stride, p.v_row_stride) = v.stride()[:3]
     (p.o_batch_stride, p.o_head_stride, p.o_row_stride) = out.stride()[:3]
-    p.batch, p.num_heads, p.num_kv_heads = batch, num_heads, num_kv_heads
-    p.seqlen_q, p.seqlen_k, p.head_dim = seqlen_q, seqlen_k, head_dim
+    p.batch, p.num_heads, p.seqlen_q, p.head_dim = q.shape
+    p.num_kv_heads, p.seqlen_k = k.shape[1], k.shape[2]
     p.scale = scale
     p.scale_log2 = scale * 1.4426950408889634  # M_LOG2E, rounded to float as binding.cpp does
-    p.causal, p.is_bf16, p.tile = bool(causal), is_bf16, _tile
-    p.num_splits = plan.num_splits
-    return index, plan, p
+    p.causal, p.is_bf16 = bool(causal), q.dtype == torch.bfloat16
+
+
+def _set_pointers(p, q, k, v, out, lse, seqused_k) -> None:
+    """set_shared_params' pointers (seqused_k may be None)."""
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    p.lse = lse.data_ptr()
+    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
 
 
 def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -536,9 +597,7 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
     # A copy per call (launches copy their parameters when queued, but another thread may launch concurrently).
     p = FlashFwdParams.from_buffer_copy(template)
-    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-    p.lse = lse.data_ptr()
-    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
+    _set_pointers(p, q, k, v, out, lse, seqused_k)
     if index == torch.cuda.current_device():
         stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
         workspace = _workspace(p, plan, q, k, index, stream)
@@ -681,10 +740,129 @@ def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: 
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``mha_fwd`` with its outputs made here, as binding.cpp's ``mha_fwd_alloc``: out in (B, Sq, Hq, D) memory
     order viewed as (B, Hq, Sq, D), lse (B, Hq, Sq) float32. For inputs that ``flash_attn_func`` has checked."""
-    b, h, s, d = q.shape
-    out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    out, lse = _empty_outputs(q)
     mha_fwd(q, k, v, out, lse, seqused_k, scale, causal)
+    return out, lse
+
+
+# -- the low-precision forwards: binding.cpp's mha_fwd_fp8 / mha_fwd_int8 -----------------------------------------
+def fp8_available() -> bool:
+    """flash_fwd_fp8_available: the current device is compute capability 9.0 and NVRTC compiles sm_90a, which the
+    FP8 kernel and its pre-pass are built for (as the Hopper prefill kernel: sm90_available)."""
+    return sm90_available()
+
+
+def int8_available() -> bool:
+    """binding.cpp's int8_available: the INT8 forward runs on compute capability 8.x and 9.x."""
+    return unavailable_reason() is None and device_info(torch.cuda.current_device())[1].cc_major in (8, 9)
+
+
+def int8_pv_fp8() -> bool:
+    """flash_fwd_int8_fp8_pv_available: whether the current device multiplies P V in e4m3 (compute capability 8.9)."""
+    return unavailable_reason() is None and _plan.int8_pv_fp8(device_info(torch.cuda.current_device())[0])
+
+
+def fp8_block_n(head_dim: int, block_n: int = 0) -> int:
+    """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim and block_n runs, 0 if not built."""
+    return _plan.fp8_block_n(int(head_dim), int(block_n))
+
+
+def _checked_outputs(q, k, v, seqused_k, scale, causal):
+    """mha_fwd_alloc's outputs for inputs that pass binding.cpp's check_fwd (whose messages it raises)."""
+    out, lse = _empty_outputs(q)
+    problem = kernel_contract.launcher_problem(q, k, v, out, lse, seqused_k, scale, causal)
+    if problem:
+        _fail(problem)
+    return out, lse
+
+
+def _empty_outputs(q):
+    b, h, s, d = q.shape
+    return (torch.empty((b, s, h, d), dtype=q.dtype, device=q.device).transpose(1, 2),
+            torch.empty((b, h, s), dtype=torch.float32, device=q.device))
+
+
+@contextlib.contextmanager
+def _device_of(q):
+    """(device index, torch's current stream there) with q's device current, as binding.cpp's CUDAGuard."""
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    if index == torch.cuda.current_device():
+        yield index, stream
+    else:
+        with torch.cuda.device(index):
+            yield index, stream
+
+
+def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
+                causal: bool, block_n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """binding.cpp's mha_fwd_fp8: the same checks and messages, the same workspaces (e4m3 Q, K, V^T in one byte
+    buffer; the zeroed channel statistics, the scales and q . mean(K) in one float32 buffer, from torch's caching
+    allocator), then launch_fp8_tile's launches: the three pre-pass kernels and the kernel with its tensor maps.
+    block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default). Returns (out, lse)."""
+    out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
+    with _device_of(q) as (index, stream):
+        if not fp8_available():
+            raise RuntimeError("llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) "
+                               "and a build with sm_90a (NVRTC 12.0 or newer compiles it)")
+        b, hq, sq, d = q.shape
+        tile = _plan.fp8_block_n(d, int(block_n))
+        if tile == 0:
+            what = f"{block_n}-key tile" if block_n else "tile of the LLM_ATTN_FP8_BLOCK_N set"
+            raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel has no {what} for head_dim {d} in this build "
+                               f"(128 or 192: kernel_tiles.h Fp8Tiles)")
+        shape = _plan.Shape(b, hq, k.shape[1], sq, k.shape[2], d, bool(causal), q.dtype == torch.bfloat16)
+        ws = _plan.fp8_workspace(shape)
+        f = FlashFwdFp8Params()
+        _set_shapes(f.p, q, k, v, out, scale, causal)
+        _set_pointers(f.p, q, k, v, out, lse, seqused_k)
+        f.p.num_splits = 1
+        bytes_ = torch.empty(ws.bytes_, dtype=torch.uint8, device=q.device)
+        floats = torch.empty(ws.floats, dtype=torch.float32, device=q.device)
+        floats[:ws.stats].zero_()  # only the statistics are accumulated into
+        f.q8 = bytes_.data_ptr()
+        f.k8 = f.q8 + ws.q8
+        f.vt8 = f.k8 + ws.k8
+        at = floats.data_ptr()
+        for name in ("stats", "q_scale", "k_scale", "v_scale", "q_dot_kmean"):
+            setattr(f, name, at)
+            at += 4 * getattr(ws, name)
+        traits = _plan.fp8_traits(d, tile)
+        *prepass, main = _plan.fp8_launches(shape, traits)
+        for launch in prepass:
+            _launch(index, launch, f, stream)
+        from llm_attn import _nvrtc_sm90  # noqa: PLC0415
+
+        _launch(index, main, _nvrtc_sm90.fp8_params(f, traits), stream)
+    del bytes_, floats  # they lived until the launches were queued; the allocator orders their reuse by stream
+    return out, lse
+
+
+def mha_fwd_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """binding.cpp's mha_fwd_int8: the same checks and messages, P V in e4m3 where the device has it (sm_89), the
+    workspace in one byte buffer (flash_fwd_int8_workspace's layout, from torch's caching allocator), then
+    run_flash_fwd_int8's launches: the two pre-pass kernels and the kernel. Returns (out, lse)."""
+    out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
+    with _device_of(q) as (index, stream):
+        arch, dev = device_info(index)
+        if dev.cc_major not in (8, 9):
+            raise RuntimeError(f"llm_attn.mha_fwd_int8: the INT8 forward has kernels for compute capability 8.x and "
+                               f"9.0, this GPU is {arch[3:-1]}.{arch[-1]}")
+        b, hq, sq, d = q.shape
+        shape = _plan.Shape(b, hq, k.shape[1], sq, k.shape[2], d, bool(causal), q.dtype == torch.bfloat16)
+        p = FlashFwdInt8Params()
+        _set_shapes(p, q, k, v, out, scale, causal)
+        _set_pointers(p, q, k, v, out, lse, seqused_k)
+        p.fp8_pv = _plan.int8_pv_fp8(arch)
+        offsets, size = _plan.int8_workspace(shape, p.fp8_pv)
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+        for name, offset in offsets.items():
+            if p.fp8_pv or name not in ("v_fp8", "v_scale"):
+                setattr(p, name, workspace.data_ptr() + offset)
+        for launch in _plan.int8_launches(shape, p.fp8_pv):
+            _launch(index, launch, p, stream)
+    del workspace
     return out, lse
 
 
@@ -692,25 +870,30 @@ def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def sm90_probe_offsets() -> dict[str, int]:
-    """{field: offset} of the C++ Sm90Params as NVRTC lays it out: ``_nvrtc_sm90.layout_probe_source()`` (with its
-    struct_asserts) compiled to PTX for sm_90a. Needs NVRTC only (no GPU, no driver); tests/test_nvrtc.py compares
-    it with the ctypes mirror."""
+def sm90_probe_offsets(struct: str = "Sm90Params") -> dict[str, int]:
+    """{field: offset} of a Hopper kernel's C++ parameter struct (``_nvrtc_sm90.STRUCTS``: Sm90Params,
+    Fp8Sm90Params) as NVRTC lays it out: ``_nvrtc_sm90.layout_probe_source()`` (with its struct_asserts) compiled to
+    PTX for sm_90a. Needs NVRTC only (no GPU, no driver); tests/test_nvrtc.py compares it with the ctypes mirror."""
     from llm_attn import _nvrtc_sm90  # noqa: PLC0415
 
+    src = _nvrtc_sm90.layout_probe_source(struct) + _nvrtc_sm90.struct_asserts(struct)
+    return _nvrtc_sm90.layout_probe(compile_ptx(_nvrtc_sm90.ARCH, src, "llm_attn_sm90_probe.cu"), struct)
+
+
+def compile_ptx(arch: str, src: str, name: str = "llm_attn_probe.cu") -> str:
+    """PTX of `src` (a program over the kernel headers) for `arch`: for probes that read what the C++ says (struct
+    offsets, constants) without a GPU or a driver."""
     nvrtc = _nvrtc()
-    src = _nvrtc_sm90.layout_probe_source() + _nvrtc_sm90.struct_asserts()
     names = [n.encode() for n in _SHIM_HEADERS]
     bodies = [t.encode() for t in _SHIM_HEADERS.values()]
-    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"llm_attn_sm90_probe.cu", len(names), bodies, names),
+    prog = _check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), len(names), bodies, names),
                   "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in _options(_nvrtc_sm90.ARCH) if not o.startswith("--ptxas")]
+        opts = [o.encode() for o in _options(arch) if not o.startswith("--ptxas")]
         err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
         if int(err) != 0:
             log = _output(nvrtc, prog, "ProgramLog")
-            raise RuntimeError(f"the Sm90Params layout probe did not compile:\n{log.decode(errors='replace')}")
-        ptx = _output(nvrtc, prog, "PTX")
+            raise RuntimeError(f"{name} did not compile:\n{log.decode(errors='replace')}")
+        return _output(nvrtc, prog, "PTX").rstrip(b"\0").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return _nvrtc_sm90.layout_probe(ptx.rstrip(b"\0").decode())

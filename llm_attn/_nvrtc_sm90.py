@@ -1,5 +1,5 @@
-"""The Hopper (sm_90a) prefill kernel on the NVRTC backend: what kernels/flash_fwd_sm90_launch.cuh does on the host
-for the compiled extension, in Python.
+"""The Hopper (sm_90a) prefill kernels on the NVRTC backend: what kernels/flash_fwd_sm90_launch.cuh and
+flash_fwd_fp8_sm90_launch.cuh do on the host for the compiled extension, in Python.
 
 - ``Sm90Params``: a ctypes mirror of ``llm_attn::sm90::Sm90Params`` (kernels/flash_fwd_sm90_kernel.cuh): the
   portable ``FlashFwdParams``, the ping-pong switch and four 128-byte, 128-byte-aligned tensor maps, passed by value
@@ -10,6 +10,9 @@ for the compiled extension, in Python.
   (4-D (head_dim, seq, heads, batch), byte strides, boxes of 64 columns x box rows, 128-byte swizzle, L2 256-byte
   promotion, no OOB fill).
 - ``params``: ``sm90::launch_tile``'s Sm90Params for a launch of the plan (``llm_attn._plan``).
+- The FP8 kernel the same way: ``Fp8Sm90Params`` (``FlashFwdFp8Params``, the ping-pong switch and the three e4m3
+  tensor maps of the pre-pass's workspaces, ``fp8_tensor_map``: encode_fp8_map's uint8 maps with a 64- or 128-byte
+  swizzle), built by ``fp8_params`` as ``sm90::launch_fp8_tile`` builds it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import functools
 import re
 
 from llm_attn import _plan
-from llm_attn._cuda_abi import FlashFwdParams
+from llm_attn._cuda_abi import FlashFwdFp8Params, FlashFwdParams
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
 
@@ -43,68 +46,102 @@ class Sm90Params(ctypes.Structure):
                 ("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_o", TmaDesc)]
 
 
+class Fp8Sm90Params(ctypes.Structure):
+    """Mirror of llm_attn::sm90::Fp8Sm90Params (kernels/flash_fwd_fp8_sm90_kernel.cuh): FlashFwdFp8Params, the
+    ping-pong switch, then (at the next 128-byte boundary) the tensor maps of e4m3 Q, K and V^T."""
+
+    _fields_ = [("f", FlashFwdFp8Params), ("pingpong", ctypes.c_int),
+                ("_pad", ctypes.c_char * (-(ctypes.sizeof(FlashFwdFp8Params) + 4) % 128)),
+                ("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_vt", TmaDesc)]
+
+
 SIZEOF, ALIGNOF = 768, 128
 assert ctypes.sizeof(Sm90Params) == SIZEOF and Sm90Params.tma_q.offset % ALIGNOF == 0
+assert Fp8Sm90Params.tma_q.offset % ALIGNOF == 0 and ctypes.sizeof(Fp8Sm90Params) % ALIGNOF == 0
 FIELDS = ("p", "pingpong", "tma_q", "tma_k", "tma_v", "tma_o")
+# The by-value parameter structs of the Hopper kernels: (C++ name, mirror, its fields, the header that defines it).
+STRUCTS = {
+    "Sm90Params": ("llm_attn::sm90::Sm90Params", Sm90Params, FIELDS, KERNEL_HEADER),
+    "Fp8Sm90Params": ("llm_attn::sm90::Fp8Sm90Params", Fp8Sm90Params, ("f", "pingpong", "tma_q", "tma_k", "tma_vt"),
+                      "flash_fwd_fp8_sm90_kernel.cuh"),
+}
 
 
-def struct_asserts() -> str:
-    """static_asserts for every program that holds the Hopper kernel: Sm90Params and TmaDesc have the mirror's size
-    and alignment (a changed struct fails the compile, before anything launches)."""
-    s = "llm_attn::sm90::Sm90Params"
-    return (f"static_assert(sizeof({s}) == {SIZEOF} && alignof({s}) == {ALIGNOF}, "
-            f"\"Sm90Params changed: update llm_attn/_nvrtc_sm90.py\");\n"
+def struct_asserts(struct: str = "Sm90Params") -> str:
+    """static_asserts for every program that holds a Hopper kernel: its parameter struct and TmaDesc have the
+    mirror's size and alignment (a changed struct fails the compile, before anything launches)."""
+    cpp, mirror = STRUCTS[struct][:2]
+    return (f"static_assert(sizeof({cpp}) == {ctypes.sizeof(mirror)} && alignof({cpp}) == {ALIGNOF}, "
+            f"\"{struct} changed: update llm_attn/_nvrtc_sm90.py\");\n"
             f"static_assert(sizeof(llm_attn::sm90::TmaDesc) == 128 && alignof(llm_attn::sm90::TmaDesc) == 128, "
             f"\"TmaDesc changed: update llm_attn/_nvrtc_sm90.py\");\n")
 
 
-def layout_probe_source() -> str:
-    """A kernel that stores each Sm90Params field's offset: its PTX holds them as constants (layout_probe)."""
-    lines = [f'#include "{KERNEL_HEADER}"',
-             'extern "C" __global__ void llm_attn_sm90_layout_probe(const llm_attn::sm90::Sm90Params* s, '
-             'unsigned long long* out) {',
+def layout_probe_source(struct: str = "Sm90Params") -> str:
+    """A kernel that stores each field's offset of the Hopper parameter struct `struct`: its PTX holds them as
+    constants (layout_probe)."""
+    cpp, _, fields, header = STRUCTS[struct]
+    lines = [f'#include "{header}"',
+             f'extern "C" __global__ void llm_attn_sm90_layout_probe(const {cpp}* s, unsigned long long* out) {{',
              "    const char* base = reinterpret_cast<const char*>(s);"]
-    lines += [f"    out[{i}] = reinterpret_cast<const char*>(&s->{f}) - base;" for i, f in enumerate(FIELDS)]
+    lines += [f"    out[{i}] = reinterpret_cast<const char*>(&s->{f}) - base;" for i, f in enumerate(fields)]
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def layout_probe(ptx: str) -> dict[str, int]:
-    """{field: offset} from the PTX of layout_probe_source(): `mov.u64 %rdN, OFFSET;` then
-    `st.global.u64 [%rdM+8*i], %rdN;` (a store without an immediate offset is out[0])."""
-    regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"mov\.u64\s+(%rd\d+),\s*(\d+);", ptx)}
+def layout_probe(ptx: str, struct: str = "Sm90Params") -> dict[str, int]:
+    """{field: offset} from the PTX of layout_probe_source(struct)."""
+    values = stored_values(ptx)
+    return {f: values[i] for i, f in enumerate(STRUCTS[struct][2]) if i in values}
+
+
+def stored_values(ptx: str) -> dict[int, int]:
+    """{i: value} of a probe kernel that stores constants into `unsigned long long* out` (out[i] = ...): its PTX's
+    `mov.u64 %rdN, VALUE;` then `st.global.u64 [%rdM+8*i], %rdN;` (a store without an immediate offset is out[0])."""
+    regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"mov\.u64\s+(%rd\d+),\s*(-?\d+);", ptx)}
     out = {}
-    for m in re.finditer(r"st\.global\.u64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|\d+);", ptx):
-        slot = int(m.group(1) or 0) // 8
+    for m in re.finditer(r"st\.global\.u64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|-?\d+);", ptx):
         val = m.group(2)
-        out[FIELDS[slot]] = int(val) if val.isdigit() else regs[val]
+        out[int(m.group(1) or 0) // 8] = int(val) if val.lstrip("-").isdigit() else regs[val]
     return out
 
 
 # -- tensor maps ---------------------------------------------------------------------------------------------------
+def _encode(dtype: str, ptr: int, dims, byte_strides, box, swizzle_bytes: int) -> bytes:
+    """cuTensorMapEncodeTiled of a 4-D map with the parameters every map of these kernels shares (element strides
+    1, no interleave, L2 256-byte promotion, no OOB fill): the descriptor's 128 bytes."""
+    driver = _driver()
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    tmap = _drv_check(driver.cuTensorMapEncodeTiled(
+        getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{dtype}"), 4, ptr, [u64(x) for x in dims],
+        [u64(x) for x in byte_strides], [u32(x) for x in box], [u32(1)] * 4,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle_bytes}B"),
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    return ctypes.string_at(tmap.getPtr(), 128)
+
+
 @functools.lru_cache(maxsize=1024)
 def tensor_map(ptr: int, is_bf16: bool, head_dim: int, seqlen: int, heads: int, batch: int, batch_stride: int,
                head_stride: int, row_stride: int, box_rows: int) -> bytes:
     """make_tensor_map: the 128 bytes of a CUtensorMap for a (batch, heads, seq, head_dim) tensor with element
     strides (batch, head, row). A pure function of its arguments (the descriptor holds the address, not the
     tensor), so it is cached: a shape seen again (every decoder layer, every CUDA graph capture) costs no encode."""
-    driver = _driver()
-    dims = [head_dim, seqlen, heads, batch]
-
     def nbytes(stride: int, size: int) -> int:  # a dim of size 1 is never stepped over: any valid stride does
         return 16 if size == 1 else stride * 2
 
     strides = [nbytes(row_stride, seqlen), nbytes(head_stride, heads), nbytes(batch_stride, batch)]
-    dtype = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if is_bf16
-             else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    tmap = _drv_check(driver.cuTensorMapEncodeTiled(
-        dtype, 4, ptr, [u64(x) for x in dims], [u64(x) for x in strides], [u32(x) for x in (64, box_rows, 1, 1)],
-        [u32(1)] * 4,
-        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    return ctypes.string_at(tmap.getPtr(), 128)
+    return _encode("BFLOAT16" if is_bf16 else "FLOAT16", ptr, [head_dim, seqlen, heads, batch], strides,
+                   (64, box_rows, 1, 1), 128)
+
+
+@functools.lru_cache(maxsize=1024)
+def fp8_tensor_map(ptr: int, inner: int, rows: int, heads: int, batch: int, box_inner: int, box_rows: int) -> bytes:
+    """encode_fp8_map: a 4-D e4m3 (uint8) map (inner, rows, heads, batch) of a contiguous byte tensor, boxes of
+    box_inner x box_rows, the swizzle as wide as box_inner (128 or 64 bytes). Cached as tensor_map (the workspaces
+    are fresh allocations, but the caching allocator hands the same addresses back)."""
+    return _encode("UINT8", ptr, [inner, rows, heads, batch], [inner, inner * rows, inner * rows * heads],
+                   (box_inner, box_rows, 1, 1), 128 if box_inner == 128 else 64)
 
 
 def params(p, launch: _plan.Launch) -> Sm90Params:
@@ -124,4 +161,22 @@ def params(p, launch: _plan.Launch) -> Sm90Params:
         raw = tensor_map(int(ptr), bool(p.is_bf16), d, int(seqlen), int(heads), int(p.batch), *map(int, strides),
                          rows)
         ctypes.memmove(ctypes.addressof(sp) + getattr(Sm90Params, field).offset, raw, 128)
+    return sp
+
+
+def fp8_params(f: FlashFwdFp8Params, traits: _plan.Fp8Traits) -> Fp8Sm90Params:
+    """sm90::launch_fp8_tile's Fp8Sm90Params for FlashFwdFp8Params `f` (workspace pointers set) and the kernel's
+    tile: the maps of Q8 (boxes of the block's rows), K8 (block_n keys) and V^T (vt_box_keys keys x head_dim rows
+    of the padded V^T)."""
+    p, d = f.p, traits.head_dim
+    sp = Fp8Sm90Params()
+    sp.f = f
+    sp.pingpong = _plan.sm90_tuning()[1]
+    pad = _plan.fp8_seqlen_k_pad(p.seqlen_k)
+    for field, ptr, inner, rows, heads, box_inner, box_rows in (
+            ("tma_q", f.q8, d, p.seqlen_q, p.num_heads, d, traits.block_m),
+            ("tma_k", f.k8, d, p.seqlen_k, p.num_kv_heads, d, traits.block_n),
+            ("tma_vt", f.vt8, pad, d, p.num_kv_heads, traits.vt_box_keys, d)):
+        raw = fp8_tensor_map(int(ptr), inner, int(rows), int(heads), int(p.batch), box_inner, box_rows)
+        ctypes.memmove(ctypes.addressof(sp) + getattr(Fp8Sm90Params, field).offset, raw, 128)
     return sp

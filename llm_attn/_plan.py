@@ -348,3 +348,240 @@ def sm90_kernels() -> list[str]:
                 if d == 64:
                     names.append(sm90_kernel_name(bf16, Sm90Traits(64, consumers=3), causal))
     return names
+
+
+# -- the low-precision forwards ------------------------------------------------------------------------------------
+# Each call runs a quantising pre-pass, then the attention kernel, all on the caller's stream: FP8 on Hopper
+# (kernels/flash_fp8.h; the launch is flash_fwd_fp8_sm90_launch.cuh's launch_fp8_tile, the workspace binding.cpp's
+# mha_fwd_fp8) and INT8 on sm_80-90 (kernels/flash_int8.h; run_flash_fwd_int8_quant_ in flash_fwd_int8.cu,
+# launch_fwd_int8 in flash_fwd_int8_launch.cuh, the workspace flash_fwd_int8_workspace). The constants below are
+# those headers' (tests/test_nvrtc.py reads the C++ values back through NVRTC and compares).
+QUANT_THREADS = 256       # fp8::kThreads, int8fwd::kQuantThreads: the block of every pre-pass kernel
+FP8_Q_BLOCK = 64          # kFp8QBlock: query rows per Q scale
+FP8_K_BLOCK = 64          # kFp8KBlock: keys per K scale
+FP8_KV_CHUNK = 128        # kFp8KvChunk: keys per block of the K/V quantisation, and V^T's row padding
+FP8_STATS_KEYS = 512      # fp8_kv_stats_kernel's kRows: keys per block of the channel statistics
+INT8_BLOCK_N = 128        # kInt8BlockN: keys per K scale and per key tile
+INT8_MAX_STAT_CHUNKS = 32  # kInt8MaxStatChunks
+
+
+@dataclass(frozen=True)
+class Fp8Traits:
+    """sm90::Fp8Traits<kHeadDim, kStages, kBlockN> (kernels/flash_fwd_fp8_sm90_kernel.cuh): a producer and two consumer
+    warpgroups (128 query rows) x block_n keys per S tile, with stages K/V^T buffers."""
+
+    head_dim: int
+    stages: int = 2
+    block_n: int = 128
+
+    block_m = 128
+    threads = 384
+
+    @property
+    def vt_box_keys(self) -> int:  # kVtBoxKeys: keys per V^T box (the swizzle width in bytes)
+        return 128 if self.block_n % 128 == 0 else 64
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: Q + stages x (K + V^T) e4m3 tiles + mbarriers + 1 KB for alignment
+        return self.block_m * self.head_dim + self.stages * 2 * self.block_n * self.head_dim \
+            + (1 + 4 * self.stages) * 8 + 1024
+
+    def cpp(self) -> str:  # the defaulted kBlockN is left out: the name the AOT build's launch instantiates
+        tail = f", {self.block_n}" if self.block_n != 128 else ""
+        return f"llm_attn::sm90::Fp8Traits<{self.head_dim}, {self.stages}{tail}>"
+
+
+@dataclass(frozen=True)
+class Int8Traits:
+    """int8fwd::Int8FwdTraits<kHeadDim, kFp8PV> (kernels/flash_fwd_int8_kernel.cuh): 8 warps x 16 query rows, 128-key
+    tiles double-buffered; P V in e4m3 (fp8_pv, sm_89 only) or in the input dtype."""
+
+    head_dim: int
+    fp8_pv: bool
+
+    block_m = 128
+    threads = 256
+
+    @property
+    def smem_bytes(self) -> int:  # 2 stages of (K int8 + V) + the int8 Q fragments (fp8_pv)
+        k = INT8_BLOCK_N * self.head_dim
+        v = self.head_dim * INT8_BLOCK_N if self.fp8_pv else INT8_BLOCK_N * self.head_dim * 2
+        return 2 * (k + v) + (self.block_m * self.head_dim if self.fp8_pv else 0)
+
+    def cpp(self) -> str:
+        return f"llm_attn::int8fwd::Int8FwdTraits<{self.head_dim}, {str(self.fp8_pv).lower()}>"
+
+
+def fp8_kernel_name(is_bf16: bool, traits: Fp8Traits, causal: bool) -> str:
+    return f"llm_attn::sm90::flash_fwd_fp8_sm90_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
+
+
+def fp8_prepass_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
+    """The FP8 pre-pass kernels in launch order: K/V channel statistics, Q, K and V^T (kernels/quant_fp8.cuh)."""
+    return tuple(f"llm_attn::fp8::{k}<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
+                 for k in ("fp8_kv_stats_kernel", "fp8_quant_q_kernel", "fp8_quant_kv_kernel"))
+
+
+def int8_kernel_name(is_bf16: bool, traits: Int8Traits, causal: bool) -> str:
+    return f"llm_attn::int8fwd::flash_fwd_int8_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
+
+
+def int8_prepass_names(is_bf16: bool, head_dim: int, fp8_pv: bool) -> tuple[str, str]:
+    """The INT8 pre-pass kernels in launch order: K/V statistics, K (and V^T) quantisation
+    (flash_fwd_int8_quant.cuh)."""
+    return tuple(f"llm_attn::int8fwd::{k}<{DTYPE_NAMES[is_bf16]}, {head_dim}, {str(fp8_pv).lower()}>"
+                 for k in ("int8_kv_stats_kernel", "int8_quant_kv_kernel"))
+
+
+def fp8_seqlen_k_pad(seqlen_k: int) -> int:
+    """fp8_seqlen_k_pad: V^T's keys per row, whole 128-key chunks plus one of zeros."""
+    return (_cdiv(seqlen_k, FP8_KV_CHUNK) + 1) * FP8_KV_CHUNK
+
+
+def int8_seqlen_k_pad(seqlen_k: int) -> int:
+    return _cdiv(seqlen_k, INT8_BLOCK_N) * INT8_BLOCK_N
+
+
+def int8_stat_chunks(seqlen_k: int) -> int:
+    """int8_stat_chunks: chunks of int8_stat_chunk_keys keys (at least 256, at most INT8_MAX_STAT_CHUNKS chunks)."""
+    chunk = max(256, _cdiv(_cdiv(seqlen_k, INT8_MAX_STAT_CHUNKS), 256) * 256)
+    return _cdiv(seqlen_k, chunk)
+
+
+def _tuning_env(name: str, fallback: int) -> int:
+    """sm90::tuning_env: the variable as std::atoi reads it (a non-number is 0), the fallback when unset or empty."""
+    v = os.environ.get(name, "")
+    try:
+        return int(v) if v else fallback
+    except ValueError:
+        return 0
+
+
+@functools.lru_cache(maxsize=1)
+def fp8_tuning() -> tuple[int, int]:
+    """(LLM_ATTN_FP8_BLOCK_N, LLM_ATTN_FP8_STAGES), read once as flash_fp8.cu and launch_fp8 do (0 / 2 when unset)."""
+    return _tuning_env("LLM_ATTN_FP8_BLOCK_N", 0), _tuning_env("LLM_ATTN_FP8_STAGES", 2)
+
+
+def fp8_block_n(head_dim: int, requested: int = 0) -> int:
+    """flash_fwd_fp8_block_n: the key tile a call runs, `requested` or else LLM_ATTN_FP8_BLOCK_N or else the default
+    of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built."""
+    tiles = _table.FP8_BLOCK_N.get(head_dim, ())
+    n = requested or fp8_tuning()[0] or (tiles[0] if tiles else 0)
+    return n if n in tiles else 0
+
+
+def fp8_traits(head_dim: int, block_n: int) -> Fp8Traits:
+    """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3."""
+    if block_n == 128 and fp8_tuning()[1] == 3:
+        return Fp8Traits(head_dim, 3)
+    return Fp8Traits(head_dim, 2, block_n)
+
+
+def fp8_launches(s: Shape, traits: Fp8Traits) -> tuple[Launch, ...]:
+    """launch_fp8_tile: the three pre-pass kernels, then the kernel (its parameters: Fp8Sm90Params with the tensor
+    maps; the pre-pass takes FlashFwdFp8Params). Causal: heads in x, so that blocks launch longest first."""
+    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim)
+    m_blocks = _cdiv(s.seqlen_q, traits.block_m)
+    grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
+    return (Launch(stats, (_cdiv(s.seqlen_k, FP8_STATS_KEYS), s.num_kv_heads, s.batch), QUANT_THREADS, 0),
+            Launch(quant_q, (_cdiv(s.seqlen_q, FP8_Q_BLOCK), s.num_heads, s.batch), QUANT_THREADS, 0),
+            Launch(quant_kv, (fp8_seqlen_k_pad(s.seqlen_k) // FP8_KV_CHUNK, s.num_kv_heads, s.batch), QUANT_THREADS, 0),
+            Launch(fp8_kernel_name(s.is_bf16, traits, s.causal), grid, traits.threads, traits.smem_bytes))
+
+
+def int8_launches(s: Shape, fp8_pv: bool) -> tuple[Launch, ...]:
+    """run_flash_fwd_int8: the two pre-pass kernels (none without keys), then launch_fwd_int8's kernel."""
+    traits = Int8Traits(s.head_dim, fp8_pv)
+    heads = s.batch * s.num_kv_heads
+    stats, quant = int8_prepass_names(s.is_bf16, s.head_dim, fp8_pv)
+    pre = (Launch(stats, (int8_stat_chunks(s.seqlen_k), heads, 1), QUANT_THREADS, 0),
+           Launch(quant, (int8_seqlen_k_pad(s.seqlen_k) // INT8_BLOCK_N, heads, 1), QUANT_THREADS, 0))
+    m_blocks = _cdiv(s.seqlen_q, traits.block_m)
+    grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
+    main = Launch(int8_kernel_name(s.is_bf16, traits, s.causal), grid, traits.threads, traits.smem_bytes)
+    return (pre if s.seqlen_k > 0 else ()) + (main,)
+
+
+@dataclass(frozen=True)
+class Fp8Workspace:
+    """binding.cpp's mha_fwd_fp8 workspaces: e4m3 Q, K, V^T in one byte buffer (`bytes_` elements, in that order);
+    the channel statistics (zeroed), Q, K, V scales and q . mean(K) in one float32 buffer (`floats`, in that order)."""
+
+    q8: int
+    k8: int
+    vt8: int
+    stats: int
+    q_scale: int
+    k_scale: int
+    v_scale: int
+    q_dot_kmean: int
+
+    @property
+    def bytes_(self) -> int:
+        return self.q8 + self.k8 + self.vt8
+
+    @property
+    def floats(self) -> int:
+        return self.stats + self.q_scale + self.k_scale + self.v_scale + self.q_dot_kmean
+
+
+def fp8_workspace(s: Shape) -> Fp8Workspace:
+    b, hq, hkv, sq, sk, d = s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q, s.seqlen_k, s.head_dim
+    return Fp8Workspace(q8=b * hq * sq * d, k8=b * hkv * sk * d, vt8=b * hkv * d * fp8_seqlen_k_pad(sk),
+                        stats=2 * b * hkv * d, q_scale=b * hq * _cdiv(sq, FP8_Q_BLOCK),
+                        k_scale=b * hkv * _cdiv(sk, FP8_K_BLOCK), v_scale=b * hkv * d, q_dot_kmean=b * hq * sq)
+
+
+INT8_WORKSPACE_FIELDS = ("k_int8", "k_scale", "k_mean", "v_fp8", "v_scale", "stats")
+
+
+def int8_workspace(s: Shape, fp8_pv: bool) -> tuple[dict[str, int], int]:
+    """flash_fwd_int8_workspace (kernels/flash_int8.h): ({buffer: byte offset}, total bytes) of the one allocation,
+    each buffer 256-byte aligned; v_fp8 and v_scale take no room without fp8_pv (their pointers are then null)."""
+    heads, pad, d = s.batch * s.num_kv_heads, int8_seqlen_k_pad(s.seqlen_k), s.head_dim
+    sizes = (heads * pad * d, heads * (pad // INT8_BLOCK_N) * 4, heads * d * 4,
+             heads * d * pad if fp8_pv else 0, heads * d * 4 if fp8_pv else 0,
+             heads * int8_stat_chunks(s.seqlen_k) * 2 * d * 4)
+    offsets, at = {}, 0
+    for name, size in zip(INT8_WORKSPACE_FIELDS, sizes):
+        offsets[name] = at
+        at += _cdiv(size, 256) * 256
+    return offsets, at
+
+
+def _quant_instantiations(kind: str) -> list[tuple[int, bool, bool]]:
+    """(head_dim, is_bf16, causal) of every instantiation file of `kind` (kernels/generate_kernels.py's spec)."""
+    return [(d, tag == "bf16", causal) for k, d, tag, causal, _ in _table.INSTANTIATIONS if k == kind]
+
+
+def fp8_kernels() -> list[str]:
+    """Every FP8 instantiation the AOT build compiles for sm_90a (flash_fwd_fp8_sm90_*.cu through launch_fp8): per
+    (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages),
+    and per (head_dim, dtype) the three pre-pass kernels."""
+    names = []
+    for d, bf16, causal in _quant_instantiations("fwd_fp8_sm90"):
+        for block_n in _table.FP8_BLOCK_N[d]:
+            for stages in ((2, 3) if block_n == 128 else (2,)):
+                names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n), causal))
+        if causal:
+            names += fp8_prepass_names(bf16, d)
+    return names
+
+
+def int8_pv_fp8(arch: str) -> bool:
+    """flash_fwd_int8_fp8_pv_available: P V in e4m3 on compute capability 8.9 only."""
+    return arch == "sm_89"
+
+
+def int8_kernels(arch: str) -> list[str]:
+    """Every INT8 instantiation that runs on `arch` ("sm_80" ..): per (head_dim, dtype, causal) of the instantiation
+    files the kernel with the P V this arch takes (the AOT build also compiles the other, whose body is a trap
+    there), and per (head_dim, dtype) the two pre-pass kernels."""
+    pv = int8_pv_fp8(arch)
+    names = []
+    for d, bf16, causal in _quant_instantiations("fwd_int8"):
+        names.append(int8_kernel_name(bf16, Int8Traits(d, pv), causal))
+        if causal:
+            names += int8_prepass_names(bf16, d, pv)
+    return names
