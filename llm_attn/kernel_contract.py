@@ -25,7 +25,7 @@ KERNEL_MAX_SEQ_LEN = 1 << 30  # exclusive: lengths are int32 and offsets must no
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PATHS = ("auto", "kernel", "reference")
 # flash_attn_func(precision=...): 'native' computes in the inputs' dtype; 'fp8' quantises Q, K, V to e4m3 in the call
-# (kernels/flash_fp8.h; llm_attn/quant_reference.py), on compute capability 9.0 only for the kernel.
+# (kernels/flash_fp8.h; llm_attn/quant_reference.py), on compute capability 9.0 only for the kernel (either build).
 PRECISIONS = ("native", "fp8", "int8")
 FP8_KERNEL_CC = (9, 0)
 INT8_KERNEL_CCS = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
@@ -172,9 +172,9 @@ def quant_problem(precision, q: torch.Tensor, use_kernel: bool, available: bool 
         return (f"precision='int8' has kernels for sm_80/86/87/89/90; this GPU is sm_{cc[0]}{cc[1]}: use "
                 f"precision='native', or path='reference'")
     if not available:
-        return (f"precision={precision!r} needs the AOT build of the extension compiled for this GPU "
-                f"(LLM_ATTN_CUDA_ARCHS; python -m pip install --no-build-isolation -e .); this build has no "
-                f"{precision.upper()} kernel for it")
+        return (f"precision={precision!r} needs a kernel build for this GPU: the AOT extension compiled for it "
+                f"(LLM_ATTN_CUDA_ARCHS; python -m pip install --no-build-isolation -e .) or NVRTC (12.0 or newer for "
+                f"FP8's sm_90a); this build has no {precision.upper()} kernel for it")
     return None
 
 

@@ -117,8 +117,8 @@ def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, b
     ext = ext or _current_ext()
     name = _QUANT_BINDING[precision]
     if not hasattr(ext, name):
-        raise KernelNotBuiltError(f"precision={precision!r} runs in the AOT build only (llm_attn._C, built with nvcc); "
-                                  f"this process uses the {kernel_build()} build")
+        raise KernelNotBuiltError(f"precision={precision!r}: this {kernel_build()} build has no {name} (an extension "
+                                  f"built before it: rebuild it, or LLM_ATTN_BUILD=nvrtc)")
     q, k, v = _readable(q), _readable(k), _readable(v)
     if block_n and precision == "fp8":  # the FP8 kernel's key tile (force_fp8_tile); 0: the build's default
         return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n))
@@ -183,8 +183,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
            the call (per-block scales, K smoothed by its channel mean), with fp32 accumulation and softmax and the
            output in q's dtype. 'fp8': e4m3 Q, K, V (``llm_attn.quant_reference``), kernel on compute capability 9.0
            (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
-           (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in the AOT build; the reference
-           path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
+           (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in both builds (AOT, NVRTC);
+           the reference path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
            ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
 
     Returns:
@@ -240,8 +240,8 @@ def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel,
 
 
 def ext_quant_available(ext, precision: str) -> bool:
-    """Whether this build runs the ``precision`` kernel on the current device (FP8: the AOT build with sm_90a on a
-    9.0 GPU; INT8: the AOT build on sm_80-90)."""
+    """Whether this build runs the ``precision`` kernel on the current device (FP8: a 9.0 GPU and sm_90a code, built
+    in or compiled by NVRTC >= 12.0; INT8: sm_80-90)."""
     probe = {"fp8": "fp8_available", "int8": "int8_available"}[precision]
     return hasattr(ext, probe) and bool(getattr(ext, probe)())
 

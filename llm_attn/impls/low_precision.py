@@ -9,7 +9,7 @@ harness (``bench --mode accuracy`` against float64, the ``correctness`` measurem
 What each serves: prefill-shaped calls (more than ``DECODE_MAX_Q_LEN`` query rows) in low precision; decode-shaped calls (one
 token, or a few) keep the native fp16/bf16 kernel, whose cost is reading the cache, not arithmetic (an FP8 KV
 cache is the lever there). No backward: training through these entries raises. Variants counted in the patch
-report: ``fp8`` / ``int8`` (the kernel, AOT build) and ``reference-fp8`` / ``reference-int8`` (the same algorithm in
+report: ``fp8`` / ``int8`` (the kernel, either build) and ``reference-fp8`` / ``reference-int8`` (the same algorithm in
 PyTorch: CPU tensors, or ``backend='reference'``).
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from llm_attn._ext import kernel_available
 from llm_attn.kernel_contract import KERNEL_DTYPES, kernel_problem, reference_problem
-from llm_attn.ops import flash_attn_func
+from llm_attn.ops import ext_quant_available, flash_attn_func
 from llm_attn.registry import register_attention
 
 DECODE_MAX_Q_LEN = 16  # at most this many query rows: the native kernel (decode and speculative steps)
@@ -35,9 +35,12 @@ def _cuda_problem(device: torch.device, precision: str) -> str | None:
                 f"sm_{cc[0]}{cc[1]} (llm_attn_int8 runs on sm_80-90)")
     if precision == "int8" and cc not in INT8_KERNEL_CCS:
         return f"llm_attn_int8 has kernels for sm_80/86/87/89/90; this GPU is sm_{cc[0]}{cc[1]}"
-    if not kernel_available() or _ext.kernel_build() != "aot":
-        return (f"llm_attn_{precision} needs the AOT build of the extension (python -m pip install "
-                f"--no-build-isolation -e .)")
+    if not kernel_available():
+        return (f"llm_attn_{precision} needs a kernel build: the AOT extension (python -m pip install "
+                f"--no-build-isolation -e .) or NVRTC (python -m pip install 'llm-attn[nvrtc]')")
+    if not ext_quant_available(_ext.get_ext(), precision):
+        return (f"llm_attn_{precision}: the {_ext.kernel_build()} build has no {precision.upper()} kernel for this GPU "
+                f"(AOT: LLM_ATTN_CUDA_ARCHS must contain its arch; NVRTC: 12.0 or newer for FP8's sm_90a)")
     return None
 
 
