@@ -314,11 +314,19 @@ def test_ctrl_c_early_exits_130_without_a_traceback(name, delay, tmp_path):
             "bench": ["--out", str(tmp_path / "b.jsonl")],
             "report": [str(FIXTURES), "--out", str(tmp_path / "r")]}[name]
     env = {k: v for k, v in os.environ.items() if k not in ("LLM_ATTN_BUILD", "LLM_ATTN_BACKEND")}
-    proc = subprocess.Popen([sys.executable, "-m", f"llm_attn.{name}", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    for wait in (delay, delay + 1.0):
+        proc = subprocess.Popen([sys.executable, "-m", f"llm_attn.{name}", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(wait)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        # On a loaded machine (the suite's parallel workers) 0.3 s can still be inside the interpreter's own
+        # start-up: Python then reports the interrupted site import itself, before any line of ours runs. That
+        # moment is not the CLI's to handle: signal again once the interpreter is up.
+        if "init_import_site" not in err:
+            break
+    else:
+        pytest.skip(f"the interpreter was still starting after {delay + 1.0} s")
     if proc.returncode in (0, 2) and name in ("bench", "report"):
         pytest.skip(f"{name} finished before the signal ({delay} s)")
     assert proc.returncode == 130, err[-3000:]
