@@ -1,17 +1,21 @@
 """The NVRTC backend without a GPU: every kernel instantiation compiles with NVRTC for every target architecture
-(so the runtime path cannot rot), with no local memory beyond the known cases; FlashFwdParams' ctypes mirror has
-the C++ layout; the disk cache; the host-side plan; backend selection. NVRTC runs on a CPU.
+(so the runtime path cannot rot), with no local memory beyond the known cases; the ctypes mirrors of the kernels'
+parameter structs have the C++ layout; the disk cache; the host-side plan (the low-precision forwards' launches and
+workspaces against the C++ host code they mirror); backend selection. NVRTC runs on a CPU.
 
     pytest tests/test_nvrtc.py          # skips without cuda-python/NVRTC/headers (pip install -e ".[nvrtc]")
 
-Set LLM_ATTN_REQUIRE_NVRTC=1 (CI does) to fail instead of skipping when they are missing.
+Set LLM_ATTN_REQUIRE_NVRTC=1 (CI does) to fail instead of skipping when they are missing. The every-arch compiles
+run in a pool of processes, one per core (``compiled``), all started by the first of those tests.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import itertools
+import multiprocessing
 import os
 import re
 import shutil
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_check_here
+from conftest import cpu_check_here, full_grid_requested
 
 from llm_attn import _kernel_table, _plan
 
@@ -38,6 +42,13 @@ KNOWN_SPILLS = {
 }
 
 
+# head_dim 128 INT8 with P V in the input dtype (every arch but sm_89) spills 24-64 bytes under NVRTC for the same
+# reason (nvcc: 239 registers, none spilled); its sm_89 configuration (P V in e4m3) does not.
+KNOWN_SPILLS_INT8 = {arch: {_plan.int8_kernel_name(bf16, _plan.Int8Traits(128, False), causal)
+                            for bf16 in (False, True) for causal in (False, True)}
+                     for arch in ARCHS if not _plan.int8_pv_fp8(arch)}
+
+
 def _nvrtc_or_skip():
     from llm_attn import _nvrtc
 
@@ -49,22 +60,6 @@ def _nvrtc_or_skip():
             pytest.fail(f"LLM_ATTN_REQUIRE_NVRTC=1 but NVRTC is not usable: {e}")
         pytest.skip(f"NVRTC not usable here: {e}")
     return _nvrtc
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_instantiation_compiles_without_local_memory(arch, request):
-    cpu_check_here(request, "every-arch NVRTC compile")
-    nvrtc = _nvrtc_or_skip()
-    kernels = _plan.all_kernels()
-    cubin, lowered, log = nvrtc.compile_cubin(arch, kernels)
-    assert cubin[:4] == b"\x7fELF", "NVRTC returned something other than a cubin"
-    assert set(lowered) == set(kernels) and all(v.startswith("_Z") for v in lowered.values())
-    report = nvrtc.local_memory_report(log)
-    assert set(report) == set(lowered.values()), "ptxas -v reported on every kernel"
-    by_mangled = {v: k for k, v in lowered.items()}
-    spilled = {by_mangled[m]: r for m, r in report.items() if any(r)}
-    unexpected = {k: r for k, r in spilled.items() if k not in KNOWN_SPILLS[arch]}
-    assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
 
 
 # The portable backward's instantiations (kernels/flash_bwd_launch.cuh: the dK/dV kernel with each head_dim's tile
@@ -85,37 +80,149 @@ BWD_KERNELS = [
 ]
 
 
+# -- the every-arch compiles, in a pool of processes ----------------------------------------------------------------
+# NVRTC compiles a program on one core. The compile tests below ask `compiled` for their results; the first of them
+# starts a process pool (one worker per core) and submits every compile of every compile test this session runs, the
+# longest first; each test then waits for its own. A test's kernels are compiled in programs of at most
+# _PROGRAM_KERNELS kernels (each kernel's code is its own: it does not depend on the others of its program).
+# test name -> (the kernels of an arch, whether it is a CPU check a GPU machine runs only with -m full)
+COMPILE_TESTS = {
+    "test_every_instantiation_compiles_without_local_memory": (lambda arch: _plan.all_kernels(), True),
+    "test_backward_kernels_compile_without_local_memory": (lambda arch: BWD_KERNELS, True),
+    "test_int8_instantiations_compile_without_local_memory": (_plan.int8_kernels, True),
+    "test_hopper_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.sm90_kernels(), False),
+    "test_fp8_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.fp8_kernels(), False),
+}
+_PROGRAM_KERNELS = 12
+_farm: dict = {}
+
+
+def _programs(test: str, arch: str) -> list[list[str]]:
+    kernels = COMPILE_TESTS[test][0](arch)
+    n = -(-len(kernels) // _PROGRAM_KERNELS)
+    return [kernels[i::n] for i in range(n)]
+
+
+def _session_jobs(session) -> list[tuple[str, str]]:
+    """(test, arch) of every compile test selected in this session that will not skip as a GPU machine's CPU check."""
+    gpu_default = torch.cuda.is_available() and not full_grid_requested(session.config)
+    jobs = []
+    for item in session.items:
+        test = getattr(item, "originalname", "")
+        if getattr(item, "module", None) is None or item.module.__name__ != __name__ or test not in COMPILE_TESTS:
+            continue
+        if COMPILE_TESTS[test][1] and gpu_default:
+            continue
+        arch = item.callspec.params.get("arch", "sm_90a") if hasattr(item, "callspec") else "sm_90a"
+        jobs.append((test, arch))
+    return jobs
+
+
+def compiled(request, arch: str) -> tuple[dict[str, str], str]:
+    """({name expression: lowered name}, NVRTC's log) of every kernel of the calling compile test for `arch`, each
+    program checked to have produced a cubin."""
+    from llm_attn import _nvrtc
+
+    if "pool" not in _farm:
+        jobs = list(dict.fromkeys(_session_jobs(request.session) + [(request.node.originalname, arch)]))
+        programs = [(job, ks) for job in jobs for ks in _programs(*job)]
+        programs.sort(key=lambda jk: -len(jk[1]) * (3 if jk[0][1] == "sm_90a" else 1))  # sm_90a kernels: slower
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = max(1, min(len(programs), cores))
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        request.session.config.add_cleanup(lambda: pool.shutdown(wait=False, cancel_futures=True))
+        _farm["pool"], _farm["futures"] = pool, {}
+        for job, ks in programs:
+            _farm["futures"].setdefault(job, []).append(pool.submit(_nvrtc.compile_cubin, job[1], ks))
+    job = (request.node.originalname, arch)
+    futures = _farm["futures"].get(job) or [_farm["pool"].submit(_nvrtc.compile_cubin, arch, ks)
+                                           for ks in _programs(*job)]
+    lowered, logs = {}, []
+    for future in futures:
+        cubin, low, log = future.result()
+        assert cubin[:4] == b"\x7fELF", "NVRTC returned something other than a cubin"
+        lowered.update(low)
+        logs.append(log)
+    return lowered, "\n".join(logs)
+
+
+def _local_memory(nvrtc, kernels, lowered, log, arch) -> dict[str, tuple[int, int, int]]:
+    """{kernel: (stack, spill stores, spill loads)} of the kernels that use local memory; every kernel lowered and
+    reported on by ptxas -v."""
+    assert set(lowered) == set(kernels) and all(v.startswith("_Z") for v in lowered.values())
+    report = nvrtc.local_memory_report(log)
+    assert set(report) == set(lowered.values()), f"ptxas -v reported on every kernel ({arch})"
+    by_mangled = {v: k for k, v in lowered.items()}
+    return {by_mangled[m]: r for m, r in report.items() if any(r)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_instantiation_compiles_without_local_memory(arch, request):
+    cpu_check_here(request, "every-arch NVRTC compile")
+    nvrtc = _nvrtc_or_skip()
+    spilled = _local_memory(nvrtc, _plan.all_kernels(), *compiled(request, arch), arch)
+    unexpected = {k: r for k, r in spilled.items() if k not in KNOWN_SPILLS[arch]}
+    assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backward_kernels_compile_without_local_memory(arch, request):
     cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
-    cubin, lowered, log = nvrtc.compile_cubin(arch, BWD_KERNELS)
-    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(BWD_KERNELS)
-    report = nvrtc.local_memory_report(log)
-    assert set(report) == set(lowered.values()), "ptxas -v reported on every kernel"
-    by_mangled = {v: k for k, v in lowered.items()}
-    spilled = {by_mangled[m]: r for m, r in report.items() if any(r)}
+    spilled = _local_memory(nvrtc, BWD_KERNELS, *compiled(request, arch), arch)
     assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
 
 
-def test_hopper_instantiations_compile_for_sm90a_without_local_memory():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_instantiations_compile_without_local_memory(arch, request):
+    """The INT8 forward on every arch it runs on: per (head_dim, dtype, causal) the kernel with the P V this arch
+    takes (e4m3 on sm_89, the input dtype elsewhere), and the two pre-pass kernels; no local memory beyond
+    KNOWN_SPILLS_INT8."""
+    cpu_check_here(request, "every-arch NVRTC compile")
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.int8_kernels(arch)
+    fp8_pv = {bool(re.search(r"Int8FwdTraits<\d+, true>|, \d+, true>$", k)) for k in kernels}
+    assert len(kernels) == 16 and fp8_pv == {arch == "sm_89"}
+    spilled = _local_memory(nvrtc, kernels, *compiled(request, arch), arch)
+    unexpected = {k: r for k, r in spilled.items() if k not in KNOWN_SPILLS_INT8.get(arch, ())}
+    assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
+
+
+def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every Hopper kernel instantiation the AOT build has (flash_fwd_sm90_*.cu through sm90::launch), compiled by
-    NVRTC for sm_90a in one program that also static_asserts the Sm90Params mirror: no stack, no spills, and the
+    NVRTC for sm_90a in programs that also static_assert the Sm90Params mirror: no stack, no spills, and the
     real body (the non-sm_90a one is a trap: a handful of registers, no named barriers)."""
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.sm90_kernels()
     assert len(kernels) == 14  # 2 head dims x 2 dtypes x 2 masks, + the 176-key and three-consumer tuning tiles
     src = nvrtc.program_source(kernels)
     assert '#include "flash_fwd_sm90_kernel.cuh"' in src and "Sm90Params" in src
-    cubin, lowered, log = nvrtc.compile_cubin("sm_90a", kernels)
-    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(kernels)
-    report = nvrtc.local_memory_report(log)
-    assert set(report) == set(lowered.values()), "ptxas -v reported on every kernel"
-    by_mangled = {v: k for k, v in lowered.items()}
-    spilled = {by_mangled[m]: r for m, r in report.items() if any(r)}
+    lowered, log = compiled(request, "sm_90a")
+    spilled = _local_memory(nvrtc, kernels, lowered, log, "sm_90a")
     assert not spilled, f"local memory (stack, spill stores, spill loads) on sm_90a: {spilled}"
     used = re.findall(r"Used (\d+) registers, used (\d+) barriers", log)
     assert len(used) == len(kernels) and all(int(r) > 100 and int(b) > 1 for r, b in used), used
+
+
+def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
+    """Every FP8 instantiation the AOT build has (flash_fwd_fp8_sm90_*.cu through launch_fp8: each key tile of
+    Fp8Tiles<D>, the 128-key one with 2 and 3 stages) and its pre-pass kernels, compiled by NVRTC for sm_90a in
+    programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the kernels' real bodies
+    (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 conversions."""
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.fp8_kernels()
+    main = [k for k in kernels if "flash_fwd_fp8_sm90_kernel<" in k]
+    tiles = sum(len(t) + (1 if 128 in t else 0) for t in (_kernel_table.FP8_BLOCK_N[d] for d in (64, 128)))
+    assert len(main) == 4 * tiles and len(kernels) == len(main) + 12  # x 2 dtypes x 2 masks; 3 pre-pass x 2 x 2
+    src = nvrtc.program_source(kernels)
+    assert all(f'#include "{h}"' in src for h in ("quant_fp8.cuh", "flash_fwd_fp8_sm90_kernel.cuh"))
+    assert "Fp8Sm90Params" in src and "FlashFwdFp8Params" in src
+    lowered, log = compiled(request, "sm_90a")
+    spilled = _local_memory(nvrtc, kernels, lowered, log, "sm_90a")
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on sm_90a: {spilled}"
+    regs = nvrtc.register_report(log)
+    assert all(regs[lowered[k]][0] > 100 and regs[lowered[k]][1] > 1 for k in main), {k: regs[lowered[k]] for k in main}
+    assert all(regs[lowered[k]][0] > 32 for k in kernels if k not in main), regs
 
 
 def test_hopper_kernel_compiles_for_sm90a_only():
@@ -130,30 +237,38 @@ def test_hopper_kernel_compiles_for_sm90a_only():
     assert regs and regs[0] < 32, log[-1000:]
 
 
-def test_sm90_params_layout_matches_cpp():
-    """Every Sm90Params field's offset as NVRTC lays out the C++ struct (a probe kernel's PTX: NVRTC has no
-    offsetof), against the ctypes mirror; size and alignment are static_asserted in the same program."""
+@pytest.mark.parametrize("struct", ["Sm90Params", "Fp8Sm90Params"])
+def test_sm90_params_layout_matches_cpp(struct):
+    """Every field's offset of a Hopper kernel's parameter struct (Sm90Params; the FP8 kernel's Fp8Sm90Params) as
+    NVRTC lays out the C++ struct (a probe kernel's PTX: NVRTC has no offsetof), against the ctypes mirror; size and
+    alignment are static_asserted in the same program."""
     _nvrtc_or_skip()
     from llm_attn import _nvrtc, _nvrtc_sm90
 
-    cpp = _nvrtc.sm90_probe_offsets()
-    assert set(cpp) == set(_nvrtc_sm90.FIELDS), cpp
-    assert cpp == {f: getattr(_nvrtc_sm90.Sm90Params, f).offset for f in _nvrtc_sm90.FIELDS}
-    assert ctypes.sizeof(_nvrtc_sm90.Sm90Params) == 768 and cpp["tma_q"] % 128 == 0
+    _, mirror, fields, _ = _nvrtc_sm90.STRUCTS[struct]
+    cpp = _nvrtc.sm90_probe_offsets(struct)
+    assert set(cpp) == set(fields), cpp
+    assert cpp == {f: getattr(mirror, f).offset for f in fields}
+    assert ctypes.sizeof(mirror) == 768 and cpp["tma_q"] % 128 == 0
 
 
 def test_params_struct_layout_matches_cpp(tmp_path):
-    """Offsets of every FlashFwdParams field, checked by the host C++ compiler on kernels/flash.h (NVRTC has no
-    offsetof; every NVRTC program checks the size). The struct holds no CUDA type, so a two-line cuda_runtime.h
-    stands in for the toolkit's (the pip headers lack its host parts)."""
+    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params and FlashFwdInt8Params, checked by the host C++
+    compiler on kernels/flash.h, flash_fp8.h and flash_int8.h (NVRTC has no offsetof; every NVRTC program checks the
+    sizes). The structs hold no CUDA type, so a small cuda_runtime.h stands in for the toolkit's (the pip headers
+    lack its host parts)."""
     nvrtc = _nvrtc_or_skip()
+    from llm_attn import _cuda_abi
+
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to check the struct offsets with")
-    assert ctypes.sizeof(nvrtc.FlashFwdParams) == 216
-    src = '#include <cstddef>\n#include "flash.h"\n' + nvrtc.params_struct_asserts(offsets=True)
+    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232]
+    src = ('#include <cstddef>\n#include "flash.h"\n#include "flash_fp8.h"\n#include "flash_int8.h"\n'
+           + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
     (tmp_path / "cuda_runtime.h").write_text("#pragma once\nenum cudaError_t { cudaSuccess = 0 };\n"
-                                             "typedef struct CUstream_st* cudaStream_t;\n")
+                                             "typedef struct CUstream_st* cudaStream_t;\n"
+                                             "#define __host__\n#define __device__\n")
     r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{tmp_path}", f"-I{nvrtc._kernels_dir()}", "-x",
                         "c++", "-"], input=src, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -451,6 +566,213 @@ def test_hopper_consumers_tuning_env(monkeypatch, env):
             assert _plan.plan(_plan.Shape(1, 32, 8, 4096, 4096, 128, causal, True), H100_SM90).launches[0].threads == 384
     finally:
         _plan.sm90_tuning.cache_clear()
+
+
+# -- the low-precision forwards' host side -------------------------------------------------------------------------
+# The C++ host code _plan's fp8_launches / int8_launches / fp8_workspace / fp8_block_n mirror, line by line: a change
+# there fails here until _plan (and this list) follows.
+QUANT_HOST_LINES = (
+    ("flash_fwd_fp8_sm90_launch.cuh", "const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "const int kv_chunks = fp8_seqlen_k_pad(p.seqlen_k) / kFp8KvChunk;"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, "
+                                      "p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f); "
+                                      "fp8::fp8_quant_q_kernel<T, kHeadDim><<<dim3(q_blocks, p.num_heads, p.batch), "
+                                      "fp8::kThreads, 0, stream>>>(f); fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3("
+                                      "kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "static const int pingpong = tuning_env(\"LLM_ATTN_SM90_PINGPONG\", 1);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, "
+                                      "kHeadDim, Traits::kBlockM) && encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, "
+                                      "p.seqlen_k, p.num_kv_heads, p.batch, kHeadDim, Traits::kBlockN) && "
+                                      "encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, "
+                                      "Traits::kVtBoxKeys, kHeadDim);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, "
+                                      "CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : "
+                                      "dim3(m_blocks, p.num_heads, p.batch); flash_fwd_fp8_sm90_kernel<T, Traits, "
+                                      "kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "static const int stages = tuning_env(\"LLM_ATTN_FP8_STAGES\", 2); if (block_n "
+                                      "== 192) {"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192>, kCausal>(f, stream);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, "
+                                      "stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, "
+                                      "stream);"),
+    ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
+                     "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
+    ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
+    ("binding.cpp", "const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d, n_vt8 = b * hkv * d * pad;"),
+    ("binding.cpp", "const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, "
+                    "n_vs = b * hkv * d; const int64_t n_qm = b * hq * sq;"),
+    ("binding.cpp", "floats.narrow(0, 0, n_stats).zero_();"),
+    ("binding.cpp", "f.q8 = base, f.k8 = base + n_q8, f.vt8 = base + n_q8 + n_k8;"),
+    ("binding.cpp", "f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats "
+                    "+ n_qs + n_ks; f.q_dot_kmean = fb + n_stats + n_qs + n_ks + n_vs;"),
+    ("binding.cpp", "f.p.num_splits = 1;"),
+    ("binding.cpp", "p.fp8_pv = llm_attn::flash_fwd_int8_fp8_pv_available();"),
+    ("flash_fwd_int8.cu", "const int heads = p.batch * p.num_kv_heads; const dim3 stats_grid(int8_stat_chunks("
+                          "p.seqlen_k), heads); const dim3 quant_grid(int8_seqlen_k_pad(p.seqlen_k) / kInt8BlockN, "
+                          "heads);"),
+    ("flash_fwd_int8.cu", "int8_kv_stats_kernel<T, kHeadDim, true><<<stats_grid, kQuantThreads, 0, stream>>>(p);"),
+    ("flash_fwd_int8.cu", "if (p.seqlen_k > 0) {"),
+    ("flash_fwd_int8.cu", "cache[dev] = major == 8 && minor == 9 ? 2 : 1;"),
+    ("flash_fwd_int8_launch.cuh", "dim3 grid(kCausal ? params.num_heads : m_blocks, kCausal ? m_blocks : "
+                                  "params.num_heads, params.batch); flash_fwd_int8_kernel<T, Traits, kCausal><<<grid, "
+                                  "Traits::kThreads, smem, stream>>>(params);"),
+    ("flash_fwd_int8_launch.cuh", "return params.fp8_pv ? launch_fwd_int8<T, int8fwd::Int8FwdTraits<kHeadDim, true>, "
+                                  "kCausal>(params, stream) : launch_fwd_int8<T, int8fwd::Int8FwdTraits<kHeadDim, "
+                                  "false>, kCausal>(params, stream);"),
+)
+
+
+def test_quant_launches_mirror_the_cpp_host_code():
+    """fp8_launches / int8_launches / the workspaces follow the C++ host code (QUANT_HOST_LINES), and give the launch
+    sequence it gives on known shapes."""
+    for name, line in QUANT_HOST_LINES:
+        assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py"
+    # Llama 3 8B prefill, 2049 tokens, causal bf16: the pre-pass, then 17 x 32 blocks of 128 rows, heads first.
+    s = _plan.Shape(1, 32, 8, 2049, 2049, 128, True, True)
+    stats, qq, kv, main = _plan.fp8_launches(s, _plan.fp8_traits(128, 128))
+    assert (stats.grid, qq.grid, kv.grid) == ((5, 8, 1), (33, 32, 1), (18, 8, 1))
+    assert {stats.threads, qq.threads, kv.threads} == {256} and {stats.smem, qq.smem, kv.smem} == {0}
+    assert main.kernel == ("llm_attn::sm90::flash_fwd_fp8_sm90_kernel<__nv_bfloat16, "
+                           "llm_attn::sm90::Fp8Traits<128, 2>, true>")
+    assert (main.grid, main.threads, main.smem) == ((32, 17, 1), 384, 128 * 128 + 2 * 2 * 128 * 128 + 9 * 8 + 1024)
+    big = _plan.fp8_launches(dataclasses.replace(s, causal=False), _plan.Fp8Traits(128, 2, 192))[-1]
+    assert big.grid == (17, 32, 1) and big.kernel.endswith("Fp8Traits<128, 2, 192>, false>")
+    ws = _plan.fp8_workspace(s)
+    assert (ws.q8, ws.k8, ws.vt8) == (32 * 2049 * 128, 8 * 2049 * 128, 8 * 128 * (17 + 1) * 128)
+    assert (ws.stats, ws.q_scale, ws.k_scale, ws.v_scale, ws.q_dot_kmean) == (2048, 32 * 33, 8 * 33, 1024, 32 * 2049)
+    # INT8: the two pre-pass kernels over (chunks, batch x KV heads), then the kernel; e4m3 P V only on sm_89.
+    for fp8_pv in (False, True):
+        st, qk, kern = _plan.int8_launches(s, fp8_pv)
+        assert st.grid == (_plan.int8_stat_chunks(2049), 8, 1) == (9, 8, 1) and qk.grid == (17, 8, 1)
+        assert kern.grid == (32, 17, 1) and kern.threads == 256
+        assert kern.smem == (80 if fp8_pv else 96) * 1024  # 2 x (K + V) + the int8 Q fragments with e4m3 P V
+        assert kern.kernel.endswith(f"<128, {str(fp8_pv).lower()}>, true>")
+        assert st.kernel.endswith(f"<__nv_bfloat16, 128, {str(fp8_pv).lower()}>")
+    offsets, size = _plan.int8_workspace(s, False)
+    assert offsets["v_fp8"] == offsets["v_scale"] == offsets["stats"] and size % 256 == 0
+    assert [_plan.int8_pv_fp8(a) for a in ARCHS] == [False, False, False, True, False]
+
+
+@pytest.fixture
+def fp8_env(monkeypatch):
+    def set_env(block_n: str | None = None, stages: str | None = None):
+        for name, value in (("LLM_ATTN_FP8_BLOCK_N", block_n), ("LLM_ATTN_FP8_STAGES", stages)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        _plan.fp8_tuning.cache_clear()
+
+    yield set_env
+    monkeypatch.delenv("LLM_ATTN_FP8_BLOCK_N", raising=False)
+    monkeypatch.delenv("LLM_ATTN_FP8_STAGES", raising=False)
+    _plan.fp8_tuning.cache_clear()
+
+
+def test_fp8_key_tile_and_stages(fp8_env):
+    """flash_fwd_fp8_block_n and launch_fp8: a requested tile, else LLM_ATTN_FP8_BLOCK_N, else Fp8Tiles<D>'s default;
+    0 (refused) for a tile not built; three stages (LLM_ATTN_FP8_STAGES=3) for the 128-key tile only."""
+    fp8_env()
+    tiles = _kernel_table.FP8_BLOCK_N
+    assert _plan.fp8_block_n(128) == tiles[128][0] and _plan.fp8_block_n(64, 0) == tiles[64][0]
+    assert all(_plan.fp8_block_n(d, n) == n for d, t in tiles.items() for n in t)
+    assert _plan.fp8_block_n(128, 100) == 0 and _plan.fp8_block_n(96) == 0
+    assert _plan.fp8_traits(128, 128) == _plan.Fp8Traits(128) and _plan.Fp8Traits(128).cpp().endswith("<128, 2>")
+    fp8_env(block_n="192", stages="3")
+    assert _plan.fp8_block_n(128) == 192 and _plan.fp8_block_n(128, 128) == 128
+    assert _plan.fp8_traits(128, 128) == _plan.Fp8Traits(128, 3) and _plan.fp8_traits(64, 192).stages == 2
+    fp8_env(block_n="100")
+    assert _plan.fp8_block_n(64) == 0 and _plan.fp8_block_n(64, 128) == 128
+
+
+def test_every_planned_quant_kernel_is_compiled():
+    """Whatever fp8_launches / int8_launches launch, on any shape and tile, is one of the instantiations the compile
+    tests above check, fits the shared memory of the GPUs it runs on and a grid's y and z limits."""
+    fp8_known = set(_plan.fp8_kernels())
+    seen = set()
+    for (b, hq, hkv), sq, sk, d, causal, bf16 in itertools.product(
+            ((1, 32, 8), (2, 8, 8), (1, 8, 1)), (1, 17, 129, 2049), (1, 100, 4097), (64, 128), (False, True),
+            (False, True)):
+        s = _plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16)
+        for block_n in _kernel_table.FP8_BLOCK_N[d]:
+            for stages in ((2, 3) if block_n == 128 else (2,)):
+                for launch in _plan.fp8_launches(s, _plan.Fp8Traits(d, stages, block_n)):
+                    assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
+                    assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
+                    seen.add(launch.kernel)
+        for arch, dev in (("sm_89", RTX4060TI), ("sm_87", ORIN), ("sm_90", H100)):
+            for launch in _plan.int8_launches(s, _plan.int8_pv_fp8(arch)):
+                assert launch.kernel in _plan.int8_kernels(arch) and launch.smem <= dev.smem_per_block_optin
+                assert min(launch.grid) > 0
+                seen.add(launch.kernel)
+    assert fp8_known <= seen and set(_plan.int8_kernels("sm_89")) | set(_plan.int8_kernels("sm_80")) <= seen
+
+
+def test_quant_constants_match_cpp():
+    """The numbers _plan uses for the low-precision forwards are the headers': NVRTC compiles a probe kernel that
+    stores each C++ value (the block constants, every Fp8Traits / Int8FwdTraits' smem, threads and tile, the
+    padding and chunking functions, flash_fwd_int8_workspace's layout) and its PTX is read back."""
+    _nvrtc_or_skip()
+    from llm_attn import _nvrtc, _nvrtc_sm90
+
+    want = {"llm_attn::kFp8QBlock": _plan.FP8_Q_BLOCK, "llm_attn::kFp8KBlock": _plan.FP8_K_BLOCK,
+            "llm_attn::kFp8KvChunk": _plan.FP8_KV_CHUNK, "llm_attn::fp8::kThreads": _plan.QUANT_THREADS,
+            "llm_attn::int8fwd::kQuantThreads": _plan.QUANT_THREADS, "llm_attn::kInt8BlockN": _plan.INT8_BLOCK_N,
+            "llm_attn::kInt8BlockM": _plan.Int8Traits.block_m,
+            "llm_attn::kInt8MaxStatChunks": _plan.INT8_MAX_STAT_CHUNKS}
+    traits = {t for d in (64, 128) for n in _kernel_table.FP8_BLOCK_N[d] for t in
+              {_plan.fp8_traits(d, n), _plan.Fp8Traits(d, 3, n) if n == 128 else _plan.Fp8Traits(d, 2, n)}}
+    for t in traits:
+        want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                 f"{t.cpp()}::kBlockM": t.block_m, f"{t.cpp()}::kBlockN": t.block_n,
+                 f"{t.cpp()}::kVtBoxKeys": t.vt_box_keys}
+    for d, pv in itertools.product((64, 128), (False, True)):
+        t = _plan.Int8Traits(d, pv)
+        want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                 f"{t.cpp()}::kBlockM": t.block_m}
+    lengths = (1, 63, 128, 129, 255, 1000, 8193, 100000, 1 << 20)
+    for n in lengths:
+        want |= {f"llm_attn::fp8_seqlen_k_pad({n})": _plan.fp8_seqlen_k_pad(n),
+                 f"llm_attn::int8_seqlen_k_pad({n})": _plan.int8_seqlen_k_pad(n),
+                 f"llm_attn::int8_stat_chunks({n})": _plan.int8_stat_chunks(n)}
+    body = []
+    for i, (b, hkv, sk, d, pv) in enumerate(itertools.product((1, 3), (1, 8), (1, 129, 5000), (64, 128),
+                                                              (False, True))):
+        offsets, size = _plan.int8_workspace(_plan.Shape(b, hkv, hkv, 1, sk, d), pv)
+        body.append(f"llm_attn::FlashFwdInt8Params p{i}{{}}; p{i}.batch = {b}; p{i}.num_kv_heads = {hkv}; "
+                    f"p{i}.seqlen_k = {sk}; p{i}.head_dim = {d}; p{i}.fp8_pv = {str(pv).lower()}; "
+                    f"const llm_attn::FlashFwdInt8Workspace w{i} = llm_attn::flash_fwd_int8_workspace(p{i});")
+        want |= {f"w{i}.{f}": off for f, off in offsets.items() if pv or f not in ("v_fp8", "v_scale")}
+        want[f"w{i}.bytes"] = size
+    exprs = list(want)
+    src = ('#include "flash_fwd_int8_quant.cuh"\n#include "flash_fwd_int8_kernel.cuh"\n'
+           '#include "flash_fwd_fp8_sm90_kernel.cuh"\n#include "quant_fp8.cuh"\n'
+           'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
+           + "\n".join(body) + "\n"
+           + "".join(f"    out[{i}] = static_cast<unsigned long long>({e});\n" for i, e in enumerate(exprs)) + "}\n")
+    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx("sm_90a", src, "llm_attn_constants_probe.cu"))
+    got = {e: values.get(i) for i, e in enumerate(exprs)}
+    assert got == want, {e: (got[e], want[e]) for e in exprs if got[e] != want[e]}
+
+
+def test_quant_entry_points_are_the_bindings(monkeypatch):
+    """_nvrtc has the extension's low-precision functions (so llm_attn.ops runs either build through one path),
+    which refuse bad input with binding.cpp's words (check_fwd's, before any GPU work) and, without a GPU, claim no
+    kernel."""
+    nvrtc = _nvrtc_or_skip()
+    binding = _kernels_text("binding.cpp")
+    for name in ("mha_fwd_fp8", "mha_fwd_int8", "fp8_available", "int8_available", "int8_pv_fp8", "fp8_block_n"):
+        assert f'm.def("{name}"' in binding and callable(getattr(nvrtc, name)), name
+    assert nvrtc.fp8_block_n(128) == _plan.fp8_block_n(128) and nvrtc.fp8_block_n(64, 100) == 0
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
+    for fn in (nvrtc.mha_fwd_fp8, nvrtc.mha_fwd_int8):
+        with pytest.raises(RuntimeError, match="^llm_attn.mha_fwd: q must be a CUDA tensor$"):
+            fn(q, q, q, None, 0.125, True)
+        with pytest.raises(RuntimeError, match="^llm_attn.mha_fwd: only float16 and bfloat16 are supported"):
+            fn(q.float(), q.float(), q.float(), None, 0.125, True)
+    if not torch.cuda.is_available():
+        assert not nvrtc.fp8_available() and not nvrtc.int8_available() and not nvrtc.int8_pv_fp8()
 
 
 def test_sm90_available_needs_a_cc90_device():
