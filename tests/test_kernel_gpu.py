@@ -672,3 +672,174 @@ def test_nvrtc_compiles_only_what_runs_and_caches_it(tmp_path, monkeypatch):
     out2, _ = run_raw(_nvrtc, q, k, k, True)
     assert all(_nvrtc.compile_stats[w]["source"] == "cache" for w in want)
     assert torch.equal(out1, out2)
+
+
+# -- the low-precision forwards on the NVRTC build ------------------------------------------------------------------
+# The NVRTC build runs precision='fp8' | 'int8' with the AOT build's kernels and launch sequence, so on the same inputs
+# the two give the same bits. K holds multiples of 1/4 (with outlier channels), so that the FP8 pre-pass's float
+# atomics (K's channel sums) are exact in any order and the AOT build itself repeats bit for bit; the INT8 pre-pass
+# has no atomics. Both builds are also checked against float64. (tests/test_low_precision_gpu.py runs its own grid on
+# each build through the cuda_ext fixture.)
+QUANT_PAIRS = [(n, n) for n in LENGTHS if n > 16] + [(s, k) for s, k in UNEQUAL if s > 16]
+
+
+def _quant_builds(precision):
+    """(the extension, the NVRTC module), both running the `precision` kernel on this GPU; skip otherwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from llm_attn import _ext
+
+    aot, why = _ext._load_aot()
+    if aot is None:
+        pytest.skip(f"the compiled extension is needed to compare with: {why}")
+    if _ext.backend_status()["nvrtc"] != "available":
+        pytest.skip(f"nvrtc backend not available: {_ext.backend_status()['nvrtc']}")
+    from llm_attn import _nvrtc
+
+    for ext in (aot, _nvrtc):
+        if not getattr(ext, f"{precision}_available")():
+            pytest.skip(f"no {precision.upper()} kernel for this GPU in {ext.__name__}")
+    return aot, _nvrtc
+
+
+def _quant_inputs(b, hq, hkv, sq, sk, d, dt, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, device="cuda", generator=g)
+    k = torch.round(4 * torch.randn(b, hkv, sk, d, device="cuda", generator=g)) / 4  # exact in fp16/bf16, exact sums
+    k[..., 5] += 20  # an outlier channel, as K has in real models (the pre-pass's smoothing removes its mean)
+    v = torch.randn(b, hkv, sk, d, device="cuda", generator=g)
+    return q.to(dt), k.to(dt), v.to(dt)
+
+
+def _run_quant(ext, precision, q, k, v, causal, seqused_k=None, block_n=0):
+    """The build's raw low-precision forward, its outputs allocated from memory poisoned with NaN first (the caching
+    allocator hands the freed block back), so an element the kernel never writes stays NaN."""
+    b, h, s, d = q.shape
+    junk = torch.full((b * h * s * d + 4096,), float("nan"), dtype=q.dtype, device=q.device)
+    del junk
+    fn = getattr(ext, f"mha_fwd_{precision}")
+    args = (q, k, v, seqused_k, 1 / math.sqrt(d), causal)
+    out, lse = fn(*args, block_n=block_n) if block_n else fn(*args)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check_against_float64(out, lse, q, k, v, causal, seqused_k=None):
+    ref, ref_lse = attention_naive(q, k, v, causal=causal, seqused_k=seqused_k)
+    visible = torch.isfinite(ref_lse)
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN: an element never written, or garbage keys read"
+    assert torch.equal(torch.isfinite(lse), visible), "lse is -inf exactly on rows that see no key"
+    assert torch.all(out.double()[~visible] == 0)
+    if visible.any():
+        o, r = out.double()[visible].flatten(), ref[visible].flatten()
+        cos = torch.nn.functional.cosine_similarity(o, r, dim=0).item()
+        rel = ((o - r).abs().sum() / r.abs().sum()).item()
+        assert cos >= 0.995 and rel <= 0.09, f"vs float64: cosine {cos:.5f}, rel L1 {rel:.4f}"
+        assert (lse[visible] - ref_lse[visible]).abs().max().item() < 0.5
+
+
+def _fp8_tiles(aot, d):
+    """The FP8 key tiles both builds have for head_dim d (0: the default, where the extension takes no block_n)."""
+    from llm_attn import _kernel_table
+
+    return _kernel_table.FP8_BLOCK_N[d] if hasattr(aot, "fp8_block_n") else (0,)
+
+
+@pytest.mark.parametrize("precision,dtype,causal,d,heads,sq,sk",
+                         grid([["fp8", "int8"], list(DTYPES), [False, True], [64, 128], list(HEADS)], QUANT_PAIRS))
+def test_nvrtc_quant_matches_aot_bit_for_bit(precision, dtype, causal, d, heads, sq, sk):
+    """NVRTC and AOT give the same bits for precision='fp8' (every key tile) and 'int8' (P V as this GPU takes it),
+    odd lengths, q_len != kv_len, MHA/GQA/MQA, both dtypes; both within FP8/INT8's error of float64."""
+    aot, nvrtc = _quant_builds(precision)
+    hq, hkv = HEADS[heads]
+    q, k, v = _quant_inputs(2, hq, hkv, sq, sk, d, DTYPES[dtype],
+                            zlib.crc32(repr((precision, dtype, causal, d, heads, sq, sk)).encode()))
+    for block_n in _fp8_tiles(aot, d) if precision == "fp8" else (0,):
+        want, want_lse = _run_quant(aot, precision, q, k, v, causal, block_n=block_n)
+        again, again_lse = _run_quant(aot, precision, q, k, v, causal, block_n=block_n)
+        assert torch.equal(want, again) and torch.equal(want_lse, again_lse), "the AOT build does not repeat itself"
+        got, got_lse = _run_quant(nvrtc, precision, q, k, v, causal, block_n=block_n)
+        _check_against_float64(got, got_lse, q, k, v, causal)
+        assert torch.equal(got, want) and torch.equal(got_lse, want_lse), (
+            f"block_n {block_n}: NVRTC differs from AOT by {(got.float() - want.float()).abs().max().item():.3e}")
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_nvrtc_quant_seqused_k_garbage(precision):
+    """Keys past seqused_k hold NaN and huge values: neither build reads them into a statistic or an output, and
+    the two agree bit for bit."""
+    aot, nvrtc = _quant_builds(precision)
+    q, k, v = _quant_inputs(3, 8, 2, 300, 1000, 128, torch.bfloat16, 11)
+    used = torch.tensor([1000, 517, 129], dtype=torch.int32, device="cuda")
+    for i, n in enumerate(used.tolist()):
+        k[i, :, n:] = float("nan")
+        v[i, :, n:] = 1e4
+    for causal in (False, True):
+        want = _run_quant(aot, precision, q, k, v, causal, used)
+        got = _run_quant(nvrtc, precision, q, k, v, causal, used)
+        _check_against_float64(*got, q, k, v, causal, used)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_nvrtc_quant_through_the_op_and_a_cuda_graph(precision):
+    """flash_attn_func(precision=...) on the NVRTC build: the same bits as the raw call, and captured in a CUDA graph
+    (workspaces from torch's allocator, launches on the capture stream) it replays with new queries."""
+    from llm_attn import _ext
+
+    _, nvrtc = _quant_builds(precision)
+    q, k, v = _quant_inputs(1, 8, 2, 500, 700, 64, torch.float16, 12)
+    prev = _ext.set_backend("nvrtc")
+    try:
+        fn = lambda: flash_attn_func(q, k, v, causal=True, precision=precision, path="kernel")  # noqa: E731
+        assert torch.equal(fn(), _run_quant(nvrtc, precision, q, k, v, True)[0])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()  # warm-up outside capture (compiles and loads the kernels)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fn()
+        for _ in range(2):
+            q.normal_()
+            graph.replay()
+            torch.testing.assert_close(static_out, fn(), rtol=0, atol=0)
+    finally:
+        _ext.set_backend(prev)
+
+
+def test_nvrtc_quant_bad_input_says_what_aot_says(monkeypatch):
+    """The NVRTC build refuses what the AOT build refuses, in the same one line: head_dim 96, float32, and FP8 on a
+    GPU without its kernel (simulated off compute capability 9.0); the raw calls too (binding.cpp's check_fwd)."""
+    from llm_attn import _ext, kernel_contract
+
+    aot, nvrtc = _quant_builds("int8")
+    said = {}
+    for build, ext in (("aot", aot), ("nvrtc", nvrtc)):
+        prev = _ext.set_backend(build)
+        try:
+            for precision in ("fp8", "int8"):
+                for d, dt in ((96, torch.bfloat16), (64, torch.float32)):
+                    q = torch.randn(1, 4, 64, d, device="cuda", dtype=dt)
+                    with pytest.raises((ValueError, TypeError)) as e:
+                        flash_attn_func(q, q[:, :2], q[:, :2], precision=precision, path="kernel")
+                    said[(build, precision, d)] = (type(e.value), str(e.value))
+                q = torch.randn(1, 4, 64, 96, device="cuda", dtype=torch.float16)
+                with pytest.raises(RuntimeError) as e:
+                    getattr(ext, f"mha_fwd_{precision}")(q, q, q, None, 0.1, False)
+                said[(build, precision, "raw")] = str(e.value).splitlines()[0]  # TORCH_CHECK may add a trace
+            with monkeypatch.context() as m:
+                m.setattr(kernel_contract.torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+                q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+                with pytest.raises(ValueError) as e:
+                    flash_attn_func(q, q, q, precision="fp8", path="kernel")
+                said[(build, "fp8", "cc")] = str(e.value)
+        finally:
+            _ext.set_backend(prev)
+    for key, value in said.items():
+        if key[0] == "aot":
+            assert said[("nvrtc",) + key[1:]] == value, key
+    assert "head_dim" in said[("aot", "fp8", 96)][1] and "float16 or bfloat16" in said[("aot", "int8", 64)][1]
+    assert said[("aot", "int8", "raw")] == "llm_attn.mha_fwd: head_dim must be 64 or 128, got 96"
+    assert "compute capability 9.0" in said[("aot", "fp8", "cc")] and "\n" not in said[("aot", "fp8", "cc")]
