@@ -158,7 +158,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "dev": ["pytest"],
+        "dev": ["pytest", "pytest-xdist>=3.5"],
         # The runtime-compiled backend (llm_attn/_nvrtc.py): cuda-python, NVRTC and the CUDA headers of the CUDA
         # major version of your torch. Ranges, not pins: a CUDA torch depends on some of these itself.
         "nvrtc": ["cuda-bindings>=13.0,<14", "cuda-pathfinder>=1.2", "nvidia-cuda-nvrtc>=13.0,<14",

@@ -73,7 +73,51 @@ def cpu_check_here(request, what: str) -> None:
         pytest.skip(f"{what}: a CPU check CI runs; on a GPU machine it runs with -m full")
 
 
+WORKERS_ENV = "LLM_ATTN_TEST_WORKERS"
+MAX_CPU_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """On a machine without a GPU, a run of whole folders (the README's ``python -m pytest -q tests``) is spread over
+    the CPU cores by pytest-xdist (the ``dev`` extra), one test file per worker at a time (``--dist loadfile``: a
+    file's module fixtures, such as one CLI run shared by its checks, run once). Half of the suite's time on a 2-core
+    machine is single-threaded subprocess and compile work, so two workers nearly halve it. With a GPU the run stays in
+    one process: the GPU tests share one device, and its grid is timed for one. ``-n N`` chooses yourself;
+    ``LLM_ATTN_TEST_WORKERS=N`` sets the CPU workers (0: one process). Without pytest-xdist nothing changes."""
+    if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None:
+        return
+    if hasattr(config, "workerinput"):  # a worker: it runs its share in its own process
+        return
+    if config.getoption("usepdb", False) or config.getoption("collectonly", False):
+        return
+    if not all(Path(a.split("::")[0]).is_dir() for a in config.args):  # a file or one test: not worth the workers
+        return
+    config.option.numprocesses = "auto"
+    if getattr(config.option, "dist", "no") == "no":
+        config.option.dist = "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    env = os.environ.get(WORKERS_ENV, "").strip()
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise pytest.UsageError(f"{WORKERS_ENV} must be a number of workers (0: one process), not {env!r}")
+    if torch.cuda.is_available():
+        return 0
+    return min(MAX_CPU_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+
+
 def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        # One of several workers sharing the cores: one intra-op thread each (and in the CLIs they start), or their
+        # thread pools oversubscribe the cores and spin against each other.
+        threads = max(1, len(os.sched_getaffinity(0)) // int(config.workerinput.get("workercount", 1)))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and a kernel backend (compiled or NVRTC)")
     config.addinivalue_line("markers", f"{FULL}: a case of the full GPU kernel grid beyond the default subset; "
                                        f"`python -m pytest -m {FULL} tests` runs every test and every case")
