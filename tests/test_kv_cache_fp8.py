@@ -223,6 +223,22 @@ def test_static_cache_round_trip_and_capacity(tiny):
     assert int(static.get_seq_length()) == 0 and static.layers[0].length == 0
 
 
+def test_static_cache_decode_never_reads_the_unused_slots(tiny):
+    """A decode step on the static FP8 cache gives the dynamic cache's logits, whatever the slots past the cached
+    tokens hold (a rewound decode loop leaves old tokens there). transformers drops a one-token query's mask for a
+    cache that is not compileable, so the layer must not hand those slots to attention (it did: 0.47 off)."""
+    ids = _ids(tiny, 1, 40, seed=3)
+    step = _ids(tiny, 1, 1, seed=4)
+    static, dyn = Fp8StaticCache(config=tiny.config, max_cache_len=50), Fp8DynamicCache(config=tiny.config)
+    _prefill(tiny, ids, static), _prefill(tiny, ids, dyn)
+    with torch.inference_mode():  # the cache's tensors were made there
+        for layer in static.layers:
+            layer.k_data[:, :, 41:] = 200.0  # junk where nothing was written yet (e4m3 holds it)
+            layer.v_data[:, :, 41:] = -200.0
+    ls, ld = _prefill(tiny, step, static), _prefill(tiny, step, dyn)
+    assert (ls - ld).abs().max() < 1e-4
+
+
 def test_cache_implementation_cannot_be_registered_in_transformers_5_17(tiny):
     """generate() takes a fixed tuple of cache names: an FP8 cache goes in as past_key_values= (the docstring of
     llm_attn.models.kv_cache). If this starts to pass, transformers has grown a registry: use it."""

@@ -174,9 +174,10 @@ class Fp8DynamicLayer(_Fp8Storage, DynamicLayer):
 
 
 class Fp8StaticLayer(_Fp8Storage, StaticLayer):
-    """A ``StaticLayer`` whose K/V are FP8: storage for ``max_cache_len`` tokens allocated once, written in place.
-    Like ``StaticLayer`` it returns K/V of the whole capacity (unused slots hidden by the mask transformers builds
-    from ``get_mask_sizes``) and has no crop."""
+    """A ``StaticLayer`` whose K/V are FP8: storage for ``max_cache_len`` tokens allocated once, written in place,
+    with no crop. Unlike ``StaticLayer`` it returns (and sizes the mask for) the written tokens only: transformers
+    keeps a one-token query's mask only for a compileable cache, and this one is not, so a decode step given the
+    whole capacity attended to the unused slots (whatever a rewound run left there)."""
 
     is_compileable = False  # the write position is a host int (the open block's place): not traceable yet
 
@@ -205,7 +206,11 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         self.v_scale[:, :, full:full + vs.shape[2]] = vs
 
     def _returned_tokens(self) -> int:
-        return self.max_cache_len
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        cached = self.length if self.is_initialized else 0
+        return cached + query_length, 0  # as DynamicLayer: what update will return
 
     def reset(self) -> None:
         if self.is_initialized:
