@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "flash.h"
+#include "flash_decode_fp8kv.h"
 #include "flash_fp8.h"
 #include "flash_int8.h"
 
@@ -540,6 +541,112 @@ int64_t set_decode_config(int64_t config) {
     return llm_attn::flash_decode_force_config(static_cast<int>(config));  // -1 for an unknown id
 }
 
+
+// ---- Decode over the FP8 KV cache (kernels/flash_decode_fp8kv.h; llm_attn.ops.decode_fp8_kv) -----------------------
+// q (B, Hq, Sq, D) fp16/bf16; k_data, v_data (B, Hkv, S, D) e4m3 bytes (float8_e4m3fn or uint8), S the cached tokens
+// (a view of the cache's first S slots); k_scale, v_scale float32 (B, Hkv, >= ceil(S / 64)), one scale per 64-token
+// block. Returns (out (B, Hq, Sq, D) in (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without
+// the k_shift term). Every check is one TORCH_CHECK line; nothing here synchronises.
+#define CHECK_FP8KV(cond, ...) TORCH_CHECK(cond, "llm_attn.mha_decode_fp8kv: ", __VA_ARGS__)
+
+void check_fp8kv_data(const at::Tensor& t, const char* name, const at::Tensor& q) {
+    CHECK_FP8KV(t.is_cuda() && t.device() == q.device(), name, " must be a CUDA tensor on q's device");
+    CHECK_FP8KV(t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kByte, name,
+                " must be float8_e4m3fn (or its uint8 bits), got ", t.scalar_type());
+    CHECK_FP8KV(t.dim() == 4, name, " must be 4-D (batch, kv_heads, tokens, head_dim), got ", num(t.dim()), "-D");
+    CHECK_FP8KV(t.stride(3) == 1, name, " must be contiguous in head_dim");
+    for (int d = 0; d < 3; ++d) {
+        CHECK_FP8KV(t.stride(d) % 16 == 0 || t.size(d) == 1, name, " strides must be multiples of 16 bytes, got ",
+                    shape(t.strides()));
+    }
+    CHECK_FP8KV(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+void check_fp8kv_scale(const at::Tensor& t, const char* name, const at::Tensor& data, const at::Tensor& q) {
+    const int64_t blocks = (data.size(2) + 63) / 64;
+    CHECK_FP8KV(t.is_cuda() && t.device() == q.device() && t.scalar_type() == at::kFloat && t.dim() == 3 &&
+                    t.size(0) == data.size(0) && t.size(1) == data.size(1) && t.size(2) >= blocks && t.stride(2) == 1,
+                name, " must be float32 (batch, kv_heads, >= ", num(blocks), " blocks) on q's device with adjacent "
+                "blocks, got ", t.scalar_type(), " ", shape(t.sizes()));
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_decode_fp8kv(const at::Tensor& q, const at::Tensor& k_data,
+                                                    const at::Tensor& v_data, const at::Tensor& k_scale,
+                                                    const at::Tensor& v_scale,
+                                                    const std::optional<at::Tensor>& seqused_k, double scale,
+                                                    bool causal) {
+    CHECK_FP8KV(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                "q must be float16 or bfloat16, got ", q.scalar_type());
+    CHECK_FP8KV(q.is_cuda() && q.dim() == 4, "q must be a 4-D CUDA tensor (batch, heads, q_len, head_dim)");
+    CHECK_FP8KV(q.stride(3) == 1, "q must be contiguous in head_dim");
+    for (int d = 0; d < 3; ++d) {
+        CHECK_FP8KV(q.stride(d) % 8 == 0 || q.size(d) == 1, "q strides must be multiples of 8 elements, got ",
+                    shape(q.strides()));
+    }
+    CHECK_FP8KV(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0, "q must be 16-byte aligned");
+    check_fp8kv_data(k_data, "k_data", q);
+    check_fp8kv_data(v_data, "v_data", q);
+    const int64_t batch = q.size(0), num_heads = q.size(1), seqlen_q = q.size(2), head_dim = q.size(3);
+    const int64_t num_kv_heads = k_data.size(1), seqlen_k = k_data.size(2);
+    CHECK_FP8KV(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128, got ", num(head_dim));
+    CHECK_FP8KV(k_data.sizes() == v_data.sizes(), "k_data ", shape(k_data.sizes()), " and v_data ",
+                shape(v_data.sizes()), " must have the same shape");
+    CHECK_FP8KV(k_data.size(0) == batch && k_data.size(3) == head_dim, "k_data/v_data ", shape(k_data.sizes()),
+                " do not match q ", shape(q.sizes()));
+    CHECK_FP8KV(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "query heads (", num(num_heads),
+                ") must be a multiple of kv heads (", num(num_kv_heads), ")");
+    CHECK_FP8KV(batch > 0 && num_heads > 0 && seqlen_q > 0 && seqlen_k > 0, "empty input: q ", shape(q.sizes()),
+                ", k_data ", shape(k_data.sizes()));
+    CHECK_FP8KV(num_heads / num_kv_heads * seqlen_q <= llm_attn::kDecodeMaxRows, "(query heads per kv head) x q_len ",
+                "must be <= ", num(llm_attn::kDecodeMaxRows), " for the decode kernel, got ",
+                num(num_heads / num_kv_heads * seqlen_q), " (longer queries read the cache's dequantised copy)");
+    CHECK_FP8KV(seqlen_k < (1 << 30), "sequence too long");
+    CHECK_FP8KV(num_kv_heads <= 65535 && batch <= 65535, "at most 65535 kv heads and batch 65535");
+    check_fp8kv_scale(k_scale, "k_scale", k_data, q);
+    check_fp8kv_scale(v_scale, "v_scale", v_data, q);
+    CHECK_FP8KV(std::isfinite(scale) && scale >= 0, "scale must be finite and >= 0, got ", num(scale));
+    if (seqused_k.has_value()) {
+        const at::Tensor& s = *seqused_k;
+        CHECK_FP8KV(s.is_cuda() && s.device() == q.device() && s.scalar_type() == at::kInt && s.dim() == 1 &&
+                        s.size(0) == batch && s.is_contiguous(),
+                    "seqused_k must be a contiguous int32 tensor of shape (batch,) on q's device");
+    }
+
+    const c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor out = at::empty({batch, seqlen_q, num_heads, head_dim}, q.options()).transpose(1, 2);
+    at::Tensor lse = at::empty({batch, num_heads, seqlen_q}, q.options().dtype(at::kFloat));
+    llm_attn::FlashDecodeFp8KvParams fp{};
+    llm_attn::FlashFwdParams& p = fp.base;
+    set_shared_params(p, q, k_data, v_data, out, lse, seqused_k, scale, causal);  // k/v strides: bytes = elements
+    p.tile = llm_attn::kTileAuto;
+    fp.k_scale = k_scale.data_ptr<float>(), fp.v_scale = v_scale.data_ptr<float>();
+    fp.ks_batch_stride = k_scale.stride(0), fp.ks_head_stride = k_scale.stride(1);
+    fp.vs_batch_stride = v_scale.stride(0), fp.vs_head_stride = v_scale.stride(1);
+    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    at::Tensor workspace;
+    if (p.num_splits > 1) {  // as launch_fwd: float32 partials from torch's allocator, counters from the pool
+        const int64_t rows = static_cast<int64_t>(p.num_splits) * p.batch * p.num_heads * p.seqlen_q;
+        const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads;
+        int* pooled = pooled_counters(q.get_device(), stream, n_counters);
+        workspace = at::empty({rows * (p.head_dim + 1) + (pooled ? 0 : n_counters)}, q.options().dtype(at::kFloat));
+        p.o_accum = workspace.data_ptr<float>();
+        p.lse_accum = p.o_accum + rows * p.head_dim;
+        if (pooled) {
+            p.split_counters = pooled;
+        } else {
+            p.split_counters = reinterpret_cast<int*>(p.lse_accum + rows);
+            const cudaError_t err = cudaMemsetAsync(p.split_counters, 0, n_counters * sizeof(int), stream);
+            CHECK_FP8KV(err == cudaSuccess, "zeroing the split counters failed: ", cudaGetErrorString(err));
+        }
+    }
+    const cudaError_t err = llm_attn::run_flash_decode_fp8kv(fp, stream);
+    CHECK_FP8KV(err == cudaSuccess, "kernel launch failed: ", cudaGetErrorString(err));
+    return {out, lse};
+}
+#undef CHECK_FP8KV
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -584,4 +691,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Tests: use the decode counter pool (True) or zero counters per call (False); returns the previous");
     m.def("decode_counter_pool_state", &decode_counter_pool_state,
           "Tests: (ints handed out, their values) of the current device's decode counter pool");
+    m.def("mha_decode_fp8kv", &mha_decode_fp8kv,
+          "Decode attention over the FP8 (e4m3) KV cache, dequantised in registers; returns (out, lse without k_shift)",
+          py::arg("q"), py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"),
+          py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+    m.def("decode_fp8kv_max_rows", [] { return static_cast<int64_t>(llm_attn::kDecodeMaxRows); },
+          "Largest (query heads per KV head) x q_len the FP8-cache decode kernel takes");
 }

@@ -4,12 +4,13 @@
   kernels/flash_fwd_hdim{D}_{dtype}_{causal}.cu        portable prefill (mma.sync), run_flash_fwd_
   kernels/flash_fwd_sm90_hdim{D}_{dtype}_{causal}.cu   Hopper prefill (wgmma/TMA), run_flash_fwd_sm90_
   kernels/flash_decode_hdim{D}_{dtype}.cu              split-KV decode, run_flash_decode_
+  kernels/flash_decode_fp8kv_hdim{D}_{dtype}.cu        split-KV decode over the FP8 KV cache, run_flash_decode_fp8kv_
   kernels/flash_bwd_hdim{D}_{dtype}_{causal}.cu        backward, run_flash_bwd_
   kernels/flash_bwd_sm90_hdim{D}_{dtype}_{causal}.cu   Hopper backward (wgmma/TMA), run_flash_bwd_sm90_
   kernels/flash_fwd_int8_hdim{D}_{dtype}_{causal}.cu   portable INT8 forward (mma.sync s8/e4m3), run_flash_fwd_int8_
   kernels/flash_fwd_fp8_sm90_hdim{D}_{dtype}_{causal}.cu  Hopper FP8 forward (wgmma e4m3), run_flash_fwd_fp8_
   kernels/kernel_tiles.h       the tile tables the launch templates read: FwdConfig<D>, DecodeConfig<D>, BwdTile<D>,
-                               Fp8Tiles<D>
+                               Fp8Tiles<D>, DecodeFp8KvConfig<D>
   llm_attn/_kernel_table.py    the same tables for llm_attn/_plan.py (the NVRTC backend's mirror of the dispatch)
 
 so that the nvcc build (setup.py compiles kernels/*.cu), NVRTC (llm_attn/_nvrtc.py compiles _plan.all_kernels())
@@ -65,6 +66,9 @@ DECODE_MAX_ROWS = 32
 # 0 = automatic). Deep4 (4 stages: 132 KB for head_dim 128, one block per SM) is never chosen automatically: it is
 # there to be measured against Deep (experiments/decode_splits.py).
 DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2), ("Deep4", 1, 4))
+# The decode kernel over the FP8 (e4m3) KV cache: DecodeFp8KvTraits<D, kMTiles, kStages> (flash_decode_fp8kv_kernel.cuh)
+# per row count, the same on every device (DecodeFp8KvConfig<D>; flash_decode_fp8kv_launch.cuh says why).
+DECODE_FP8KV_TRAITS = (("OneTile", 1, 4), ("TwoTiles", 2, 3))
 # The backward: BwdTraits<D, kBlockM, kBlockN, kNWarps, kSplitDp> (flash_bwd_launch.cuh). Per head_dim the tile
 # (BwdTile<D>) and the narrow one (BwdTileNarrow<D>) that a device takes when its shared memory per block is below
 # the tile's (flash_bwd.cu): head_dim 128's 8-warp tile needs 104.5 KB, sm_86/89 give a block 99 KB.
@@ -86,6 +90,7 @@ KINDS = {
     "fwd": ("flash_fwd_launch.cuh", "run_flash_fwd_", True),
     "fwd_sm90": ("flash_fwd_sm90_launch.cuh", "run_flash_fwd_sm90_", True),
     "decode": ("flash_decode_launch.cuh", "run_flash_decode_", False),
+    "decode_fp8kv": ("flash_decode_fp8kv_launch.cuh", "run_flash_decode_fp8kv_", False),
     "bwd": ("flash_bwd_launch.cuh", "run_flash_bwd_", True),
     "bwd_sm90": ("flash_bwd_sm90_launch.cuh", "run_flash_bwd_sm90_", True),
     "fwd_int8": ("flash_fwd_int8_launch.cuh", "run_flash_fwd_int8_", True),
@@ -108,7 +113,8 @@ def instantiations() -> list[tuple[str, int, str, bool | None]]:
 
 def file_name(kind: str, d: int, tag: str, causal: bool | None) -> str:
     stem = {"fwd": "flash_fwd", "fwd_sm90": "flash_fwd_sm90", "decode": "flash_decode", "bwd": "flash_bwd",
-            "bwd_sm90": "flash_bwd_sm90", "fwd_int8": "flash_fwd_int8", "fwd_fp8_sm90": "flash_fwd_fp8_sm90"}[kind]
+            "bwd_sm90": "flash_bwd_sm90", "fwd_int8": "flash_fwd_int8", "fwd_fp8_sm90": "flash_fwd_fp8_sm90",
+            "decode_fp8kv": "flash_decode_fp8kv"}[kind]
     tail = "" if causal is None else ("_causal" if causal else "_noncausal")
     return f"{stem}_hdim{d}_{tag}{tail}.cu"
 
@@ -121,13 +127,14 @@ def instantiation_source(kind: str, d: int, tag: str, causal: bool | None) -> st
         "fwd": f"head_dim {d}, {tag}, {cz}. One file per combination keeps nvcc builds parallel.",
         "fwd_sm90": f"Hopper (sm_90a) forward, head_dim {d}, {tag}, {cz}.",
         "decode": f"split-KV decode kernel, head_dim {d}, {tag}.",
+        "decode_fp8kv": f"split-KV decode kernel over the FP8 KV cache, head_dim {d}, {tag} q and o.",
         "bwd": f"backward, head_dim {d}, {tag}, {cz}. One file per combination keeps nvcc builds parallel.",
         "bwd_sm90": f"Hopper (sm_90a) backward, head_dim {d}, {tag}, {cz}.",
         "fwd_int8": f"INT8 forward (mma.sync), head_dim {d}, {tag}, {cz}.",
         "fwd_fp8_sm90": f"Hopper (sm_90a) FP8 forward, head_dim {d}, {tag} inputs, {cz}.",
     }[kind]
     params = {"bwd": "FlashBwdParams", "bwd_sm90": "FlashBwdParams", "fwd_int8": "FlashFwdInt8Params",
-              "fwd_fp8_sm90": "FlashFwdFp8Params"}.get(kind, "FlashFwdParams")
+              "fwd_fp8_sm90": "FlashFwdFp8Params", "decode_fp8kv": "FlashDecodeFp8KvParams"}.get(kind, "FlashFwdParams")
     targs = f"{cpp}, {d}" + ("" if causal is None else f", {str(causal).lower()}")
     extra = ", int block_n" if kind == "fwd_fp8_sm90" else ""  # the key tile, Fp8Tiles<D> (kernel_tiles.h)
     lines = [f"// Instantiation: {what}", GENERATED.rstrip("\n"), f'#include "{header}"', "", "namespace llm_attn {",
@@ -176,6 +183,11 @@ def tiles_header() -> str:
         out += ["template <>", f"struct Fp8Tiles<{d}> {{", f"    static constexpr int kDefaultBlockN = {tiles[0]};",
                 "    static constexpr bool has(int block_n) { return "
                 + " || ".join(f"block_n == {n}" for n in tiles) + "; }", "};"]
+    out += ["", "// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.",
+            "template <int kHeadDim_, int kMTiles_, int kStages_>", "struct DecodeFp8KvTraits;",
+            "template <int kHeadDim>", "struct DecodeFp8KvConfig {"]
+    out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}>;" for name, mt, st in DECODE_FP8KV_TRAITS]
+    out += ["};"]
     out += ["", "}  // namespace llm_attn", ""]
     return "\n".join(out)
 
@@ -204,6 +216,8 @@ def python_table() -> str:
               f"BWD_TILES = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_TILES.items()) + "}",
               "# per head_dim: BwdTileNarrow<D>, for devices whose shared memory per block is below BwdTile<D>'s",
               f"BWD_NARROW = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_NARROW.items()) + "}",
+              "# (name, m_tiles, stages) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache",
+              f"DECODE_FP8KV_TRAITS = {DECODE_FP8KV_TRAITS!r}",
               "# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default",
               f"FP8_BLOCK_N = {FP8_BLOCK_N!r}",
               "# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file",

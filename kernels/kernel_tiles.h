@@ -84,4 +84,13 @@ struct Fp8Tiles<64> {
     static constexpr bool has(int block_n) { return block_n == 128 || block_n == 192; }
 };
 
+// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.
+template <int kHeadDim_, int kMTiles_, int kStages_>
+struct DecodeFp8KvTraits;
+template <int kHeadDim>
+struct DecodeFp8KvConfig {
+    using OneTile = DecodeFp8KvTraits<kHeadDim, 1, 4>;
+    using TwoTiles = DecodeFp8KvTraits<kHeadDim, 2, 3>;
+};
+
 }  // namespace llm_attn

@@ -33,6 +33,8 @@ BWD_NARROW = {
     128: {'block_m': 32, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
     64: {'block_m': 64, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
 }
+# (name, m_tiles, stages) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache
+DECODE_FP8KV_TRAITS = (('OneTile', 1, 4), ('TwoTiles', 2, 3))
 # per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
 FP8_BLOCK_N = {128: (192, 128), 64: (128, 192)}
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
@@ -57,6 +59,10 @@ INSTANTIATIONS = (
     ('decode', 128, 'bf16', None, 'flash_decode_hdim128_bf16.cu'),
     ('decode', 64, 'fp16', None, 'flash_decode_hdim64_fp16.cu'),
     ('decode', 64, 'bf16', None, 'flash_decode_hdim64_bf16.cu'),
+    ('decode_fp8kv', 128, 'fp16', None, 'flash_decode_fp8kv_hdim128_fp16.cu'),
+    ('decode_fp8kv', 128, 'bf16', None, 'flash_decode_fp8kv_hdim128_bf16.cu'),
+    ('decode_fp8kv', 64, 'fp16', None, 'flash_decode_fp8kv_hdim64_fp16.cu'),
+    ('decode_fp8kv', 64, 'bf16', None, 'flash_decode_fp8kv_hdim64_bf16.cu'),
     ('bwd', 128, 'fp16', False, 'flash_bwd_hdim128_fp16_noncausal.cu'),
     ('bwd', 128, 'fp16', True, 'flash_bwd_hdim128_fp16_causal.cu'),
     ('bwd', 128, 'bf16', False, 'flash_bwd_hdim128_bf16_noncausal.cu'),

@@ -1,0 +1,23 @@
+// Runtime -> compile-time dispatch of the decode kernel over the FP8 KV cache (flash_decode_fp8kv.h).
+#include "flash_decode_fp8kv.h"
+#include "flash_fwd_config.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace llm_attn {
+
+int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) {
+    return use_decode_kernel(p.base) ? flash_fwd_num_splits(p.base, num_sms) : 1;
+}
+
+cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& p, cudaStream_t stream) {
+    if (!use_decode_kernel(p.base)) return cudaErrorInvalidValue;
+    if (p.base.head_dim == 128) return p.base.is_bf16 ? run_flash_decode_fp8kv_<__nv_bfloat16, 128>(p, stream)
+                                                      : run_flash_decode_fp8kv_<half, 128>(p, stream);
+    if (p.base.head_dim == 64) return p.base.is_bf16 ? run_flash_decode_fp8kv_<__nv_bfloat16, 64>(p, stream)
+                                                     : run_flash_decode_fp8kv_<half, 64>(p, stream);
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace llm_attn

@@ -1,0 +1,33 @@
+// Launch template of the decode kernel over the FP8 KV cache; included by one instantiation file per
+// (head_dim, dtype of q and o).
+#pragma once
+
+#include "flash_decode_fp8kv_kernel.cuh"
+#include "kernel_tiles.h"
+#include "launch_smem.h"
+
+namespace llm_attn {
+
+template <typename T, typename Traits>
+cudaError_t launch_decode_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
+    constexpr int smem = Traits::kSmemBytes;
+    const cudaError_t err = opt_in_dynamic_smem<flash_decode_fp8kv_kernel<T, Traits>, smem>();
+    if (err != cudaSuccess) return err;
+    dim3 grid(params.base.num_splits, params.base.num_kv_heads, params.base.batch);
+    flash_decode_fp8kv_kernel<T, Traits><<<grid, Traits::kThreads, smem, stream>>>(params);
+    return cudaGetLastError();
+}
+
+// One configuration per row count, on every device: e4m3 tiles are half the bytes of fp16 ones, so 4 stages of
+// one m16 row tile (hd 128: 68 KB) and 3 of two (72 KB, the merge buffer's size) fit the 99 KB that sm_86/sm_89
+// give a block. The tables are kernel_tiles.h's DecodeFp8KvConfig<D> (kernels/generate_kernels.py).
+template <typename T, int kHeadDim>
+cudaError_t run_flash_decode_fp8kv_(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
+    using Config = DecodeFp8KvConfig<kHeadDim>;
+    const int rows = params.base.num_heads / params.base.num_kv_heads * params.base.seqlen_q;
+    if (rows > kDecodeMaxRows) return cudaErrorInvalidValue;
+    return rows > 16 ? launch_decode_fp8kv<T, typename Config::TwoTiles>(params, stream)
+                     : launch_decode_fp8kv<T, typename Config::OneTile>(params, stream);
+}
+
+}  // namespace llm_attn
