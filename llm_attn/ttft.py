@@ -9,6 +9,7 @@
     python -m llm_attn.ttft --seq 2048 --prompts prompts.jsonl    # dataset text, cut or repeated to 2048 tokens
     python -m llm_attn.ttft --seq dataset --prompts prompts.jsonl # its own lengths: TTFT p50 / p90 over prompts
     python -m llm_attn.ttft --seq 131072 --prefill-chunk 8192 --measure ttft   # the prompt in 16 chunks of 8192
+    python -m llm_attn.ttft --seq 8192 --kv-cache fp8 --measure ttft decode_generate  # on the FP8 KV cache
 
 Without ``--model`` (``auto``) a GPU gets the synthetic Llama 3 8B AWQ checkpoint (exact geometry, seeded int4
 weights, loaded through a real AWQ loader; generated once and cached) and a machine without a GPU gets a tiny
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         positive_int,
     )
     from llm_attn.harness.devices import DEFAULT_TABLE  # noqa: PLC0415
+    from llm_attn.harness.results import KV_CACHES  # noqa: PLC0415
     from llm_attn.harness.sweep import ALL_MEASUREMENTS, DEFAULT_MEASUREMENTS, DTYPES  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="python -m llm_attn.ttft", description=__doc__.split("\n\n")[0],
@@ -106,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every prompt in chunks of N tokens against the growing KV cache (each chunk causal "
                         "over everything cached; activations scale with N, not the prompt) in ttft, both decodes' "
                         "prefills and ttft_graph; rows carry the chunk (default: the whole prompt in one forward)")
+    p.add_argument("--kv-cache", choices=KV_CACHES, default="fp16",
+                   help="the KV cache of ttft, both decodes and ttft_graph: fp16, transformers' own in the model's "
+                        "dtype, or fp8, the FP8 (e4m3) cache of llm_attn.models.kv_cache, which stock and ours both "
+                        "read through a dequantised copy (no kernel reads the FP8 data yet; the graph measurements "
+                        "cannot capture it yet: 'unsupported' on a GPU); rows carry kv_cache (default: fp16)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "
                         f"{' '.join(DEFAULT_MEASUREMENTS)})")
@@ -165,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             fail(parser, f"--prefill-chunk {args.prefill_chunk}: must be a positive number of tokens")
         if args.tp is not None or (args.seq and "dataset" in args.seq):
             parser.error("--prefill-chunk is not supported with --tp or --seq dataset yet")
+    if args.kv_cache != "fp16" and (args.tp is not None or args.context is not None or
+                                    (args.seq and "dataset" in args.seq)):
+        parser.error(f"--kv-cache {args.kv_cache} is not supported with --tp, --context or --seq dataset yet")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 
@@ -252,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
-                      context=args.context, prefill_chunk=args.prefill_chunk,
+                      context=args.context, prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache,
                       allow_dequant_fallback=args.allow_dequant_fallback,
                       experiment=args.experiment, device=device,
                       plugins=plugins)

@@ -6,7 +6,10 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 - TTFT: prefill forward over exactly ``seq`` tokens with a fresh cache and ``logits_to_keep=1``, then greedy
   sampling of the first token, timed with CUDA events (on CPU, ``perf_counter``) after warm-up at the same shape.
   With ``prefill_chunk`` (``--prefill-chunk N``) the prompt runs as forwards of N tokens against the growing cache
-  (``prefill_first_token``); TTFT, both decodes' prefills and the graph TTFT take it.
+  (``prefill_first_token``); TTFT, both decodes' prefills and the graph TTFT take it. With ``kv_cache="fp8"``
+  (``--kv-cache fp8``) TTFT and decode "generate" run on ``Fp8DynamicCache`` and decode "graph" on
+  ``Fp8StaticCache`` (``llm_attn.models.kv_cache``); attention reads its dequantised copy, stock and ours alike.
+  The FP8 static cache cannot be captured in a CUDA graph yet: the graph measurements are then 'unsupported'.
 - Decode, "generate": ``model.generate`` with the default cache, exactly as users call it; a streamer timestamps
   every token as it reaches the host, so the first token (the prefill) is excluded and each later token is timed.
 - Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
@@ -39,8 +42,9 @@ from llm_attn.harness.agreement import (
     continuation_tokens,
     next_token_logprobs,
 )
-from llm_attn.harness.results import jsonable
+from llm_attn.harness.results import KV_CACHES, jsonable
 from llm_attn.harness.stats import summarize
+from llm_attn.models.kv_cache import Fp8DynamicCache, Fp8StaticCache
 
 # Steps run before capturing the decode graph: the first call of an op may allocate workspaces or pick algorithms,
 # which a capture must not see.
@@ -122,6 +126,22 @@ def _generate_kwargs(model, input_ids: torch.Tensor, new_tokens: int, prefill_ch
                 num_beams=1, pad_token_id=_pad_token_id(model), **chunked)
 
 
+def _check_kv_cache(kv_cache: str) -> None:
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+
+
+def new_cache(model, kv_cache: str = "fp16"):
+    """A fresh dynamic cache: transformers' ``DynamicCache`` (K/V in the model's dtype) or ``Fp8DynamicCache``."""
+    _check_kv_cache(kv_cache)
+    return Fp8DynamicCache(config=model.config) if kv_cache == "fp8" else DynamicCache(config=model.config)
+
+
+def _fp8_not_capturable(what: str) -> GraphCaptureUnsupported:
+    return GraphCaptureUnsupported(f"{what} with the FP8 KV cache cannot be captured in a CUDA graph yet "
+                                   f"(Fp8StaticCache keeps its write position on the host)")
+
+
 def cache_kwarg(model, cache) -> dict:
     """The KV cache as the keyword the model's forward takes: ``cache`` from transformers 5.24 on, where
     ``past_key_values`` still works but warns on every run that it is deprecated; ``past_key_values`` before."""
@@ -133,14 +153,14 @@ def cache_kwarg(model, cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-def prefill_first_token(model, input_ids: torch.Tensor, cache=None,
-                        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One prefill (fresh DynamicCache unless one is given) and greedy sampling: (token ids (B,), logits of the last
+def prefill_first_token(model, input_ids: torch.Tensor, cache=None, chunk: int | None = None,
+                        kv_cache: str = "fp16") -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill (a fresh ``new_cache(model, kv_cache)`` unless a cache is given) and greedy sampling: (token ids (B,), logits of the last
     position (B, vocab)). ``chunk``: the prompt goes in forwards of ``chunk`` tokens against the growing cache, each
     chunk causal bottom-right over everything cached (transformers builds that mask from the cache's length, as
     ``generate(prefill_chunk_size=)`` does), so activations scale with the chunk, not the prompt; a chunk at least as
     long as the prompt is one forward."""
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = new_cache(model, kv_cache) if cache is None else cache
     kwargs = {**cache_kwarg(model, cache), "use_cache": True, **_logits_kwargs(model)}
     for part in input_ids.split(chunk, dim=1) if chunk else (input_ids,):
         out = model(input_ids=part, **kwargs)
@@ -149,7 +169,8 @@ def prefill_first_token(model, input_ids: torch.Tensor, cache=None,
 
 
 def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
-                 on_repeat: Callable[[], None] | None = None, prefill_chunk: int | None = None) -> dict:
+                 on_repeat: Callable[[], None] | None = None, prefill_chunk: int | None = None,
+                 kv_cache: str = "fp16") -> dict:
     """TTFT samples in ms: prompt in, first token out. ``samples_ms`` are device times (CUDA events: start before
     the forward, end after the argmax); ``wall_samples_ms`` add the copy of the token to the host."""
     device = input_ids.device
@@ -157,7 +178,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
     samples, wall = [], []
     with torch.inference_mode(), no_gc():
         for _ in range(warmup):
-            prefill_first_token(model, input_ids, chunk=prefill_chunk)
+            prefill_first_token(model, input_ids, chunk=prefill_chunk, kv_cache=kv_cache)
         _sync(device)
         _reset_peak(device)
         for _ in range(repeats):
@@ -166,7 +187,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
                 start.record()
-                tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk)
+                tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk, kv_cache=kv_cache)
                 end.record()
                 tok.cpu()
                 t1 = time.perf_counter()
@@ -174,7 +195,7 @@ def measure_ttft(model, input_ids: torch.Tensor, warmup: int, repeats: int,
                 samples.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk)
+                tok, _ = prefill_first_token(model, input_ids, chunk=prefill_chunk, kv_cache=kv_cache)
                 tok.cpu()
                 t1 = time.perf_counter()
                 samples.append((t1 - t0) * 1e3)
@@ -227,25 +248,31 @@ def _decode_fields(run_steps_ms: list[list[float]], run_total_ms: list[float], n
 
 def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, runs: int,
                             warmup_runs: int = 1, on_run: Callable[[], None] | None = None, meter=None,
-                            prefill_chunk: int | None = None) -> dict:
-    """Decode through ``model.generate`` (default dynamic cache, greedy), tokens 2..N timed by their arrival.
+                            prefill_chunk: int | None = None, kv_cache: str = "fp16") -> dict:
+    """Decode through ``model.generate`` (default dynamic cache, or a fresh ``Fp8DynamicCache`` per call with
+    ``kv_cache="fp8"``; greedy), tokens 2..N timed by their arrival.
     ``meter`` (``harness.energy``): each run's energy from the first new token's arrival to the end of generate
     (``energy_windows``)."""
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device
+    _check_kv_cache(kv_cache)
     kwargs = _generate_kwargs(model, input_ids, new_tokens, prefill_chunk)
+
+    def cache():  # a fresh cache per generate (made before its clock starts); None: generate's default
+        return {"past_key_values": new_cache(model, "fp8")} if kv_cache == "fp8" else {}
+
     steps, totals, first_token_ms, tokens, windows = [], [], [], None, []
     with torch.inference_mode(), no_gc():
         # Warm-up runs cover the decode shapes too: the first generate after a shape change is much slower.
         for _ in range(warmup_runs):
-            model.generate(input_ids, **kwargs)
+            model.generate(input_ids, **kwargs, **cache())
         _sync(device)
         _reset_peak(device)
         for _ in range(runs):
-            clock = _TokenClock(meter)
+            clock, fresh = _TokenClock(meter), cache()
             _sync(device)
-            out = model.generate(input_ids, streamer=clock, **kwargs)
+            out = model.generate(input_ids, streamer=clock, **kwargs, **fresh)
             if meter is not None:
                 windows.append(meter.end(clock.window, tokens=(new_tokens - 1) * input_ids.shape[0]))
             t = clock.times
@@ -285,8 +312,8 @@ def _extend_static_cache(cache, seq: int, context: int) -> None:
 
 def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs: int, use_graph: bool,
                           on_run: Callable[[], None] | None = None, context: int | None = None,
-                          meter=None, prefill_chunk: int | None = None) -> dict:
-    """Kernel-limited decode: StaticCache, one greedy decode step per token, replayed from a CUDA graph when
+                          meter=None, prefill_chunk: int | None = None, kv_cache: str = "fp16") -> dict:
+    """Kernel-limited decode: StaticCache (``Fp8StaticCache`` with ``kv_cache="fp8"``), one greedy decode step per token, replayed from a CUDA graph when
     ``use_graph`` (CUDA only). Each step reads the previous token from a static buffer and writes the next one
     into it, so the replayed graph feeds itself. The cache's position counters are tensors that the step advances
     in place; they are reset to the prompt length before every run, so all runs decode the same tokens.
@@ -297,7 +324,14 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     long conversation, without the cost of a long prefill. The tokens are then not the model's continuation of any
     real text (the repeated keys carry their first positions' rotary phases); what is measured is the step time.
 
-    ``meter`` (``harness.energy``): each run's energy over its timed steps (``energy_windows``)."""
+    ``meter`` (``harness.energy``): each run's energy over its timed steps (``energy_windows``).
+
+    The FP8 cache runs the loop without a graph only (on CPU); with ``use_graph`` it raises GraphCaptureUnsupported,
+    and with ``context`` ValueError (the fill copies the cache's storage, which for FP8 needs re-quantising)."""
+    _check_kv_cache(kv_cache)
+    fp8 = kv_cache == "fp8"
+    if fp8 and use_graph:
+        raise _fp8_not_capturable("the decode step")
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device
@@ -307,9 +341,13 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     batch, seq = input_ids.shape
     if context is not None and context < seq:
         raise ValueError(f"context ({context}) must be at least the prompt length ({seq})")
+    if fp8 and context is not None and context > seq:
+        raise ValueError("decode at a longer --context is not supported with the FP8 KV cache yet")
     kv_len = seq if context is None else context
     n_steps = new_tokens - 1
-    cache = StaticCache(config=model.config, max_cache_len=kv_len + max(new_tokens, GRAPH_WARMUP_STEPS + 1))
+    max_len = kv_len + max(new_tokens, GRAPH_WARMUP_STEPS + 1)
+    cache = (Fp8StaticCache(config=model.config, max_cache_len=max_len) if fp8
+             else StaticCache(config=model.config, max_cache_len=max_len))
     with torch.inference_mode():
         _reset_peak(device)
         first, _ = prefill_first_token(model, input_ids, cache=cache, chunk=prefill_chunk)
@@ -322,6 +360,9 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
         if kv_len > seq:
             _extend_static_cache(cache, seq, kv_len)
         saved = [layer.cumulative_length.clone() for layer in cache.layers]
+        # The FP8 layer also keeps its length on the host and the open block's float32 originals, from which the
+        # next write re-quantises that block: rewinding restores them too.
+        saved_fp8 = [layer.position_state() for layer in cache.layers] if fp8 else None
 
         def step():
             out = model(input_ids=cur, **cache_kwarg(model, cache), use_cache=True)
@@ -330,6 +371,8 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
         def rewind():
             for layer, pos in zip(cache.layers, saved):
                 layer.cumulative_length.copy_(pos)
+            for layer, state in zip(cache.layers, saved_fp8 or ()):
+                layer.restore_position(state)
             cur.copy_(first)
 
         graph = None
@@ -557,7 +600,7 @@ def _kernel_changes(before: list[dict], after: list[dict], keep: int = 3, min_ms
 
 def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int, cache: str = "dynamic",
                        profile: bool = True, on_repeat: Callable[[], None] | None = None,
-                       prefill_chunk: int | None = None) -> dict:
+                       prefill_chunk: int | None = None, kv_cache: str = "fp16") -> dict:
     """Kernel-limited TTFT: the whole prefill (exact prompt, ``logits_to_keep=1``, greedy argmax of the first token)
     captured in one CUDA graph and replayed; each sample is one replay timed with CUDA events. Host noise cannot
     reach it: it is what an engine with graph capture (or ``torch.compile(mode="reduce-overhead")``) sees.
@@ -568,12 +611,15 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
 
     Raises GraphCaptureUnsupported (a row with status 'unsupported' and the reason) off CUDA and for any capture
     failure. With ``profile`` one more replay runs under torch.profiler and ``attention_kernels`` names the
-    attention kernels it ran."""
+    attention kernels it ran. ``kv_cache="fp8"``: GraphCaptureUnsupported (the FP8 cache is not capturable yet)."""
     if cache not in GRAPH_CACHES:
         raise ValueError(f"cache must be one of {GRAPH_CACHES}, got {cache!r}")
     device = input_ids.device
     if device.type != "cuda":
         raise GraphCaptureUnsupported(f"CUDA graphs need a CUDA device; this run is on {device.type}")
+    _check_kv_cache(kv_cache)
+    if kv_cache == "fp8":
+        raise _fp8_not_capturable("the prefill")
     batch, seq = input_ids.shape
     static = StaticCache(config=model.config, max_cache_len=seq) if cache == "static" else None
 

@@ -104,7 +104,8 @@ def host_bound_summary(samples_ms: Sequence[float], enqueue_ms: Sequence[float],
     }
 
 
-def _timed_prefill(model, input_ids: torch.Tensor, chunk: int | None = None) -> tuple[float, float, float]:
+def _timed_prefill(model, input_ids: torch.Tensor, chunk: int | None = None,
+                   kv_cache: str = "fp16") -> tuple[float, float, float]:
     """One TTFT: (device ms, host enqueue ms, wall ms). On CPU the device time is the wall time."""
     device = input_ids.device
     _sync(device)
@@ -112,7 +113,7 @@ def _timed_prefill(model, input_ids: torch.Tensor, chunk: int | None = None) -> 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
-        tok, _ = prefill_first_token(model, input_ids, chunk=chunk)
+        tok, _ = prefill_first_token(model, input_ids, chunk=chunk, kv_cache=kv_cache)
         end.record()
         t_enq = time.perf_counter()
         tok.cpu()
@@ -121,7 +122,7 @@ def _timed_prefill(model, input_ids: torch.Tensor, chunk: int | None = None) -> 
         dev_ms = start.elapsed_time(end)
     else:
         t0 = time.perf_counter()
-        tok, _ = prefill_first_token(model, input_ids, chunk=chunk)
+        tok, _ = prefill_first_token(model, input_ids, chunk=chunk, kv_cache=kv_cache)
         t_enq = time.perf_counter()
         tok.cpu()
         t1 = time.perf_counter()
@@ -132,7 +133,7 @@ def _timed_prefill(model, input_ids: torch.Tensor, chunk: int | None = None) -> 
 def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], warmup: int, repeats: int, *,
                         switch: Callable, seed: int = 0,
                         on_repeat: Callable[[], None] | None = None, meter=None,
-                        prefill_chunk: int | None = None) -> dict[str, dict]:
+                        prefill_chunk: int | None = None, kv_cache: str = "fp16") -> dict[str, dict]:
     """Paired TTFT of ``impls`` on one prompt: ``{impl: row fields}``. ``switch(model, impl)`` is the context
     manager that puts the model on an implementation and yields its PatchReport or None (``impls.use_impl``).
     ``meter`` (``harness.energy``): the energy of every timed prefill, read right before and after it, on the same
@@ -171,7 +172,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         for _ in range(warmup):
             for impl in impls:
                 with switch(model, impl) as rep, stock_call_counter(impl) as counter:
-                    prefill_first_token(model, input_ids, chunk=prefill_chunk)
+                    prefill_first_token(model, input_ids, chunk=prefill_chunk, kv_cache=kv_cache)
                     tally(impl, rep)
                 if counter is not None:
                     stock_calls[impl] = (stock_calls[impl] or 0) + counter["impl"]
@@ -185,7 +186,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
                     if meter is not None:
                         _sync(device)
                         win = meter.begin()
-                    d, e, w = _timed_prefill(model, input_ids, prefill_chunk)
+                    d, e, w = _timed_prefill(model, input_ids, prefill_chunk, kv_cache)
                     if meter is not None:
                         windows[impl].append(meter.end(win))
                     pk = _peak(device)

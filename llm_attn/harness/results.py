@@ -30,6 +30,11 @@ KINDS = MEASUREMENTS + ("error",)
 # unsupported: the stock path cannot be measured that way (e.g. eager attention inside a CUDA graph).
 STATUSES = ("ok", "oom", "unsupported", "error")
 
+# The KV cache a row's prefill and decode ran on (its "kv_cache" field, --kv-cache): "fp16" is transformers' own
+# cache in the model's dtype, "fp8" the FP8 (e4m3) cache of llm_attn.models.kv_cache, read through a dequantised
+# copy. Rows without the field ran on "fp16".
+KV_CACHES = ("fp16", "fp8")
+
 # Fields every row has, whatever its kind.
 COMMON_FIELDS = ("schema", "kind", "measurement", "status", "experiment", "run_id", "time", "device", "model_spec",
                  "model", "impl", "dtype", "batch", "seq", "new_tokens", "env", "command")
@@ -82,10 +87,11 @@ def point_key(row: dict) -> tuple:
     new_tokens = None if measurement in ("ttft", "breakdown", "ttft_graph", "ttft_graph_static", "ttft_dataset") \
         else row.get("new_tokens")
     # decode_graph with --context: the KV length is part of the point (absent, and so None, everywhere else); so is
-    # --prefill-chunk where a row carries it (absent in rows without chunking).
+    # --prefill-chunk where a row carries it (absent in rows without chunking), and the KV cache (absent: fp16, so
+    # rows written before --kv-cache resume as fp16 points).
     return (row.get("experiment"), row.get("model_spec"), row.get("dtype"), row.get("impl"), row.get("batch"),
             row.get("seq"), new_tokens, measurement, row.get("context") if measurement == "decode_graph" else None,
-            row.get("prefill_chunk"))
+            row.get("prefill_chunk"), row.get("kv_cache") or "fp16")
 
 
 def is_finished(row: dict) -> bool:
@@ -126,6 +132,8 @@ def validate_row(row: dict) -> None:
     missing = [f for f in KIND_FIELDS[row["kind"]] if f not in row]
     if missing:
         raise ValueError(f"{row['kind']} row misses fields {missing}")
+    if row.get("kv_cache", "fp16") not in KV_CACHES:
+        raise ValueError(f"unknown kv_cache {row['kv_cache']!r}")
     if "samples_ms" in KIND_FIELDS[row["kind"]] and not row["samples_ms"]:
         raise ValueError(f"{row['kind']} row has no samples")
 

@@ -44,7 +44,7 @@ from llm_attn.harness.measure import (
 )
 from llm_attn.harness.paired import measure_decode_paired, measure_ttft_paired, paired_verdicts
 from llm_attn.harness.stats import format_ratio, format_ratio_interval, ratio_header, speed_ratio
-from llm_attn.harness.results import SCHEMA, ResultWriter, jsonable, point_key
+from llm_attn.harness.results import KV_CACHES, SCHEMA, ResultWriter, jsonable, point_key
 
 PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown", "ttft_graph", "ttft_graph_static")
 # TTFT and decode tok/s are measured paired: every implementation once per repeat, in a seeded shuffled order
@@ -57,6 +57,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # The measurements whose prefill --prefill-chunk splits (and whose rows carry it); breakdown and correctness run the
 # prompt in one forward.
 PREFILL_CHUNKED = ("ttft", "decode_generate", "decode_graph", "ttft_graph", "ttft_graph_static")
+# The measurements that run on the --kv-cache format (and whose rows carry it): the same ones. breakdown and
+# correctness run on transformers' own cache.
+KV_CACHED = PREFILL_CHUNKED
+FP8_KV_NOTE = "FP8 KV cache (read via a dequantised copy)"
 # Reference implementation of the correctness check: the stock path the patched implementations are built on.
 CORRECTNESS_REFERENCE = BASE_IMPL
 _OOM = (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (torch.cuda.OutOfMemoryError,)
@@ -93,6 +97,8 @@ class SweepParams:
     # --prefill-chunk: the prompt in forwards of this many tokens against the growing cache (PREFILL_CHUNKED);
     # None: one forward.
     prefill_chunk: int | None = None
+    # --kv-cache: the KV cache format of the KV_CACHED measurements (results.KV_CACHES).
+    kv_cache: str = "fp16"
     allow_dequant_fallback: bool = False
     # --plugin specs (a .py path or module[:attr]) that register implementations named in impls.
     plugins: list[str] = field(default_factory=list)
@@ -119,6 +125,10 @@ class SweepParams:
                                  f"{max(self.seqs)})")
         if self.prefill_chunk is not None:
             _int_at_least("prefill_chunk", self.prefill_chunk, 1)
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
+        if self.kv_cache == "fp8" and self.context is not None:
+            raise ValueError("context is not supported with the FP8 KV cache yet")
         if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
             raise ValueError(f"plugins must be a list of plugin specs (file.py or module[:attr]), got "
                              f"{self.plugins!r}")
@@ -158,6 +168,8 @@ class SweepConfig(SweepParams):
             args += ["--context", str(self.context)]
         if self.prefill_chunk is not None:
             args += ["--prefill-chunk", str(self.prefill_chunk)]
+        if self.kv_cache != "fp16":
+            args += ["--kv-cache", self.kv_cache]
         if self.allow_dequant_fallback:
             args.append("--allow-dequant-fallback")
         return shlex.join(args)
@@ -234,6 +246,7 @@ class Sweep:
             "new_tokens": self.cfg.new_tokens,
             **self._context_field(measurement),
             **self._chunk_fields(measurement, seq),
+            **self._kv_cache_field(measurement),
             "env": self.env, "command": command,
             "argv": shlex.join(self.argv),
         }
@@ -242,7 +255,8 @@ class Sweep:
         return point_key({"experiment": self.cfg.experiment, "model_spec": self.cfg.model_spec,
                           "dtype": self.cfg.dtype, "impl": impl, "batch": batch, "seq": seq,
                           "new_tokens": self.cfg.new_tokens, "measurement": measurement,
-                          **self._context_field(measurement), **self._chunk_fields(measurement, seq)})
+                          **self._context_field(measurement), **self._chunk_fields(measurement, seq),
+                          **self._kv_cache_field(measurement)})
 
     def _context_field(self, measurement: str) -> dict:
         """--context belongs to decode_graph's rows (and resume keys) only."""
@@ -255,6 +269,10 @@ class Sweep:
         if chunk is None or measurement not in PREFILL_CHUNKED:
             return {}
         return {"prefill_chunk": chunk, "prefill_chunks": -(-seq // chunk)}
+
+    def _kv_cache_field(self, measurement: str) -> dict:
+        """--kv-cache belongs to the rows (and resume keys) of the measurements that run on it."""
+        return {"kv_cache": self.cfg.kv_cache} if measurement in KV_CACHED else {}
 
     def _emit(self, row: dict) -> None:
         self.writer.write(row)
@@ -306,9 +324,10 @@ class Sweep:
         cfg = self.cfg
         if measurement == "decode_generate":
             return measure_decode_generate(self.model, prompt, cfg.new_tokens, 1, warmup_runs=0, meter=self.meter,
-                                           prefill_chunk=cfg.prefill_chunk)
+                                           prefill_chunk=cfg.prefill_chunk, kv_cache=cfg.kv_cache)
         return measure_decode_static(self.model, prompt, cfg.new_tokens, 1, use_graph=self.device.type == "cuda",
-                                     context=cfg.context, meter=self.meter, prefill_chunk=cfg.prefill_chunk)
+                                     context=cfg.context, meter=self.meter, prefill_chunk=cfg.prefill_chunk,
+                                     kv_cache=cfg.kv_cache)
 
     def _measure(self, measurement: str, prompt: torch.Tensor, inner: tqdm) -> dict:
         cfg = self.cfg
@@ -316,14 +335,15 @@ class Sweep:
         if measurement == "ttft":
             inner.reset(total=cfg.repeats)
             fields = measure_ttft(self.model, prompt, cfg.warmup, cfg.repeats, on_repeat=inner.update,
-                                  prefill_chunk=cfg.prefill_chunk)
+                                  prefill_chunk=cfg.prefill_chunk, kv_cache=cfg.kv_cache)
             fields.update(self._ttft_extras(fields, batch, seq))
             return fields
         if measurement in ("ttft_graph", "ttft_graph_static"):
             inner.reset(total=cfg.repeats)
             return measure_ttft_graph(self.model, prompt, cfg.warmup, cfg.repeats,
                                       cache="static" if measurement == "ttft_graph_static" else "dynamic",
-                                      on_repeat=inner.update, prefill_chunk=cfg.prefill_chunk)
+                                      on_repeat=inner.update, prefill_chunk=cfg.prefill_chunk,
+                                      kv_cache=cfg.kv_cache)
         if measurement == "breakdown":
             inner.reset(total=1)
             entry = registry.get(self._impl_now)
@@ -334,11 +354,12 @@ class Sweep:
         if measurement == "decode_generate":
             fields = measure_decode_generate(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
                                              warmup_runs=1 if cfg.warmup > 0 else 0, on_run=inner.update,
-                                             prefill_chunk=cfg.prefill_chunk)
+                                             prefill_chunk=cfg.prefill_chunk, kv_cache=cfg.kv_cache)
         elif measurement == "decode_graph":
             fields = measure_decode_static(self.model, prompt, cfg.new_tokens, cfg.decode_repeats,
                                            use_graph=self.device.type == "cuda", on_run=inner.update,
-                                           context=cfg.context, prefill_chunk=cfg.prefill_chunk)
+                                           context=cfg.context, prefill_chunk=cfg.prefill_chunk,
+                                           kv_cache=cfg.kv_cache)
         else:
             raise ValueError(f"unknown measurement {measurement!r}")
         return {**fields, **self._decode_extras(fields, batch, seq)}
@@ -437,7 +458,7 @@ class Sweep:
                 failed = {}
                 got = measure_ttft_paired(self.model, prompt, ok, cfg.warmup, cfg.repeats, switch=use_impl,
                                           seed=cfg.seed, on_repeat=inner.update, meter=self.meter,
-                                          prefill_chunk=cfg.prefill_chunk)
+                                          prefill_chunk=cfg.prefill_chunk, kv_cache=cfg.kv_cache)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 (recorded with its traceback, then the next point runs)
@@ -512,11 +533,13 @@ def verdict_cell(row: dict | None, stock: str, ref_p50: float | None, mine_p50: 
 
 
 def row_notes(row: dict | None) -> list[str]:
-    """What a reader must know before trusting a row's number: low precision, a chunked prefill, host-bound,
-    fallbacks to stock, moved clocks."""
+    """What a reader must know before trusting a row's number: low precision (attention, the KV cache), a chunked
+    prefill, host-bound, fallbacks to stock, moved clocks."""
     if not row or row.get("status") != "ok":
         return []
     notes = [n for n in (low_precision_note(row.get("impl_info")),) if n]  # e.g. fp8 attention: its accuracy
+    if row.get("kv_cache") == "fp8":  # --kv-cache fp8: stock and ours both read the dequantised copy today
+        notes.append(FP8_KV_NOTE)
     if row.get("prefill_chunk"):  # --prefill-chunk: how the prompt went in
         notes.append(f"prefill chunk {row['prefill_chunk']} >= prompt: one chunk" if row.get("prefill_chunks") == 1
                      else f"prefill in {row['prefill_chunks']} chunks of {row['prefill_chunk']}")

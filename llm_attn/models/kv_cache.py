@@ -212,6 +212,18 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         cached = self.length if self.is_initialized else 0
         return cached + query_length, 0  # as DynamicLayer: what update will return
 
+    def position_state(self) -> tuple:
+        """What ``restore_position`` needs to bring the layer back to this point (as a static decode loop rewinds
+        ``cumulative_length``): the host-side length, K's shift and the open block's float32 originals. The stored
+        bytes need no copy: the next write re-quantises the open block from the tail, and slots past the length
+        are masked."""
+        return self.length, self.k_shift.clone(), self.k_tail.clone(), self.v_tail.clone()
+
+    def restore_position(self, state: tuple) -> None:
+        self.length, shift, k_tail, v_tail = state
+        self.k_shift.copy_(shift)
+        self.k_tail, self.v_tail = k_tail.clone(), v_tail.clone()
+
     def reset(self) -> None:
         if self.is_initialized:
             for t in (self.k_data, self.v_data, self.k_shift):
