@@ -8,6 +8,7 @@ J/token plot and published references, the edge kit's experiment file and the GP
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -54,13 +55,15 @@ class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801
 
 def fake_pynvml(watts: float = 300.0, counter_fails_after: int | None = None, init_error=None,
                 counter_error=None, update_s: float = 0.0) -> types.ModuleType:
-    """A pynvml whose energy counter integrates ``watts`` over real time (mJ), updated every ``update_s`` (0: at every
-    read; a real H100 updates it every ~100 ms), whose power reads ``watts``, with a 700 W limit; the counter raises
+    """A pynvml whose energy counter integrates ``watts`` (changed from now on by ``set_watts``) over real time (mJ),
+    updated every ``update_s`` (0: at every read; a real H100 updates it every ~100 ms), whose power reads the
+    current watts, with a 700 W limit; the counter raises
     NoPermission from its ``counter_fails_after``-th read on, or ``counter_error`` on every read."""
     m = types.ModuleType("pynvml")
     m.NVMLError, m.NVMLError_NoPermission = NVMLError, NVMLError_NoPermission
     t0 = time.perf_counter()
     reads = {"n": 0, "shutdown": 0}
+    power = {"segs": [(0.0, watts)]}  # (seconds after t0 from which, W): ``set_watts`` changes the power from now
 
     def init():
         if init_error:
@@ -76,14 +79,26 @@ def fake_pynvml(watts: float = 300.0, counter_fails_after: int | None = None, in
         elapsed = time.perf_counter() - t0
         if update_s:
             elapsed = update_s * math.floor(elapsed / update_s)
-        return int(elapsed * watts * 1e3)
+        return int(joules_at(elapsed) * 1e3)
+
+    def joules_at(elapsed):
+        total, segs = 0.0, power["segs"]
+        for (start, w), nxt in zip(segs, [s for s, _ in segs[1:]] + [math.inf]):
+            if elapsed <= start:
+                break
+            total += w * (min(elapsed, nxt) - start)
+        return total
+
+    def set_watts(w):
+        power["segs"].append((time.perf_counter() - t0, w))
 
     m.nvmlInit = init
     m.nvmlShutdown = lambda: reads.__setitem__("shutdown", reads["shutdown"] + 1)
     m.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
     m.nvmlDeviceGetHandleByUUID = lambda u: ("handle", u)
     m.nvmlDeviceGetTotalEnergyConsumption = energy_mj
-    m.nvmlDeviceGetPowerUsage = lambda h: int(watts * 1e3)
+    m.nvmlDeviceGetPowerUsage = lambda h: int(power["segs"][-1][1] * 1e3)
+    m.set_watts = set_watts
     m.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000
     m.nvmlDeviceGetPowerManagementDefaultLimit = lambda h: 700_000
     m.reads = reads
@@ -204,11 +219,11 @@ def simulate_ttft(prefill_s: float, burst: bool, repeats: int = 20, seed: int = 
             tr.idle(0.001 + rng.uniform(0, host_s))
             t0, t1 = tr.load(prefill_s, watts * (1 + rng.normal(0, 0.01)))
             if burst and energy.wants_burst(t1 - t0, period):
-                n = energy.burst_prefills(t1 - t0, period)
-                b0 = tr.now
-                for _ in range(n):
+                n, b0 = 0, tr.now
+                while not energy.burst_done(n, tr.now - b0, period):
                     tr.load(prefill_s, watts * (1 + rng.normal(0, 0.01)))
                     tr.idle(0.001)
+                    n += 1
                 reads[impl].append(("burst", t0, t1, b0, tr.now, n))
             else:
                 tr.wait_for_update_past(t1)
@@ -264,8 +279,8 @@ def test_long_prefills_keep_the_window_reading():
     """A 270 ms prefill (8k on an H100) is 2.7 counter periods: no burst, the interpolated window, as before."""
     assert not energy.wants_burst(0.27, 0.0987) and energy.wants_burst(0.069, 0.0987)
     assert not energy.wants_burst(0.01, None)  # a counter whose period is not known yet: the window
-    assert energy.burst_prefills(0.069, 0.1) == 8 and energy.burst_prefills(0.2, 0.1) == 3
-    assert energy.burst_prefills(1e-5, 0.1) == energy.BURST_MAX_PREFILLS
+    assert not energy.burst_done(1, 0.6, 0.1) and not energy.burst_done(7, 0.49, 0.1)
+    assert energy.burst_done(2, 0.5, 0.1) and energy.burst_done(energy.BURST_MAX_PREFILLS, 0.01, 0.1)
     a = simulate_ttft(0.27, burst=True, seed=0)
     b = simulate_ttft(0.27, burst=False, seed=0)
     for impl in ("A", "B"):
@@ -306,7 +321,7 @@ def test_meter_reads_a_short_window_from_a_burst_and_says_so(monkeypatch):
     short, _, long = got
     assert short["reading"] == "burst" and long["reading"] == "window" and long["burst"] is None
     b = short["burst"]
-    assert len(calls) == 2 * b["n"] and b["n"] == energy.burst_prefills(short["duration_s"], 0.1)
+    assert len(calls) == sum(x["burst"]["n"] for x in got[:2]) and b["n"] >= 2
     assert b["duration_s"] >= energy.BURST_PERIODS * 0.1 * 0.9 and b["power_w"] == pytest.approx(400.0, rel=0.1)
     assert short["energy_j"] == pytest.approx(b["power_w"] * b["duration_s"] / b["n"])
     assert short["energy_j"] == pytest.approx(400.0 * 0.03, rel=0.1)
@@ -314,8 +329,8 @@ def test_meter_reads_a_short_window_from_a_burst_and_says_so(monkeypatch):
     e = fields["energy"]
     assert e["method"] == energy.METHOD_NVML and e["reading"] == "burst and window (see readings)"
     assert e["readings"] == ["burst", "burst", "window"] and e["burst"]["n"][2] is None
-    assert e["burst"]["n"][:2] == [b["n"]] * 2 and e["burst"]["how"] == energy.BURST_HOW
-    assert e["note"].startswith(f"J per prefill of 2 of 3 repeats from a burst of {b['n']} back-to-back prefills")
+    assert e["burst"]["n"][:2] == [x["burst"]["n"] for x in got[:2]] and e["burst"]["how"] == energy.BURST_HOW
+    assert e["note"].startswith("J per prefill of 2 of 3 repeats from a burst of ")
     assert "TTFT samples are the timed prefills" in e["note"]
     assert e["avg_power_w"] == pytest.approx(400.0, rel=0.1)
 
@@ -351,6 +366,9 @@ def test_paired_ttft_and_decode_carry_nvml_energy(monkeypatch, tiny):
     """The energy of the same repeats as the times: one reading per timed prefill / decode run, in repeat order,
     in the row and in the paired record; the paired energy ratio from the one statistics module."""
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(watts=300.0))
+    # Windows read as windows: a fast host's tiny prefill can be shorter than 2.5 polls of this counter, which
+    # changes at every read (the bursts have their own test below).
+    monkeypatch.setattr(energy, "BURST_BELOW_PERIODS", 0.0)
     model, ids = tiny
     meter = energy.open_nvml_meter(0)
     try:
@@ -383,6 +401,42 @@ def test_paired_ttft_and_decode_carry_nvml_energy(monkeypatch, tiny):
         # 3 tokens decoded per run (4 new tokens, the first is the prefill's), batch 1.
         assert e["joules_per_token_samples"][0] == pytest.approx(e["samples_j"][0] / 3)
         assert row["paired"]["joules_per_token"][impl] == e["joules_per_token_samples"]
+
+
+def test_paired_ttft_reads_short_prefills_from_bursts_of_their_own_implementation(monkeypatch, tiny):
+    """measure_ttft_paired against a counter that updates every 100 ms, with each implementation drawing its own
+    power (sdpa 300 W, llm_attn 450 W, set when the harness switches to it): every repeat is a timed prefill (its
+    TTFT sample) plus a burst of that implementation right after it, so repeat i's energy of each implementation
+    comes from its own burst (its power, in repeat order), and the paired record pairs repeat i with repeat i."""
+    fake = fake_pynvml(watts=300.0, update_s=0.1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    watts = {"sdpa": 300.0, "llm_attn": 450.0}
+
+    @contextlib.contextmanager
+    def switch(model, impl):
+        fake.set_watts(watts[impl])
+        with use_impl(model, impl) as rep:
+            yield rep
+
+    # Every window is "short" here: the tiny model's prefill takes 5 to 400 ms on a loaded CPU.
+    monkeypatch.setattr(energy, "BURST_BELOW_PERIODS", 1e9)
+    model, ids = tiny
+    meter = energy.open_nvml_meter(0)
+    try:
+        time.sleep(0.45)  # the counter's period is known, as after a model load
+        got = measure_ttft_paired(model, ids, ["sdpa", "llm_attn"], 0, 3, switch=switch, meter=meter)
+    finally:
+        meter.close()
+    for impl, row in got.items():
+        e = row["energy"]
+        assert len(row["samples_ms"]) == 3 and e["readings"] == ["burst"] * 3, e["note"]
+        for p in e["burst"]["power_w"]:
+            assert p == pytest.approx(watts[impl], rel=0.1), (impl, e["burst"])
+        for j, n, secs, p in zip(e["samples_j"], e["burst"]["n"], e["burst"]["duration_s"], e["burst"]["power_w"]):
+            assert n >= 2 and secs >= energy.BURST_PERIODS * 0.1 * 0.9 and j == pytest.approx(p * secs / n)
+        assert row["paired"]["energy_j"][impl] == e["samples_j"]
+        assert "from a burst of" in e["note"]
+    assert got["llm_attn"]["attention_calls"]["counted_over"] == "warm-up and repeats and their energy bursts"
 
 
 @pytest.mark.parametrize("case, why", [

@@ -32,8 +32,8 @@ Where the energy comes from (``open_meter``), in this order:
     It is the energy of one prefill among back-to-back ones, not a reading of the timed prefill alone, whose time
     stays the TTFT sample; repeat i of every implementation is its own burst, so the paired ratio still pairs
     repeat i with repeat i. On synthetic traces of a 100 ms counter with jitter (tests/test_energy.py) a 69 ms
-    prefill reads within 1 % of the true energy with a 0.5-1 % spread, where the window reading spreads 7-14 %
-    and reads ~30 % low.
+    prefill reads within 1 % of the true energy with a 0.5-1.2 % spread (1-2.2 % with 8 ms jitter), where the
+    window reading spreads 7-15 % and reads ~30 % low (idle at 90 W between repeats).
 
   The same thread reads ``nvmlDeviceGetPowerUsage`` for the peak power only (on Ampere and newer, except GA100, NVML
   returns that reading averaged over one second). The board power limit in force is read at the start of each point.
@@ -68,10 +68,10 @@ NVML_PERIOD_S = 0.005  # the counter's poll (its updates come every ~100 ms) and
 COUNTER_WAIT_S = 0.5  # how long ``end`` waits for the counter's first update past a window
 # A timed window shorter than BURST_BELOW_PERIODS counter updates is read from a burst (its interpolated window
 # reading spreads by ~7 % x period / window on an H100: 2.1 % at 2.7 periods, 9-11 % at 0.7); the burst spans
-# BURST_PERIODS updates: 4-5 updates inside it, ~1 % spread on synthetic traces with jitter (3 periods: ~1.6 %).
+# BURST_PERIODS updates: 4-5 updates inside it, ~0.8 % spread on synthetic traces with jitter (3 periods: ~1.6 %).
 BURST_BELOW_PERIODS = 2.5
 BURST_PERIODS = 5.0
-BURST_MAX_PREFILLS = 1000  # a 0.5 ms prefill would otherwise want more
+BURST_MAX_PREFILLS = 1000  # a 0.5 ms prefill would otherwise take more
 READING_WINDOW = "window"
 READING_BURST = "burst"
 BURST_HOW = ("J per prefill = the average power of n back-to-back prefills of the same input run right after the "
@@ -279,9 +279,12 @@ def counter_power_w(updates: list[tuple[float, int]], t0: float, t1: float) -> f
     return float(np.sum(ts * (j - j.mean())) / np.sum(ts * ts))
 
 
-def burst_prefills(window_s: float, period_s: float) -> int:
-    """How many back-to-back repeats of a ``window_s`` window span ``BURST_PERIODS`` counter periods (>= 2)."""
-    return int(min(BURST_MAX_PREFILLS, max(2, math.ceil(BURST_PERIODS * period_s / max(window_s, 1e-6)))))
+def burst_done(n: int, elapsed_s: float, period_s: float) -> bool:
+    """Whether a burst of ``n`` repeats that has lasted ``elapsed_s`` is long enough: at least two repeats spanning
+    ``BURST_PERIODS`` counter periods (or ``BURST_MAX_PREFILLS`` repeats). Judged on the clock, not predicted from
+    the timed window: a prefill's time varies (a loaded CPU host), and the rule knows nothing of the power, so the
+    point where it stops cannot bias the reading."""
+    return n >= BURST_MAX_PREFILLS or (n >= 2 and elapsed_s >= BURST_PERIODS * period_s)
 
 
 def wants_burst(window_s: float, period_s: float | None) -> bool:
@@ -390,14 +393,14 @@ class NvmlMeter(Meter):
         return {**out, "energy_j": joules}
 
     def _burst(self, again, window_s: float, period_s: float) -> dict | None:
-        """Run ``again`` n times back to back and read their average power from the counter's updates inside the
+        """Run ``again`` back to back until ``burst_done`` and read their average power from the counter's updates inside the
         burst: ``{"n", "duration_s", "power_w", "energy_j" (per repeat), "window_periods"}``, or None (recorded) when
         fewer than three updates were seen inside it (the caller reads the timed window instead)."""
-        n = burst_prefills(window_s, period_s)
-        b0 = time.perf_counter()
+        n, b0 = 0, time.perf_counter()
         try:
-            for _ in range(n):
+            while not burst_done(n, time.perf_counter() - b0, period_s):
                 again()
+                n += 1
         except Exception as e:  # noqa: BLE001 (the burst is for energy only: the timed repeat stands)
             self._failed("the energy burst", e)
             return None
