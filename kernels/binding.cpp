@@ -297,11 +297,20 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q, const at::
 // workspaces made here (e4m3 Q, K, V^T in one byte buffer; their scales and the zeroed channel statistics in one
 // float32 buffer), so the quantisation is part of every call. block_n: the kernel's key tile (128 or 192 keys per S
 // tile; 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default, kernel_tiles.h Fp8Tiles<D>): a tuning choice, the
-// result's semantics are the same.
+// result's semantics are the same. qk: the operands of S = Q K^T, "int8" or "e4m3" ("" = LLM_ATTN_FP8_QK if set,
+// else int8; flash_fp8.h Fp8Qk): this one changes the result (the rounding of Q and K).
+int fp8_qk_code(const std::string& qk) {
+    if (qk.empty()) return llm_attn::flash_fwd_fp8_qk(llm_attn::kFp8QkDefault);
+    TORCH_CHECK(qk == "int8" || qk == "e4m3", "llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of "
+                "Q K^T), not '", qk, "'");
+    return qk == "int8" ? llm_attn::kFp8QkInt8 : llm_attn::kFp8QkE4m3;
+}
+
 std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::optional<at::Tensor>& seqused_k, double scale, bool causal,
-                                               int64_t block_n) {
+                                               int64_t block_n, const std::string& qk) {
     check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
+    const int qk_code = fp8_qk_code(qk);
     const c10::cuda::CUDAGuard guard(q.device());
     TORCH_CHECK(llm_attn::flash_fwd_fp8_available(),
                 "llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) and a build with "
@@ -330,7 +339,7 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     float* fb = floats.data_ptr<float>();
     f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats + n_qs + n_ks;
     f.q_dot_kmean = fb + n_stats + n_qs + n_ks + n_vs;
-    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream(), tile);
+    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream(), tile, qk_code);
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd_fp8: kernel launch failed: ", cudaGetErrorString(err));
     return {out, lse};
 }
@@ -659,7 +668,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
     m.def("mha_fwd_fp8", &mha_fwd_fp8, "FP8 (e4m3) attention forward, quantisation included; returns (out, lse)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"),
-          py::arg("block_n") = 0);
+          py::arg("block_n") = 0, py::arg("qk") = "");
+    m.def("fp8_qk", [](const std::string& qk) { return fp8_qk_code(qk) == llm_attn::kFp8QkInt8 ? "int8" : "e4m3"; },
+          "The operands of Q K^T an FP8 call with this qk runs ('' = the default: LLM_ATTN_FP8_QK, else int8)",
+          py::arg("qk") = "");
     m.def("fp8_block_n", [](int64_t head_dim, int64_t block_n) {
         return llm_attn::flash_fwd_fp8_block_n(static_cast<int>(head_dim), static_cast<int>(block_n));
     }, "The FP8 key tile a call with this head_dim and block_n runs (0 = the default), 0 if not built",

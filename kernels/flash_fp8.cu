@@ -4,6 +4,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "kernel_tiles.h"  // Fp8Tiles<D>
 #include "tma_host.h"      // sm90::tuning_env
 
@@ -38,14 +41,27 @@ int flash_fwd_fp8_block_n(int head_dim, int requested) {
     return head_dim == 128 ? fp8_tile<128>(requested, env) : head_dim == 64 ? fp8_tile<64>(requested, env) : 0;
 }
 
-cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n) {
+// LLM_ATTN_FP8_QK (read once): int8 or e4m3, the S operands of calls that ask for neither (qk 0); anything else
+// leaves the default, int8.
+int flash_fwd_fp8_qk(int requested) {
+    static const int env = [] {
+        const char* v = std::getenv("LLM_ATTN_FP8_QK");
+        if (v != nullptr && std::strcmp(v, "e4m3") == 0) return static_cast<int>(kFp8QkE4m3);
+        return static_cast<int>(kFp8QkInt8);
+    }();
+    if (requested == kFp8QkDefault) return env;
+    return requested == kFp8QkE4m3 || requested == kFp8QkInt8 ? requested : 0;
+}
+
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk) {
     if (!flash_fwd_fp8_available()) return cudaErrorNotSupported;
     const FlashFwdParams& p = params.p;
     block_n = flash_fwd_fp8_block_n(p.head_dim, block_n);
-    if (block_n == 0) return cudaErrorInvalidValue;
-#define LLM_ATTN_FP8_CAUSAL(T, D)                                           \
-    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream, block_n) \
-                    : run_flash_fwd_fp8_<T, D, false>(params, stream, block_n)
+    qk = flash_fwd_fp8_qk(qk);
+    if (block_n == 0 || qk == 0) return cudaErrorInvalidValue;
+#define LLM_ATTN_FP8_CAUSAL(T, D)                                               \
+    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream, block_n, qk) \
+                    : run_flash_fwd_fp8_<T, D, false>(params, stream, block_n, qk)
     if (p.is_bf16) {
         if (p.head_dim == 128) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 128);
         if (p.head_dim == 64) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 64);

@@ -2,14 +2,14 @@
 // warp-specialised wgmma kernel on e4m3 operands (flash_fwd_fp8_sm90_kernel.cuh). No torch headers.
 //
 // What the call computes (llm_attn/quant_reference.py holds the same algorithm in PyTorch):
-//   Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448.
+//   Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448, or int8 with amax / 127 (Fp8Qk below).
 //   K: smoothed by its per-channel mean over the valid keys (q . mean is the same for every key of a row, so no
-//      softmax row changes), then e4m3 with one scale per (batch, KV head, 64 keys): a 64-key column group of the
-//      kernel's S tile (2 in a 128-key tile, 3 in a 192-key one), applied in its softmax.
+//      softmax row changes), then e4m3 (or int8, as Q) with one scale per (batch, KV head, 64 keys): a 64-key column
+//      group of the kernel's S tile (2 in a 128-key tile, 3 in a 192-key one), applied in its softmax.
 //   V: e4m3 with one scale per (batch, KV head, channel) over the valid keys, stored transposed (head_dim rows of
 //      keys: wgmma's fp8 B operand is K-major), keys permuted inside each group of 16 to match the registers that
 //      hold P (flash_fwd_fp8_sm90_kernel.cuh); keys past the valid ones are zero.
-//   S = (Q8 K8^T) * q_scale * k_scale in fp32; online softmax in fp32 (exact running max); P * 256 in e4m3;
+//   S = (Q8 K8^T) * q_scale * k_scale in fp32 (int8: the exact integer product, then fp32); online softmax in fp32 (exact running max); P * 256 in e4m3;
 //   O = (P8 V8^T) * v_scale / (256 * rowsum(P)), rowsum over the unquantised P. LSE as the bf16 kernel's, plus
 //   scale * (q . mean(K)): smoothing shifted every score of the row by that.
 #pragma once
@@ -51,15 +51,21 @@ __host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) {
 // The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
 // (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default.
 int flash_fwd_fp8_block_n(int head_dim, int requested);
-// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n);
-// never synchronises. cudaErrorNotSupported when this build has no sm_90a code or the device is not compute
-// capability 9.0, cudaErrorInvalidValue for a tile this build lacks (the binding checks both first and says so).
-cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n = 0);
+// The operands of S = Q K^T: e4m3, or int8 (Q and K scaled by amax / 127 instead of amax / 448; exact s32
+// accumulation; the same tensor rate on sm_90). kFp8QkDefault resolves to LLM_ATTN_FP8_QK (int8 or e4m3) if set,
+// else int8 (kernels/NOTES.md "FP8 forward v4" says why); V and P are e4m3 either way.
+enum Fp8Qk : int { kFp8QkDefault = 0, kFp8QkE4m3 = 1, kFp8QkInt8 = 2 };
+int flash_fwd_fp8_qk(int requested);  // kFp8QkE4m3 or kFp8QkInt8; 0 for a value that is neither
+// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n) and
+// the S operands flash_fwd_fp8_qk(qk); never synchronises. cudaErrorNotSupported when this build has no sm_90a code
+// or the device is not compute capability 9.0, cudaErrorInvalidValue for a tile this build lacks (the binding
+// checks both first and says so).
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n = 0, int qk = kFp8QkDefault);
 // True when the current device is compute capability 9.0 and this build holds the FP8 kernel's sm_90a code.
 bool flash_fwd_fp8_available();
 
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n);
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk);
 template <typename T, int kHeadDim>
 bool flash_fwd_fp8_built_();
 

@@ -29,12 +29,16 @@ constexpr int kPOffsetLog2 = 8;
 // barriers and row reductions serve 1.5x the GEMM work; S is then 96 fp32 registers a thread (O 64 at head_dim
 // 128, P 24), inside the consumers' 240. A V^T row of 192 keys is no swizzle width, so its stage is three 64-key
 // boxes with the 64-byte swizzle, each a K-major wgmma operand of its own (k32 steps 2 per box).
-template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128>
+// kQkInt8_ (v4, kernels/NOTES.md): S = Q K^T in int8 (wgmma .s8, s32 accumulators; Q and K scaled by amax / 127
+// in the pre-pass) instead of e4m3: the same tensor rate and shared-memory layout (one byte per element), and 7
+// bits for every element where e4m3 keeps 3 of mantissa (SageAttention2's split: INT8 Q K^T, FP8 P V).
+template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128, bool kQkInt8_ = false>
 struct Fp8Traits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kConsumers = 2;
     static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kBlockN = kBlockN_;
+    static constexpr bool kQkInt8 = kQkInt8_;
     static constexpr int kKGroups = kBlockN / kFp8KBlock;  // K scales (64-key column groups) per S tile
     static constexpr int kStages = kStages_;
     static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -119,7 +123,13 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
 // times q_scale and the softmax scale): the group's max times its scale (positive, so the max of the scaled scores),
 // and the scale inside the exp2's FMA, so finer K scales cost no instruction per score. Exact running max (the
 // state's kRescaleLog2 is 0): rescale whenever a row max grows.
-template <int kGroups, int kNT, typename State>
+// kBiased (the INT8 S): each score is the float 1.5 x 2^23 + s (kS8Bias, s the integer dot product; exact, as
+// |s| < 2^22), so the group max is (max - kS8Bias) x scale (an exact subtraction) and the exp2's FMA takes the bias
+// in its addend, shift - kS8Bias x scale per group: the integer -> float conversion costs one integer add per score
+// (to_biased_float), none of MUFU's conversions. The addend's rounding (<= 1.5 scale, one constant per group and
+// row) is below a unit of the integer score.
+constexpr float kS8Bias = 12582912.f;  // 1.5 x 2^23: bits 0x4B400000
+template <int kGroups, int kNT, bool kBiased = false, typename State>
 __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][kNT][4],
                                                   const float (&scale_log2)[kGroups], float (&alpha)[1][2]) {
     constexpr int kNTG = kNT / kGroups;  // n8 blocks per group
@@ -136,6 +146,7 @@ __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][k
             for (int nt = g * kNTG; nt < (g + 1) * kNTG; ++nt) {
                 gm = fmaxf(gm, fmaxf(acc_s[0][nt][2 * r], acc_s[0][nt][2 * r + 1]));
             }
+            if constexpr (kBiased) gm -= kS8Bias;  // -inf stays -inf
             mx = fmaxf(mx, gm * scale_log2[g]);
         }
         tile_max[r] = quad_max(mx);
@@ -148,12 +159,15 @@ __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][k
         const float mm = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp2 gives 0, not NaN
         alpha[0][r] = exp2f(st.row_max[0][r] - mm);
         const float shift = static_cast<float>(kPOffsetLog2) - mm;
+        float shift_g[kGroups];
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) shift_g[g] = kBiased ? fmaf(-kS8Bias, scale_log2[g], shift) : shift;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-            const float sc = scale_log2[nt / kNTG];
-            acc_s[0][nt][2 * r] = exp2f(fmaf(acc_s[0][nt][2 * r], sc, shift));
-            acc_s[0][nt][2 * r + 1] = exp2f(fmaf(acc_s[0][nt][2 * r + 1], sc, shift));
+            const float sc = scale_log2[nt / kNTG], sh = shift_g[nt / kNTG];
+            acc_s[0][nt][2 * r] = exp2f(fmaf(acc_s[0][nt][2 * r], sc, sh));
+            acc_s[0][nt][2 * r + 1] = exp2f(fmaf(acc_s[0][nt][2 * r + 1], sc, sh));
             sum += acc_s[0][nt][2 * r] + acc_s[0][nt][2 * r + 1];
         }
         st.row_sum[0][r] = st.row_sum[0][r] * alpha[0][r] + sum;  // per-thread partial; quad-reduced at the end
@@ -189,6 +203,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     st.init();
     Scores acc_s;
     float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&acc_s[0][0][0]);
+    uint32_t s_int[Traits::kQkInt8 ? kBlockN / 2 : 1];  // the INT8 S's accumulators, until to_biased_float
     float(&o_flat)[kHeadDim / 2] = *reinterpret_cast<float(*)[kHeadDim / 2]>(&st.acc_o[0][0][0]);
 
     const SmemDesc desc_q = kmajor_desc<Traits::kRowBytes>(sm.q + wg * 64 * Traits::kRowBytes);
@@ -200,9 +215,25 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 32; ++kk) {
-            WgmmaFp8<kBlockN>::ss(s_flat, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), kk > 0);
+            if constexpr (Traits::kQkInt8) {
+                WgmmaS8<kBlockN>::ss(s_int, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), kk > 0);
+            } else {
+                WgmmaFp8<kBlockN>::ss(s_flat, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), kk > 0);
+            }
         }
         wgmma_commit();
+    };
+    // After S's wgmma wait: keep the compiler from reading S before it (as fence_regs), and for the INT8 S turn
+    // each integer into the float kS8Bias + s by adding the bias's bits (exact; fp8_update_scores removes the bias).
+    auto s_ready = [&] {
+        if constexpr (Traits::kQkInt8) {
+#pragma unroll
+            for (int i = 0; i < kBlockN / 2; ++i) asm volatile("" : "+r"(s_int[i])::"memory");
+#pragma unroll
+            for (int i = 0; i < kBlockN / 2; ++i) s_flat[i] = __uint_as_float(s_int[i] + 0x4B400000u);
+        } else {
+            fence_regs(s_flat);
+        }
     };
     uint32_t pa[kKP][4];  // P of the previous tile, e4m3, as wgmma A fragments
     auto pack_p = [&] {
@@ -243,7 +274,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
             mask_scores<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
         }
-        return fp8_update_scores(st, acc_s, sc, alpha);
+        return fp8_update_scores<kKGroups, kNT, Traits::kQkInt8>(st, acc_s, sc, alpha);
     };
     auto release = [&](uint64_t* bar) {
         __syncwarp();
@@ -270,7 +301,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         issue_qk(0);
         your_turn();
         wgmma_wait<0>();
-        fence_regs(s_flat);
+        s_ready();
         release(&sm.empty_k[0]);
         float alpha[1][2];
         softmax(b.n_blocks - 1, scale0, alpha);  // O is still zero: no rescale needed
@@ -288,7 +319,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         issue_pv(prev);
         your_turn();
         wgmma_wait<1>();
-        fence_regs(s_flat);
+        s_ready();
         release(&sm.empty_k[stage]);
         float alpha[1][2];
         const bool rescale = softmax(b.n_blocks - 1 - it, scale_it, alpha);

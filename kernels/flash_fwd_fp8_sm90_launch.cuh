@@ -39,8 +39,8 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
     // Pre-pass: channel statistics of K and V, then Q, then K and V^T (each waits for the one before on the stream).
     fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, p.num_kv_heads, p.batch), fp8::kThreads, 0,
                                             stream>>>(f);
-    fp8::fp8_quant_q_kernel<T, kHeadDim><<<dim3(q_blocks, p.num_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
-    fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
+    fp8::fp8_quant_q_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(q_blocks, p.num_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
+    fp8::fp8_quant_kv_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
 
@@ -64,22 +64,29 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
 }
 
 // block_n: the key tile, resolved by flash_fwd_fp8_block_n (flash_fp8.cu): 128 or 192 where Fp8Tiles<D> has it.
+// qk: the S operands, resolved by flash_fwd_fp8_qk: kFp8QkInt8 or kFp8QkE4m3.
 // LLM_ATTN_FP8_STAGES=3: a third K/V stage for the 128-key tile (tuning A/B; two is the default, kernels/NOTES.md
 // "FP8 forward"); the 192-key tile is built with two only.
-template <typename T, int kHeadDim, bool kCausal>
-cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream, int block_n) {
+template <typename T, int kHeadDim, bool kCausal, bool kQkInt8>
+cudaError_t launch_fp8_qk(FlashFwdFp8Params& f, cudaStream_t stream, int block_n) {
     static const int stages = tuning_env("LLM_ATTN_FP8_STAGES", 2);
     if (block_n == 192) {
         if constexpr (Fp8Tiles<kHeadDim>::has(192)) {
-            return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192>, kCausal>(f, stream);
+            return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, kQkInt8>, kCausal>(f, stream);
         }
         return cudaErrorInvalidValue;
     }
     if (block_n != 128) return cudaErrorInvalidValue;
     if constexpr (Fp8Tiles<kHeadDim>::has(128)) {
-        if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, stream);
-        return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, stream);
+        if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3, 128, kQkInt8>, kCausal>(f, stream);
+        return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, kQkInt8>, kCausal>(f, stream);
     }
+    return cudaErrorInvalidValue;
+}
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream, int block_n, int qk) {
+    if (qk == kFp8QkInt8) return launch_fp8_qk<T, kHeadDim, kCausal, true>(f, stream, block_n);
+    if (qk == kFp8QkE4m3) return launch_fp8_qk<T, kHeadDim, kCausal, false>(f, stream, block_n);
     return cudaErrorInvalidValue;
 }
 
@@ -96,8 +103,8 @@ bool fp8_has_device_code() {
 }  // namespace sm90
 
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n) {
-    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream, block_n);
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk) {
+    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream, block_n, qk);
 }
 template <typename T, int kHeadDim>
 bool flash_fwd_fp8_built_() {

@@ -136,7 +136,7 @@ def instantiation_source(kind: str, d: int, tag: str, causal: bool | None) -> st
     params = {"bwd": "FlashBwdParams", "bwd_sm90": "FlashBwdParams", "fwd_int8": "FlashFwdInt8Params",
               "fwd_fp8_sm90": "FlashFwdFp8Params", "decode_fp8kv": "FlashDecodeFp8KvParams"}.get(kind, "FlashFwdParams")
     targs = f"{cpp}, {d}" + ("" if causal is None else f", {str(causal).lower()}")
-    extra = ", int block_n" if kind == "fwd_fp8_sm90" else ""  # the key tile, Fp8Tiles<D> (kernel_tiles.h)
+    extra = ", int block_n, int qk" if kind == "fwd_fp8_sm90" else ""  # the key tile (Fp8Tiles<D>) and the S operands (Fp8Qk)
     lines = [f"// Instantiation: {what}", GENERATED.rstrip("\n"), f'#include "{header}"', "", "namespace llm_attn {",
              f"template cudaError_t {fn}<{targs}>({params}& params, cudaStream_t stream{extra});"]
     if kind == "fwd_sm90":

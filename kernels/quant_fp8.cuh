@@ -1,8 +1,8 @@
 // The FP8 forward's quantising pre-pass (flash_fp8.h says what it computes): three kernels, all memory-bound, each
 // reading its bf16/fp16 input once in 16-byte chunks.
 //   fp8_kv_stats_kernel   K's channel sums and V's channel amax over the valid keys (float atomics into `stats`)
-//   fp8_quant_q_kernel    Q -> e4m3, one scale per 64 rows of a head
-//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 (one scale per 64 keys) and V -> e4m3 transposed
+//   fp8_quant_q_kernel    Q -> e4m3 (or int8, kQkInt8), one scale per 64 rows of a head
+//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 or int8 (one scale per 64 keys), V -> e4m3 transposed
 //                         (one scale per channel), key-permuted for the kernel's P registers
 // Keys at or past a batch's valid length (seqused_k) may hold anything (NaN in an unused cache slot): they are never
 // read into a statistic and are written as zeros.
@@ -59,6 +59,15 @@ __device__ __forceinline__ void block_max(float (&v)[N], float (&red)[N][kThread
 // The scale of a block whose largest magnitude is amax (1 for an all-zero block, so that 0 / scale stays 0).
 __device__ __forceinline__ float e4m3_scale(float amax) { return amax > 0.f ? amax / kE4m3Max : 1.f; }
 
+// Q and K: e4m3 (scale amax / 448), or int8 for the INT8 S = Q K^T (kQkInt8: scale amax / 127, round to nearest
+// even). V is e4m3 either way.
+template <bool kQkInt8>
+__device__ __forceinline__ float qk_scale(float amax) { return amax > 0.f ? amax / (kQkInt8 ? 127.f : kE4m3Max) : 1.f; }
+template <bool kQkInt8>
+__device__ __forceinline__ uint32_t pack4_qk(float a, float b, float c, float d) {
+    return kQkInt8 ? sm90::pack4_s8(a, b, c, d) : sm90::pack4_e4m3(a, b, c, d);
+}
+
 // grid (ceil(seqlen_k / kRows), num_kv_heads, batch). stats: (2, batch, kv_heads, D) zeroed; sums, then amax bits.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) fp8_kv_stats_kernel(const FlashFwdFp8Params params) {
@@ -96,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) fp8_kv_stats_kernel(const FlashFwdFp
 }
 
 // grid (ceil(seqlen_q / kFp8QBlock), num_heads, batch).
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kQkInt8 = false>
 __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8Params params) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8QBlock / kRowStep;
     const FlashFwdParams& p = params.p;
@@ -118,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
         for (int i = 0; i < 8; ++i) amax[0] = fmaxf(amax[0], fabsf(x[it][i]));
     }
     block_max(amax, red);
-    const float scale = e4m3_scale(amax[0]), inv = 1.f / scale;
+    const float scale = qk_scale<kQkInt8>(amax[0]), inv = 1.f / scale;
     const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
     if (threadIdx.x == 0) params.q_scale[bh * gridDim.x + blk] = scale;
     // q . mean(K) of each row (the smoothing's shift of its scores, for its lse): the row's kChunks lanes are
@@ -143,8 +152,8 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
         const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;
         if (row >= p.seqlen_q) continue;
         uint2 out;
-        out.x = sm90::pack4_e4m3(x[it][0] * inv, x[it][1] * inv, x[it][2] * inv, x[it][3] * inv);
-        out.y = sm90::pack4_e4m3(x[it][4] * inv, x[it][5] * inv, x[it][6] * inv, x[it][7] * inv);
+        out.x = pack4_qk<kQkInt8>(x[it][0] * inv, x[it][1] * inv, x[it][2] * inv, x[it][3] * inv);
+        out.y = pack4_qk<kQkInt8>(x[it][4] * inv, x[it][5] * inv, x[it][6] * inv, x[it][7] * inv);
         *reinterpret_cast<uint2*>(params.q8 + (bh * p.seqlen_q + row) * kHeadDim + c * 8) = out;
     }
 }
@@ -156,7 +165,7 @@ __device__ __forceinline__ int vt_key_of_position(int j) { return (j & 3) < 2 ? 
 // grid (seqlen_k_pad / kFp8KvChunk, num_kv_heads, batch). Reads `stats` (complete: the stats kernel ran before).
 // Iteration `it` of a thread reads key it * kRowStep + threadIdx.x / kChunks: iterations [0, kIters / 2) cover the
 // block's first 64 keys (K scale 2 blk), the rest its second 64 (2 blk + 1, written if the keys reach it).
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kQkInt8 = false>
 __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp8Params params) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8KvChunk / kRowStep;
     constexpr int kScales = kFp8KvChunk / kFp8KBlock, kItersPerScale = kIters / kScales;
@@ -212,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
     float inv[kScales];
 #pragma unroll
     for (int s = 0; s < kScales; ++s) {
-        const float scale = e4m3_scale(amax[s]);
+        const float scale = qk_scale<kQkInt8>(amax[s]);
         inv[s] = 1.f / scale;
         if (threadIdx.x == 0 && blk * kScales + s < k_blocks) params.k_scale[bh * k_blocks + blk * kScales + s] = scale;
     }
@@ -222,8 +231,8 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
         if (key >= p.seqlen_k) continue;
         const float iv = inv[it / kItersPerScale];
         uint2 out;
-        out.x = sm90::pack4_e4m3(x[it][0] * iv, x[it][1] * iv, x[it][2] * iv, x[it][3] * iv);
-        out.y = sm90::pack4_e4m3(x[it][4] * iv, x[it][5] * iv, x[it][6] * iv, x[it][7] * iv);
+        out.x = pack4_qk<kQkInt8>(x[it][0] * iv, x[it][1] * iv, x[it][2] * iv, x[it][3] * iv);
+        out.y = pack4_qk<kQkInt8>(x[it][4] * iv, x[it][5] * iv, x[it][6] * iv, x[it][7] * iv);
         *reinterpret_cast<uint2*>(params.k8 + (bh * p.seqlen_k + key) * kHeadDim + c * 8) = out;
     }
     // V^T: thread -> (channel d, group of 16 keys); 16 bytes out, consecutive threads along the keys of one channel.

@@ -1,12 +1,14 @@
 """The FP8 attention forward in PyTorch: the quantised algorithm of ``kernels/flash_fp8.h``, block for block and scale
 for scale, so that the CUDA kernel can be checked against it and the CPU can run what the GPU runs.
 
-- Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448 (1 for an all-zero block).
+- Q: one scale per (batch, head, 64 query rows), 1 for an all-zero block; with ``qk="int8"`` (the default) Q / scale
+  rounded to the nearest integer (ties to even), scale = amax / 127; with ``qk="e4m3"`` e4m3, scale = amax / 448.
 - K: minus its per-channel mean over the valid keys (``q . mean`` is the same for every key of a row, so no softmax
-  row changes; it removes the per-channel bias that makes K's amax large), then e4m3 with one scale per (batch,
-  KV head, 64 keys): a 64-key column group of the kernel's S tile, whichever tile (128 or 192 keys) it runs.
+  row changes; it removes the per-channel bias that makes K's amax large), then as Q (int8 or e4m3) with one scale
+  per (batch, KV head, 64 keys): a 64-key column group of the kernel's S tile, whichever tile (128 or 192) it runs.
 - V: e4m3 with one scale per (batch, KV head, channel) over the valid keys.
-- S = (Q8 K8^T) q_scale k_scale, masked; P = exp(S scale - rowmax) in fp32; P8 = e4m3(256 P);
+- S = (Q8 K8^T) q_scale k_scale, masked (the int8 product is exact in the kernel); P = exp(S scale - rowmax) in
+  fp32; P8 = e4m3(256 P);
   O = (P8 V8) v_scale / (256 rowsum(P)), the row sum over the unquantised P; lse that of the quantised scores plus
   ``scale q . mean(K)`` (smoothing shifted every score of the row by that).
 
@@ -25,6 +27,8 @@ import torch
 from llm_attn.reference import _group, _valid_key_mask
 
 E4M3_MAX = 448.0
+INT8_MAX = 127.0
+QK = ("int8", "e4m3")  # the operands of Q K^T (kernels/flash_fp8.h Fp8Qk)
 Q_BLOCK = 64     # query rows per Q scale (kernels/flash_fp8.h kFp8QBlock)
 K_BLOCK = 64     # keys per K scale (kFp8KBlock: a 64-key column group of the kernel's S tile)
 P_SCALE = 256.0  # P in [0, 1] -> [0, 256] before e4m3
@@ -36,24 +40,30 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+def _scale(amax: torch.Tensor, top: float = E4M3_MAX) -> torch.Tensor:
+    return torch.where(amax > 0, amax / top, torch.ones_like(amax))
 
 
-def _blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 of (B, H, S, D) float32 with one scale per ``block`` rows of each head: (dequantised x, scales)."""
+def _blockwise(x: torch.Tensor, block: int, qk: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 (or int8, ``qk="int8"``) of (B, H, S, D) float32 with one scale per ``block`` rows of each head:
+    (dequantised x, scales). The kernel multiplies by the scale's float32 reciprocal, as here."""
     b, h, s, d = x.shape
     n = -(-s // block)
     padded = torch.nn.functional.pad(x, (0, 0, 0, n * block - s)).view(b, h, n, block, d)
-    scale = _scale(padded.abs().amax(dim=(-1, -2)))                           # (B, H, n)
+    int8 = qk == "int8"
+    scale = _scale(padded.abs().amax(dim=(-1, -2)), INT8_MAX if int8 else E4M3_MAX)   # (B, H, n)
     inv = (1.0 / scale).view(b, h, n, 1, 1)
-    q = e4m3(padded * inv) * scale.view(b, h, n, 1, 1)
+    rounded = torch.round(padded * inv).clamp(-128, 127) if int8 else e4m3(padded * inv)
+    q = rounded * scale.view(b, h, n, 1, 1)
     return q.view(b, h, n * block, d)[:, :, :s], scale
 
 
-def quantize_fp8(q, k, v, seqused_k=None, return_mean=False):
+def quantize_fp8(q, k, v, seqused_k=None, return_mean=False, qk: str = "int8"):
     """The dequantised operands the kernel multiplies (float32): (Q8 q_scale, K8 k_scale, V8 v_scale), K smoothed,
-    keys past each batch's valid length zero; with ``return_mean`` also K's channel mean (B, Hkv, 1, D)."""
+    keys past each batch's valid length zero; with ``return_mean`` also K's channel mean (B, Hkv, 1, D). ``qk``: Q
+    and K in int8 or e4m3."""
+    if qk not in QK:
+        raise ValueError(f"qk must be one of {', '.join(QK)}, not {qk!r}")
     b, _, _, d = q.shape
     sk = k.shape[2]
     used = (torch.full((b,), sk, dtype=torch.long, device=k.device) if seqused_k is None
@@ -63,21 +73,21 @@ def quantize_fp8(q, k, v, seqused_k=None, return_mean=False):
     vf = torch.where(valid, v.float(), 0.0)
     mean = kf.sum(dim=2, keepdim=True) / used.clamp(min=1).view(b, 1, 1, 1).float()
     ks = torch.where(valid, kf - mean, 0.0)
-    qd, _ = _blockwise(q.float(), Q_BLOCK)
-    kd, _ = _blockwise(ks, K_BLOCK)
+    qd, _ = _blockwise(q.float(), Q_BLOCK, qk)
+    kd, _ = _blockwise(ks, K_BLOCK, qk)
     v_scale = _scale(vf.abs().amax(dim=2, keepdim=True))                      # (B, Hkv, 1, D)
     vd = e4m3(vf * (1.0 / v_scale)) * v_scale
     return (qd, kd, vd, mean) if return_mean else (qd, kd, vd)
 
 
-def attention_fp8(q, k, v, causal=False, scale=None, seqused_k=None, return_lse=False):
+def attention_fp8(q, k, v, causal=False, scale=None, seqused_k=None, return_lse=False, qk: str = "int8"):
     """FP8 attention (see the module docstring): ``out`` in q's dtype, (B, Hq, Sq, D); with ``return_lse`` also the
     natural-log lse, float32 (B, Hq, Sq). Same conventions as ``llm_attn.reference.attention_naive`` (GQA,
-    bottom-right causal, seqused_k)."""
+    bottom-right causal, seqused_k). ``qk``: the operands of Q K^T, int8 (the default) or e4m3."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qd, kd, vd, mean = quantize_fp8(q, k, v, seqused_k, return_mean=True)
+    qd, kd, vd, mean = quantize_fp8(q, k, v, seqused_k, return_mean=True, qk=qk)
     s = torch.matmul(_group(qd, hkv), kd.unsqueeze(2).transpose(-1, -2)) * scale     # (B, Hkv, G, Sq, Sk)
     mask = _valid_key_mask(sq, sk, causal, seqused_k, b, q.device)
     if mask is not None:

@@ -3,7 +3,8 @@ kernels/flash_int8.h; the INT8 kernel runs on any sm_80-90 GPU, so an H100 tests
 shaped like LLM activations (K with outlier channels), awkward shapes, both input dtypes, MHA/GQA/MQA, q_len != kv_len,
 seqused_k with NaN in the unused keys. The kernel allocates its output, so the memory it will get is poisoned with NaN
 first (the caching allocator hands the freed block back), and an element it never writes stays NaN. FP8 runs with each
-of its key tiles forced (``fp8-128``, ``fp8-192``: llm_attn.ops.force_fp8_tile), the same bounds for both.
+of its key tiles forced (``fp8-128``, ``fp8-192``: llm_attn.ops.force_fp8_tile), the same bounds for both, with
+its default int8 Q K^T, and with e4m3 Q K^T (``fp8-192-e4m3qk``: llm_attn.ops.force_fp8_qk).
 
 Two bounds per case (output and lse): against float64 (the error of FP8 attention itself, bounded loosely: ~5 % relative L1 on Gaussian
 data, kernels/NOTES.md "FP8 forward"), and against the quantised PyTorch reference of the same algorithm
@@ -20,7 +21,7 @@ import torch
 
 from conftest import HEADS, LENGTHS, UNEQUAL, grid
 from llm_attn import _kernel_table, attention_naive, flash_attn_func
-from llm_attn.ops import force_fp8_tile, int8_pv
+from llm_attn.ops import force_fp8_qk, force_fp8_tile, int8_pv
 from llm_attn.quant_reference import attention_fp8
 from llm_attn.quant_reference_int8 import attention_int8
 
@@ -31,13 +32,18 @@ PAIRS = [(n, n) for n in LENGTHS if n > 1] + [(s, k) for s, k in UNEQUAL if s > 
 
 
 PRECISIONS = ["fp8", "int8"]
-# What runs: the precision and, for FP8, the key tile forced (every tile the build has for head_dim 128).
-VARIANTS = {**{f"fp8-{n}": ("fp8", n) for n in _kernel_table.FP8_BLOCK_N[128]}, "int8": ("int8", 0)}
+# What runs: the precision and, for FP8, the key tile forced (every tile the build has for head_dim 128) and the
+# operands of Q K^T ("": the default, int8).
+VARIANTS = {**{f"fp8-{n}": ("fp8", n, "") for n in _kernel_table.FP8_BLOCK_N[128]},
+            f"fp8-{_kernel_table.FP8_BLOCK_N[128][0]}-e4m3qk": ("fp8", _kernel_table.FP8_BLOCK_N[128][0], "e4m3"),
+            "int8": ("int8", 0, "")}
 
 
-def tile(block_n):
-    """The FP8 key tile forced for the calls in the block (0: the build's default)."""
-    return force_fp8_tile(block_n) if block_n else contextlib.nullcontext()
+@contextlib.contextmanager
+def tile(block_n, qk=""):
+    """The FP8 key tile (0: the build's default) and Q K^T operands ("": the default) forced in the block."""
+    with force_fp8_tile(block_n) if block_n else contextlib.nullcontext(), force_fp8_qk(qk):
+        yield
 
 
 def require(ext, precision):
@@ -54,9 +60,9 @@ def fp8_ext(cuda_ext):
     return cuda_ext
 
 
-def quant_reference(q, k, v, causal, seqused_k, precision):
+def quant_reference(q, k, v, causal, seqused_k, precision, qk=""):
     if precision == "fp8":
-        return attention_fp8(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True)
+        return attention_fp8(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True, qk=qk or "int8")
     return attention_int8(q, k, v, causal=causal, seqused_k=seqused_k, pv=int8_pv(q))
 
 
@@ -83,15 +89,15 @@ def metrics(out, ref):
     return cos, rel_l1
 
 
-def check(q, k, v, causal, seqused_k=None, precision="fp8", block_n=0):
+def check(q, k, v, causal, seqused_k=None, precision="fp8", block_n=0, qk=""):
     poison_next_alloc(q)
-    with tile(block_n):
+    with tile(block_n, qk):
         out, lse = flash_attn_func(q, k, v, causal=causal, seqused_k=seqused_k, return_lse=True, path="kernel",
                                    precision=precision)
     torch.cuda.synchronize()
     assert out.dtype == q.dtype and out.shape == q.shape
     ref, ref_lse = attention_naive(q, k, v, causal=causal, seqused_k=seqused_k)  # float64
-    qref, qref_lse = quant_reference(q, k, v, causal, seqused_k, precision)
+    qref, qref_lse = quant_reference(q, k, v, causal, seqused_k, precision, qk)
     visible = torch.isfinite(ref_lse)
     assert not out.isnan().any(), "NaN in output (unwritten element, bad masking or garbage keys read)"
     assert torch.equal(torch.isfinite(lse), visible), "lse is -inf exactly on rows that see no key"
@@ -113,7 +119,7 @@ GRID = grid([list(VARIANTS), list(DTYPES), [False, True], [64, 128], list(HEADS)
 
 @pytest.mark.parametrize("variant,dtype,causal,d,heads,sq,sk", GRID)
 def test_low_precision_grid(cuda_ext, variant, dtype, causal, d, heads, sq, sk):
-    precision, block_n = VARIANTS[variant]
+    precision, block_n, qk = VARIANTS[variant]
     require(cuda_ext, precision)
     seed = zlib.crc32(repr((variant, dtype, causal, d, heads, sq, sk)).encode())
     hq, hkv = HEADS[heads]
@@ -121,7 +127,7 @@ def test_low_precision_grid(cuda_ext, variant, dtype, causal, d, heads, sq, sk):
     q = llm_like(2, hq, sq, d, dt, seed)
     k = llm_like(2, hkv, sk, d, dt, seed + 1, outliers=True)
     v = llm_like(2, hkv, sk, d, dt, seed + 2)
-    check(q, k, v, causal, precision=precision, block_n=block_n)
+    check(q, k, v, causal, precision=precision, block_n=block_n, qk=qk)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -129,7 +135,7 @@ def test_low_precision_grid(cuda_ext, variant, dtype, causal, d, heads, sq, sk):
 @pytest.mark.parametrize("d", [64, 128])
 def test_seqused_k_ignores_garbage(cuda_ext, variant, causal, d):
     """Keys past seqused_k hold NaN and huge values: they must reach no scale, no statistic and no output."""
-    precision, block_n = VARIANTS[variant]
+    precision, block_n, qk = VARIANTS[variant]
     require(cuda_ext, precision)
     b, hq, hkv, sk = 3, 8, 2, 1000
     q = llm_like(b, hq, 300, d, torch.bfloat16, 7)
@@ -139,7 +145,7 @@ def test_seqused_k_ignores_garbage(cuda_ext, variant, causal, d):
     for i, n in enumerate(used.tolist()):
         k[i, :, n:] = float("nan")
         v[i, :, n:] = 1e4
-    check(q, k, v, causal, seqused_k=used, precision=precision, block_n=block_n)
+    check(q, k, v, causal, seqused_k=used, precision=precision, block_n=block_n, qk=qk)
 
 
 @pytest.mark.parametrize("block_n", _kernel_table.FP8_BLOCK_N[128])
@@ -163,7 +169,8 @@ def test_fp8_long_row_accuracy(fp8_ext, block_n):
     ref = torch.softmax(sc, dim=-1) @ vv
     cos, rel = metrics(out[:, :, rows], ref)
     assert not out.isnan().any()
-    assert cos >= 0.995 and rel <= 0.09, f"cosine {cos:.5f}, rel L1 {rel:.4f}"
+    # int8 Q K^T (the default): e4m3's P and V leave ~0.04 relative error on Gaussian V (kernels/NOTES.md "v4")
+    assert cos >= 0.999 and rel <= 0.05, f"cosine {cos:.5f}, rel L1 {rel:.4f}"
 
 
 @pytest.mark.parametrize("d", [64, 128])

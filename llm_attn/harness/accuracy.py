@@ -215,7 +215,8 @@ def check_targets(row: dict, targets: Sequence[Target] = TARGETS) -> list[dict]:
 ACCURACY_IMPLS = {
     "sdpa": "torch.nn.functional.scaled_dot_product_attention in the input dtype (default backend choice)",
     "ours": "llm_attn.flash_attn_func, precision='native' (the kernel on a GPU, the PyTorch reference on CPU)",
-    "ours-fp8": "llm_attn.flash_attn_func, precision='fp8' (e4m3 Q/K/V, per-block scales, fp32 accumulation)",
+    "ours-fp8": "llm_attn.flash_attn_func, precision='fp8' (int8 Q K^T, e4m3 P V, per-block scales, fp32 softmax)",
+    "ours-fp8-e4m3qk": "llm_attn.flash_attn_func, precision='fp8' with e4m3 Q K^T (llm_attn.ops.force_fp8_qk)",
     "ours-int8": "llm_attn.flash_attn_func, precision='int8' (int8 Q K^T; P V in e4m3 on sm_89, the input dtype "
                  "elsewhere)",
     "fp8-reference": "llm_attn.quant_reference.attention_fp8 (the quantised PyTorch reference)",
@@ -241,6 +242,13 @@ def make_impl(name: str) -> AttentionFn:
             return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)
         precision = name.removeprefix("ours-")
         return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal, precision=precision)
+    if name == "ours-fp8-e4m3qk":
+        from llm_attn.ops import flash_attn_func, force_fp8_qk  # noqa: PLC0415
+
+        def fp8_e4m3qk(q, k, v, causal):
+            with force_fp8_qk("e4m3"):
+                return flash_attn_func(q, k, v, causal=causal, precision="fp8")
+        return fp8_e4m3qk
     if name == "fp8-reference":
         from llm_attn.quant_reference import attention_fp8  # noqa: PLC0415
 

@@ -1,8 +1,9 @@
 """The low-precision entries, each a path the user picks by name, never a default; their accuracy is measured by the
 harness (``bench --mode accuracy`` against float64, the ``correctness`` measurement against stock):
 
-- ``llm_attn_fp8``: FP8 (e4m3) prefill attention (``flash_attn_func(..., precision='fp8')``): Q, K, V quantised
-  inside each call (per-block scales, K smoothed), fp32 accumulation and softmax; the Hopper kernel.
+- ``llm_attn_fp8``: FP8 prefill attention (``flash_attn_func(..., precision='fp8')``): Q and K in int8 (or e4m3:
+  ``LLM_ATTN_FP8_QK=e4m3``), P and V in e4m3, quantised inside each call (per-block scales, K smoothed), fp32
+  accumulation and softmax; the Hopper kernel on its FP8/INT8 tensor cores.
 - ``llm_attn_int8``: INT8 Q K^T (K smoothed, per-block scales), P V in e4m3 on sm_89 and in the input dtype
   elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin, A100, H100).
 
@@ -66,7 +67,8 @@ _fp8_select, _fp8_run = _entry("fp8")
 _int8_select, _int8_run = _entry("int8")
 register_attention("llm_attn_fp8", _fp8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
                    devices=("cuda", "cpu"), supports_seqused_k=True,
-                   description="FP8 (e4m3) prefill attention of this project's Hopper kernel; decode stays native "
+                   description="FP8 prefill attention of this project's Hopper kernel (int8 Q K^T, e4m3 P V); decode "
+                               "stays native "
                                "(low precision: accuracy in bench --mode accuracy)",
                    select=_fp8_select)
 register_attention("llm_attn_int8", _int8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
