@@ -13,8 +13,9 @@ from llm_attn.harness.stats import ratio_header, speed_ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Our FP8 forward (precision='fp8', its quantising pre-pass included) with its key tile forced (128 or 192 keys per S
-# tile; llm_attn.ops.force_fp8_tile): both tiles A/B in one run, beside llm_attn_fp8 (the build's default tile).
-FP8_TILE_IMPLS = {"ours-fp8-128": 128, "ours-fp8-192": 192}
+# tile; llm_attn.ops.force_fp8_tile) or its Q K^T in e4m3 rather than the default int8 (llm_attn.ops.force_fp8_qk):
+# A/B in one run, beside llm_attn_fp8 (the build's defaults). name -> (block_n, qk); 0 / "": the default.
+FP8_TILE_IMPLS = {"ours-fp8-128": (128, ""), "ours-fp8-192": (192, ""), "ours-fp8-e4m3qk": (0, "e4m3")}
 BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS, "flash", "cudnn",
                "efficient", "math"]
 
@@ -37,15 +38,15 @@ def make_fn(impl: str, q, k, v, causal: bool):
 
         return (lambda: flash_attn_func(q, k, v, causal=causal, path="kernel")), ""
     if impl in FP8_TILE_IMPLS:  # set for each call/capture, as the forced prefill tiles below
-        from llm_attn.ops import flash_attn_func, force_fp8_tile
+        from llm_attn.ops import flash_attn_func, force_fp8_qk, force_fp8_tile
 
-        block_n = FP8_TILE_IMPLS[impl]
+        block_n, qk = FP8_TILE_IMPLS[impl]
 
         def fp8_forced():
-            with force_fp8_tile(block_n):
+            with force_fp8_tile(block_n), force_fp8_qk(qk):
                 return flash_attn_func(q, k, v, causal=causal, path="kernel", precision="fp8")
 
-        return fp8_forced, f"fp8 tile {block_n}"
+        return fp8_forced, f"fp8 tile {block_n}" if block_n else f"fp8 Q K^T {qk}"
     if impl.startswith("ours-"):  # ours with one prefill tile forced (kernel tuning); set for each call/capture
         from llm_attn.ops import flash_attn_func, force_tile
 
