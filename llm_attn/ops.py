@@ -94,11 +94,11 @@ backward.register_autograd(_flash_fwd)  # its backward: the llm_attn::flash_bwd 
 _QUANT_BINDING = {"fp8": "mha_fwd_fp8", "int8": "mha_fwd_int8"}
 
 
-def _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision):
+def _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk=""):
     out, lse = _empty_outputs(q)
     if precision == "fp8":
         ref_out, ref_lse = quant_reference.attention_fp8(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,
-                                                         return_lse=True)
+                                                         return_lse=True, qk=fp8_qk(qk))
     else:
         ref_out, ref_lse = quant_reference_int8.attention_int8(q, k, v, causal=causal, scale=scale,
                                                                seqused_k=seqused_k, pv=int8_pv(q))
@@ -113,36 +113,37 @@ def int8_pv(q) -> str:
     return "e4m3" if q.is_cuda and torch.cuda.get_device_capability(q.device) == (8, 9) else "input"
 
 
-def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, block_n=0):
+def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, block_n=0, qk=""):
     ext = ext or _current_ext()
     name = _QUANT_BINDING[precision]
     if not hasattr(ext, name):
         raise KernelNotBuiltError(f"precision={precision!r}: this {kernel_build()} build has no {name} (an extension "
                                   f"built before it: rebuild it, or LLM_ATTN_BUILD=nvrtc)")
     q, k, v = _readable(q), _readable(k), _readable(v)
-    if block_n and precision == "fp8":  # the FP8 kernel's key tile (force_fp8_tile); 0: the build's default
-        return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n))
+    if precision == "fp8" and (block_n or qk):  # force_fp8_tile / force_fp8_qk; 0 / "": the defaults
+        return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n), qk=qk)
     return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal))
 
 
 # block_n: the FP8 kernel's key tile (0 = the build's default; force_fp8_tile). The reference computes the same
-# result for every tile and ignores it.
+# result for every tile and ignores it. qk: the FP8 path's Q K^T operands, "int8" or "e4m3" ("" = the default,
+# fp8_qk; force_fp8_qk): kernel and reference both follow it.
 @torch.library.custom_op("llm_attn::flash_fwd_quant", mutates_args=())
 def _flash_fwd_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
                      scale: float, causal: bool, use_kernel: bool, precision: str,
-                     block_n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
+                     block_n: int = 0, qk: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk)
 
 
 @_flash_fwd_quant.register_kernel("cuda")
-def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0):
+def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0, qk=""):
     if not use_kernel:
-        return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
-    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, block_n=block_n)
+        return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk)
+    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, block_n=block_n, qk=qk)
 
 
 @_flash_fwd_quant.register_fake
-def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0):
+def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0, qk=""):
     return _empty_outputs(q)
 
 
@@ -181,8 +182,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         backend: the old name of ``path`` ('auto', 'cuda' = 'kernel', 'reference'); deprecated, still honoured.
         precision: 'native' (default: the inputs' fp16/bf16 throughout), 'fp8' or 'int8', both quantising inside
            the call (per-block scales, K smoothed by its channel mean), with fp32 accumulation and softmax and the
-           output in q's dtype. 'fp8': e4m3 Q, K, V (``llm_attn.quant_reference``), kernel on compute capability 9.0
-           (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
+           output in q's dtype. 'fp8': int8 Q K^T (or e4m3: ``force_fp8_qk``, ``LLM_ATTN_FP8_QK``) and e4m3 P V
+           (``llm_attn.quant_reference``), kernel on compute capability 9.0 (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
            (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in both builds (AOT, NVRTC);
            the reference path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
            ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
@@ -222,6 +223,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision):
     block_n = _fp8_block_n if precision == "fp8" else 0  # the FP8 kernel's key tile, as forced now
+    qk = _fp8_qk_forced if precision == "fp8" else ""    # and its Q K^T operands
     problem = quant_problem(precision, q, use_kernel) or (use_kernel and fp8_tile_problem(block_n, q.shape[-1]))
     if problem:
         raise ValueError(problem)
@@ -231,11 +233,11 @@ def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not torch.compiler.is_compiling() and direct_call_allowed(q, k, v):
         if use_kernel:
-            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext, block_n)
+            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext, block_n, qk)
         else:
-            out, lse = _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision)
+            out, lse = _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk)
     else:
-        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n)
+        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n, qk)
     return (out, lse) if return_lse else out
 
 
@@ -308,6 +310,42 @@ def force_fp8_tile(block_n: int):
         _fp8_block_n = prev
 
 
+# The FP8 path's Q K^T operands for the calls issued now ("" = the default): force_fp8_qk sets it; passed to the op
+# as an argument like the tile.
+_fp8_qk_forced = ""
+FP8_QK = ("int8", "e4m3")
+
+
+def fp8_qk(qk: str = "") -> str:
+    """The operands of Q K^T that an FP8 call with ``qk`` runs: ``qk`` itself, or for "" ``LLM_ATTN_FP8_QK`` if it
+    is 'e4m3', else 'int8' (kernels/flash_fp8.h ``Fp8Qk``; the kernel reads the same variable).
+
+    'int8' (the default): Q and K rounded to int8 with amax / 127 scales, multiplied exactly (wgmma s8, the same
+    tensor rate as e4m3 on sm_90); 'e4m3': both in e4m3 (3 mantissa bits). P and V are e4m3 either way. The int8
+    product is the more accurate (kernels/NOTES.md "FP8 forward v4": about half the output error on peaky inputs).
+    """
+    if qk:
+        if qk not in FP8_QK:
+            raise ValueError(f"qk must be one of {', '.join(FP8_QK)} (the FP8 path's Q K^T operands), not {qk!r}")
+        return qk
+    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+
+
+@contextlib.contextmanager
+def force_fp8_qk(qk: str):
+    """Force the FP8 path's Q K^T operands inside the block: 'int8' or 'e4m3' ("" = the default, ``fp8_qk``).
+    Unlike the tile, this changes the result (kernel and reference both follow it). Tests and benchmarks: both in one
+    process; process-wide, not for concurrent use from threads."""
+    global _fp8_qk_forced
+    if qk:
+        fp8_qk(qk)  # checks it
+    prev, _fp8_qk_forced = _fp8_qk_forced, qk
+    try:
+        yield
+    finally:
+        _fp8_qk_forced = prev
+
+
 @contextlib.contextmanager
 def force_tile(tile: str):
     """Force the prefill kernel's tile configuration inside the block (tests and benchmarks).
@@ -363,128 +401,3 @@ def force_decode(splits: int = 0, config: str = "auto"):
     finally:
         ext.set_decode_splits(prev_splits)
         ext.set_decode_config(prev_config)
-
-
-# ---- Decode over the FP8 KV cache (kernels/flash_decode_fp8kv.h; the format: llm_attn.kv_cache_reference) ----------
-# The kernel packs (query heads per KV head) x q_len rows into at most this many (kernels/kernel_tiles.h
-# kDecodeMaxRows); longer queries (a prefill over the cache) are not decode: they read the dequantised copy.
-FP8_KV_MAX_ROWS = 32
-FP8_KV_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def fp8_kv_rows(q: torch.Tensor, kv) -> int:
-    """The rows one (batch, KV head) block of the decode kernel holds: query heads per KV head x q_len."""
-    return q.shape[1] // max(kv.k_data.shape[1], 1) * q.shape[2]
-
-
-def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool) -> str | None:
-    """Why ``decode_fp8_kv`` cannot take these inputs, as one line (None when it can)."""
-    from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
-
-    if not isinstance(kv, kvref.Fp8KV):
-        return f"kv must be an llm_attn.kv_cache_reference.Fp8KV (the cache's .fp8(layer)), got {type(kv).__name__}"
-    if q.dim() != 4:
-        return f"q must be 4-D (batch, heads, q_len, head_dim), got {q.dim()}-D"
-    kd, vd = kv.k_data, kv.v_data
-    if kd.dtype != kvref.STORAGE_DTYPE or vd.dtype != kvref.STORAGE_DTYPE:
-        return f"the cache's data must be {kvref.STORAGE_DTYPE}, got {kd.dtype} and {vd.dtype}"
-    if kd.dim() != 4 or kd.shape != vd.shape:
-        return f"k_data {tuple(kd.shape)} and v_data {tuple(vd.shape)} must be one (batch, kv_heads, tokens, " \
-               f"head_dim) shape"
-    b, hq, sq, d = q.shape
-    if kd.shape[0] != b or kd.shape[3] != d:
-        return f"the cache {tuple(kd.shape)} does not match q {tuple(q.shape)} (batch, head_dim)"
-    if kd.shape[1] == 0 or hq % kd.shape[1]:
-        return f"query heads ({hq}) must be a multiple of the cache's KV heads ({kd.shape[1]})"
-    if not 0 < kv.length <= kd.shape[2]:
-        return f"the cache holds {kv.length} tokens of {kd.shape[2]} slots: nothing to attend to"
-    if sq == 0 or sq > kv.length:
-        return f"{sq} query rows over {kv.length} cached tokens: the queries are the newest cached tokens"
-    blocks = kvref.n_blocks(kv.length)
-    for name, t in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
-        if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[:2]) != tuple(kd.shape[:2]) \
-                or t.shape[2] < blocks:
-            return f"{name} must be float32 (batch, kv_heads, >= {blocks} blocks), got {t.dtype} {tuple(t.shape)}"
-    if any(t.device != q.device for t in (kd, vd, kv.k_scale, kv.v_scale)):
-        return f"the cache is on {kd.device} but q is on {q.device}"
-    if not use_kernel:
-        return None if q.is_floating_point() else f"q must be floating point, got {q.dtype}"
-    if not q.is_cuda:
-        return f"the FP8-cache decode kernel needs CUDA tensors, q is on {q.device}"
-    if q.dtype not in FP8_KV_KERNEL_DTYPES:
-        return f"the FP8-cache decode kernel takes float16 or bfloat16 queries, got {q.dtype}"
-    if d not in KERNEL_HEAD_DIMS:
-        return f"the FP8-cache decode kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}"
-    if fp8_kv_rows(q, kv) > FP8_KV_MAX_ROWS:
-        return (f"(query heads per KV head) x q_len = {fp8_kv_rows(q, kv)} > {FP8_KV_MAX_ROWS}: not a decode call for "
-                f"the FP8-cache decode kernel (read the dequantised copy: Fp8KV.dequantized)")
-    return None
-
-
-def fp8_kv_kernel_available(ext=None) -> bool:
-    """Whether the kernel build here has the FP8-cache decode kernel (the AOT build from the commit that added it;
-    the NVRTC build has none yet). Any CUDA GPU of the build's archs runs it: it needs no FP8 hardware (the e4m3
-    bytes are converted with integer operations, kernels/flash_decode_fp8kv_kernel.cuh)."""
-    try:
-        ext = ext or _current_ext()
-    except KernelNotBuiltError:
-        return False
-    return hasattr(ext, "mha_decode_fp8kv")
-
-
-def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None = None, return_lse: bool = False,
-                  seqused_k: torch.Tensor | None = None, path: Path = "auto"):
-    """Attention of the newest ``q_len`` tokens' queries over the FP8 (e4m3) KV cache, reading its bytes.
-
-    Args:
-        q: (batch, num_heads, q_len, head_dim); float16/bfloat16 for the kernel (the reference also float32/64).
-        kv: one layer of the cache, ``llm_attn.kv_cache_reference.Fp8KV`` (``Fp8DynamicCache.fp8(layer)``, or the
-           ``fp8_kv_of`` view of what the cache returned): tokens ``[0, kv.length)`` are attended to.
-        causal: bottom-right, as ``flash_attn_func`` (q_len 1: every cached token).
-        scale: softmax scale, default ``1/sqrt(head_dim)``.
-        return_lse: also the natural-log lse (batch, num_heads, q_len) float32 of the dequantised scores, K's
-           smoothing shift included (as ``kv_cache_reference.decode_attention``).
-        seqused_k: optional int32 (batch,): batch ``b`` uses its first ``seqused_k[b]`` tokens (read on the device).
-        path: 'kernel' (kernels/flash_decode_fp8kv_kernel.cuh: K/V read as e4m3 bytes and dequantised in
-           registers, no fp16 copy of the cache; (query heads per KV head) x q_len <= 32), 'reference'
-           (``kv_cache_reference.decode_attention`` with the kernel's roundings for fp16/bf16 queries) or 'auto'
-           (the kernel for CUDA tensors).
-
-    Returns the output (batch, num_heads, q_len, head_dim) in q's dtype (stored as (batch, q_len, num_heads,
-    head_dim) by the kernel), and the lse if ``return_lse``. Bad input raises ValueError with one line; a build
-    without the kernel raises KernelNotBuiltError.
-    """
-    from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
-
-    if path not in ("auto", "kernel", "reference"):
-        raise ValueError(f"path must be 'auto', 'kernel' or 'reference', got {path!r}")
-    use_kernel = path == "kernel" or (path == "auto" and q.is_cuda)
-    problem = fp8_kv_decode_problem(q, kv, use_kernel)
-    if problem:
-        raise ValueError(problem)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if not math.isfinite(scale) or scale < 0:
-        raise ValueError(f"scale must be finite and >= 0, got {scale}")
-    if seqused_k is not None and (seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (q.shape[0],)
-                                  or seqused_k.device != q.device):
-        raise ValueError("seqused_k must be an int32 tensor of shape (batch,) on q's device")
-    if not use_kernel:
-        rounding = "kernel" if q.dtype in FP8_KV_KERNEL_DTYPES else "float32"
-        return kvref.decode_attention(q, kv, causal=causal, scale=scale, return_lse=return_lse,
-                                      seqused_k=seqused_k, rounding=rounding)
-    ext = _current_ext()  # raises KernelNotBuiltError with build instructions
-    if not hasattr(ext, "mha_decode_fp8kv"):
-        raise KernelNotBuiltError(f"this {kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv): "
-                                  f"rebuild the extension (python -m pip install --no-build-isolation -e .), or read "
-                                  f"the cache's dequantised copy")
-    n = kv.length
-    out, lse = ext.mha_decode_fp8kv(_readable(q), kv.k_data[:, :, :n], kv.v_data[:, :, :n], kv.k_scale, kv.v_scale,
-                                    seqused_k, scale, bool(causal))
-    if not return_lse:
-        return out
-    # The kernel's lse leaves out K's smoothing shift (the same for every key of a row): add q . k_shift back.
-    b, hq, sq, d = q.shape
-    hkv = kv.k_shift.shape[1]
-    qs = q.to(torch.float32).reshape(b, hkv, hq // hkv * sq, d)
-    shift = torch.matmul(qs, kv.k_shift.unsqueeze(-1)).reshape(b, hq, sq) * scale
-    return out, lse + shift
