@@ -1,9 +1,9 @@
 """What the NVRTC launchers pass to the kernels, and the CUDA driver API they go through: the ctypes mirrors of
-``llm_attn::FlashFwdParams`` (kernels/flash.h), ``FlashFwdFp8Params`` (kernels/flash_fp8.h) and ``FlashFwdInt8Params``
-(kernels/flash_int8.h) (every program NVRTC compiles static_asserts their sizes; tests/test_nvrtc.py checks every
-offset with the host C++ compiler) and cuda-python's driver module with one error check. Shared by
-``llm_attn._nvrtc`` (the launchers) and ``llm_attn._nvrtc_sm90`` (the Hopper kernels' parameters and tensor maps),
-below both.
+``llm_attn::FlashFwdParams`` (kernels/flash.h), ``FlashFwdFp8Params`` (kernels/flash_fp8.h), ``FlashFwdInt8Params``
+(kernels/flash_int8.h) and the backward's ``FlashBwdParams`` (kernels/flash.h) (every program NVRTC compiles
+static_asserts their sizes; tests/test_nvrtc.py checks every offset with the host C++ compiler) and cuda-python's
+driver module with one error check. Shared by ``llm_attn._nvrtc`` (the launchers) and ``llm_attn._nvrtc_sm90`` (the
+Hopper kernels' parameters and tensor maps), below both.
 """
 
 from __future__ import annotations
@@ -56,9 +56,29 @@ class FlashFwdInt8Params(ctypes.Structure):
     ]
 
 
+class FlashBwdParams(ctypes.Structure):
+    """Mirror of llm_attn::FlashBwdParams (kernels/flash.h): what every backward kernel takes (the Hopper one inside
+    Sm90BwdParams, llm_attn/_nvrtc_sm90.py)."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "dlse",
+                                               "seqused_k", "dq_accum", "dsum", "lse_log2")),
+        *((f"{t}_{s}_stride", ctypes.c_int64) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+          for s in ("batch", "head", "row")),
+        ("batch", ctypes.c_int), ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("head_dim", ctypes.c_int),
+        ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
+        ("causal", ctypes.c_bool), ("is_bf16", ctypes.c_bool),
+        ("num_splits", ctypes.c_int), ("iters_per_split", ctypes.c_int),
+        ("hopper", ctypes.c_bool), ("narrow", ctypes.c_bool), ("dq_shared", ctypes.c_bool),
+        ("dq_separate", ctypes.c_bool),
+        ("dk_accum", ctypes.c_void_p), ("dv_accum", ctypes.c_void_p),
+    ]
+
+
 # (C++ name, mirror) of every by-value parameter struct of kernels/ (flash.h, flash_fp8.h, flash_int8.h).
 STRUCTS = (("llm_attn::FlashFwdParams", FlashFwdParams), ("llm_attn::FlashFwdFp8Params", FlashFwdFp8Params),
-           ("llm_attn::FlashFwdInt8Params", FlashFwdInt8Params))
+           ("llm_attn::FlashFwdInt8Params", FlashFwdInt8Params), ("llm_attn::FlashBwdParams", FlashBwdParams))
 
 
 @functools.lru_cache(maxsize=1)

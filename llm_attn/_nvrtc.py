@@ -22,6 +22,13 @@ The low-precision forwards are here too, as the extension has them: ``mha_fwd_fp
 quantising pre-pass and the FP8 kernel for sm_90a, the kernel's three e4m3 tensor maps in Fp8Sm90Params) and
 ``mha_fwd_int8`` (sm_80-90: the pre-pass and the INT8 kernel for the device's arch, P V in e4m3 on sm_89), with
 binding.cpp's workspaces (torch's allocator), launches (``llm_attn._plan``: fp8_launches, int8_launches) and checks.
+
+And the backward, as the extension has it: ``mha_bwd`` (binding.cpp's checks and workspaces, flash_bwd_set_splits'
+choices and run_flash_bwd's launches through ``llm_attn._plan.bwd_plan``: the preprocessing, the portable dK/dV kernel
+for the device's arch or, on compute capability 9.0, the Hopper one for sm_90a with its five tensor maps in
+Sm90BwdParams, then the dQ and dK/dV conversions), ``set_bwd_splits`` / ``set_bwd_tile`` / ``bwd_splits``
+(``llm_attn.backward.force_bwd_splits`` / ``force_bwd_tile``; LLM_ATTN_BWD_SPLITS / LLM_ATTN_BWD_TILE as the
+extension reads them).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from pathlib import Path
 import torch
 
 from llm_attn import _cuda_abi, _plan, kernel_contract
-from llm_attn._cuda_abi import FlashFwdFp8Params, FlashFwdInt8Params, FlashFwdParams
+from llm_attn._cuda_abi import FlashBwdParams, FlashFwdFp8Params, FlashFwdInt8Params, FlashFwdParams
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
 
@@ -172,7 +179,8 @@ _KERNEL_HEADERS = (
     ("flash_fwd_kernel<", "flash_fwd_kernel.cuh", (0,), None),
     ("flash_combine_kernel<", "combine.cuh", (0,), None),
     ("flash_decode_kernel<", "flash_decode_kernel.cuh", (0,), None),
-    ("flash_bwd_", "flash_bwd_kernel.cuh", (0,), None),
+    ("flash_bwd_", "flash_bwd_kernel.cuh", (3,), None),
+    ("flash_bwd_sm90_kernel<", "flash_bwd_sm90_kernel.cuh", (3,), "Sm90BwdParams"),
     ("flash_fwd_sm90_kernel<", "flash_fwd_sm90_kernel.cuh", (0,), "Sm90Params"),
     ("llm_attn::fp8::", "quant_fp8.cuh", (0, 1), None),
     ("flash_fwd_fp8_sm90_kernel<", "flash_fwd_fp8_sm90_kernel.cuh", (0, 1), "Fp8Sm90Params"),
@@ -196,8 +204,8 @@ def program_source(kernels: list[str]) -> str:
 def kernel_arch(device_arch: str, kernel: str) -> str:
     """The arch a kernel is compiled for on a device of `device_arch`: the Hopper kernels need sm_90a (wgmma,
     setmaxnreg), and the FP8 forward's pre-pass is built with them, as in the AOT build; every other kernel the
-    device's own."""
-    hopper = ("flash_fwd_sm90_kernel<", "flash_fwd_fp8_sm90_kernel<", "llm_attn::fp8::")
+    device's own (the Hopper backward's preprocessing and conversions are the portable kernels: the device's)."""
+    hopper = ("flash_fwd_sm90_kernel<", "flash_fwd_fp8_sm90_kernel<", "llm_attn::fp8::", "flash_bwd_sm90_kernel<")
     return "sm_90a" if any(h in kernel for h in hopper) else device_arch
 
 
@@ -762,14 +770,6 @@ def int8_pv_fp8() -> bool:
     return unavailable_reason() is None and _plan.int8_pv_fp8(device_info(torch.cuda.current_device())[0])
 
 
-def fp8_qk(qk: str = "") -> str:
-    """binding.cpp's fp8_qk: the Q K^T operands an FP8 call with this qk runs ('' = LLM_ATTN_FP8_QK if it is 'e4m3',
-    else int8)."""
-    if qk:
-        return qk
-    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
-
-
 def fp8_block_n(head_dim: int, block_n: int = 0) -> int:
     """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim and block_n runs, 0 if not built."""
     return _plan.fp8_block_n(int(head_dim), int(block_n))
@@ -803,14 +803,11 @@ def _device_of(q):
 
 
 def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
-                causal: bool, block_n: int = 0, qk: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                causal: bool, block_n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """binding.cpp's mha_fwd_fp8: the same checks and messages, the same workspaces (e4m3 Q, K, V^T in one byte
     buffer; the zeroed channel statistics, the scales and q . mean(K) in one float32 buffer, from torch's caching
     allocator), then launch_fp8_tile's launches: the three pre-pass kernels and the kernel with its tensor maps.
-    block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default); qk: Q K^T's operands, "int8" or
-    "e4m3" ("" = LLM_ATTN_FP8_QK if set, else int8). Returns (out, lse)."""
-    if qk not in ("", "int8", "e4m3"):
-        raise RuntimeError(f"llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of Q K^T), not '{qk}'")
+    block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default). Returns (out, lse)."""
     out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
     with _device_of(q) as (index, stream):
         if not fp8_available():
@@ -838,7 +835,7 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
         for name in ("stats", "q_scale", "k_scale", "v_scale", "q_dot_kmean"):
             setattr(f, name, at)
             at += 4 * getattr(ws, name)
-        traits = _plan.fp8_traits(d, tile, fp8_qk(qk) == "int8")
+        traits = _plan.fp8_traits(d, tile)
         *prepass, main = _plan.fp8_launches(shape, traits)
         for launch in prepass:
             _launch(index, launch, f, stream)
@@ -908,3 +905,126 @@ def compile_ptx(arch: str, src: str, name: str = "llm_attn_probe.cu") -> str:
         return _output(nvrtc, prog, "PTX").rstrip(b"\0").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+# -- the backward: binding.cpp's mha_bwd, set_bwd_splits, set_bwd_tile, bwd_splits ---------------------------------
+def _bwd_splits_from_env() -> int:
+    """LLM_ATTN_BWD_SPLITS as binding.cpp reads it (std::atoi; 0 = automatic)."""
+    v = _plan._tuning_env("LLM_ATTN_BWD_SPLITS", 0)
+    return v if v > 0 else 0
+
+
+def _bwd_tile_from_env() -> int:
+    """LLM_ATTN_BWD_TILE as binding.cpp's bwd_tile_from_env reads it: a force_bwd_tile name, else auto (with a
+    warning for anything else)."""
+    v = os.environ.get("LLM_ATTN_BWD_TILE", "")
+    if not v:
+        return _plan.BWD_AUTO
+    if v in _plan.BWD_TILE_IDS:
+        return _plan.BWD_TILE_IDS[v]
+    import warnings  # noqa: PLC0415
+
+    warnings.warn(f"llm_attn: LLM_ATTN_BWD_TILE={v} is not {', '.join(list(_plan.BWD_TILE_IDS)[:-1])} or "
+                  f"{list(_plan.BWD_TILE_IDS)[-1]}; ignored", stacklevel=2)
+    return _plan.BWD_AUTO
+
+
+_bwd_splits = _bwd_splits_from_env()
+_bwd_tile = _bwd_tile_from_env()
+
+
+def set_bwd_splits(splits: int) -> int:
+    """Force the backward's key-block split (0 auto); returns the previous count, -1 (nothing changed) if negative."""
+    global _bwd_splits
+    if int(splits) < 0:
+        return -1
+    prev, _bwd_splits = _bwd_splits, int(splits)
+    return prev
+
+
+def set_bwd_tile(tile: int) -> int:
+    """Force the backward's dK/dV kernel (a BwdTileId, 0 auto); returns the previous one, -1 (nothing changed) for
+    an unknown id."""
+    global _bwd_tile
+    if not _plan.BWD_AUTO <= int(tile) <= _plan.BWD_PORTABLE_SEPARATE_DQ:
+        return -1
+    prev, _bwd_tile = _bwd_tile, int(tile)
+    return prev
+
+
+def bwd_splits(batch: int, num_heads: int, num_kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+               causal: bool, num_sms: int) -> list[int]:
+    """(num_splits, iters_per_split) of the backward for these shapes on a device with num_sms SMs and the current
+    device's other facts, with the forced split and tile (binding.cpp's bwd_splits; tests)."""
+    dev = device_info(torch.cuda.current_device())[1]
+    shape = _plan.BwdShape(int(batch), int(num_heads), int(num_kv_heads), int(seqlen_q), int(seqlen_k), int(head_dim),
+                           bool(causal), force_splits=_bwd_splits, force_tile=_bwd_tile)
+    sp = _plan.bwd_set_splits(shape, _plan.Device(int(num_sms), dev.smem_per_sm, dev.smem_per_block_optin,
+                                                  dev.cc_major, dev.sm90))
+    return [sp.num_splits, sp.iters_per_split]
+
+
+@functools.lru_cache(maxsize=4096)
+def _bwd_plan_for(index: int, shape: _plan.BwdShape) -> _plan.BwdPlan:
+    return _plan.bwd_plan(shape, device_info(index)[1])
+
+
+def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+            seqused_k: torch.Tensor | None, scale: float, causal: bool) -> None:
+    """Gradients of flash attention into preallocated dq (q's shape), dk, dv (k's shape): binding.cpp's mha_bwd,
+    with the same checks and messages (kernel_contract.backward_launcher_problem), the same workspaces from torch's
+    caching allocator (dsum, lse_log2; the zeroed float32 dQ accumulator unless the separate dQ kernel runs; the
+    zeroed float32 dK/dV accumulators of a split launch) and run_flash_bwd's launches (_plan.bwd_plan), on the
+    current stream, without synchronisation."""
+    problem = kernel_contract.backward_launcher_problem(dout, q, k, v, out, lse, dlse, dq, dk, dv, seqused_k, scale,
+                                                        causal)
+    if problem:
+        raise RuntimeError("llm_attn.mha_bwd: " + problem)
+    with _device_of(q) as (index, stream):
+        dev = device_info(index)[1]
+        if _plan.BWD_HOPPER <= _bwd_tile <= _plan.BWD_HOPPER_SHARED_DQ and not dev.sm90:
+            raise RuntimeError("llm_attn.mha_bwd: the Hopper backward was forced (force_bwd_tile('hopper')) but needs "
+                               "a compute capability 9.0 GPU and a build with sm_90a (NVRTC 12.0 or newer compiles "
+                               "it)")
+        b, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        plan = _bwd_plan_for(index, _plan.BwdShape(b, hq, hkv, sq, sk, d, bool(causal), q.dtype == torch.bfloat16,
+                                                   _bwd_splits, _bwd_tile))
+        sp = plan.splits
+        p = FlashBwdParams()
+        _set_shapes(p, q, k, v, out, scale, causal)
+        _set_pointers(p, q, k, v, out, lse, seqused_k)
+        p.dout, p.dq, p.dk, p.dv = dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        p.dlse = dlse.data_ptr() if dlse is not None else None
+        (p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dout.stride()[:3]
+        (p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dq.stride()[:3]
+        (p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dk.stride()[:3]
+        (p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dv.stride()[:3]
+        p.hopper, p.narrow, p.num_splits, p.iters_per_split = sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split
+        p.dq_shared, p.dq_separate = sp.dq_shared, sp.dq_separate
+        # One float32 allocation: dsum and lse_log2 (B, Hq, Sq) each, then the accumulators that start at zero
+        # (dQ (B, Hq, Sq, D) unless dq_separate; dK, dV (B, Hkv, Sk, D) each when split), zeroed in one fill. Each
+        # part starts on a 256-byte boundary (float4 atomics and TMA need 16 bytes), as its own tensor would.
+        rows, kv = b * hq * sq, b * hkv * sk * d
+        pad = -rows % 64
+        zeroed = (0 if sp.dq_separate else rows * d) + (2 * kv if sp.num_splits > 1 else 0)
+        ws = torch.empty(2 * (rows + pad) + zeroed, dtype=torch.float32, device=q.device)
+        if zeroed:
+            ws[2 * (rows + pad):].zero_()
+        at = ws.data_ptr()
+        p.dsum, p.lse_log2 = at, at + 4 * (rows + pad)
+        at += 8 * (rows + pad)
+        if not sp.dq_separate:
+            p.dq_accum = at
+            at += 4 * rows * d
+        if sp.num_splits > 1:
+            p.dk_accum, p.dv_accum = at, at + 4 * kv
+        for launch in plan.launches:
+            if launch is plan.dkdv and plan.sm90 is not None:
+                from llm_attn import _nvrtc_sm90  # noqa: PLC0415
+
+                _launch(index, launch, _nvrtc_sm90.bwd_params(p, plan.sm90), stream)
+            else:
+                _launch(index, launch, p, stream)
+    del ws  # it lived until the launches were queued; the allocator orders its reuse by stream

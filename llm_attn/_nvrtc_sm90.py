@@ -13,6 +13,8 @@ flash_fwd_fp8_sm90_launch.cuh do on the host for the compiled extension, in Pyth
 - The FP8 kernel the same way: ``Fp8Sm90Params`` (``FlashFwdFp8Params``, the ping-pong switch and the three e4m3
   tensor maps of the pre-pass's workspaces, ``fp8_tensor_map``: encode_fp8_map's uint8 maps with a 64- or 128-byte
   swizzle), built by ``fp8_params`` as ``sm90::launch_fp8_tile`` builds it.
+- The Hopper backward the same way: ``Sm90BwdParams`` (``FlashBwdParams`` and the maps of Q, K, V, dO and the
+  float32 dQ accumulator), built by ``bwd_params`` as ``sm90::launch_bwd_dkdv`` (flash_bwd_sm90_launch.cuh) builds it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import functools
 import re
 
 from llm_attn import _plan
-from llm_attn._cuda_abi import FlashFwdFp8Params, FlashFwdParams
+from llm_attn._cuda_abi import FlashBwdParams, FlashFwdFp8Params, FlashFwdParams
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
 
@@ -55,15 +57,26 @@ class Fp8Sm90Params(ctypes.Structure):
                 ("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_vt", TmaDesc)]
 
 
+class Sm90BwdParams(ctypes.Structure):
+    """Mirror of llm_attn::sm90::Sm90BwdParams (kernels/flash_bwd_sm90_kernel.cuh): FlashBwdParams, then (at the next
+    128-byte boundary) the tensor maps of Q, K, V, dO and the float32 dQ accumulator."""
+
+    _fields_ = [("p", FlashBwdParams), ("_pad", ctypes.c_char * (-ctypes.sizeof(FlashBwdParams) % 128)),
+                ("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("tma_do", TmaDesc), ("tma_dq", TmaDesc)]
+
+
 SIZEOF, ALIGNOF = 768, 128
 assert ctypes.sizeof(Sm90Params) == SIZEOF and Sm90Params.tma_q.offset % ALIGNOF == 0
 assert Fp8Sm90Params.tma_q.offset % ALIGNOF == 0 and ctypes.sizeof(Fp8Sm90Params) % ALIGNOF == 0
+assert Sm90BwdParams.tma_q.offset % ALIGNOF == 0 and ctypes.sizeof(Sm90BwdParams) % ALIGNOF == 0
 FIELDS = ("p", "pingpong", "tma_q", "tma_k", "tma_v", "tma_o")
 # The by-value parameter structs of the Hopper kernels: (C++ name, mirror, its fields, the header that defines it).
 STRUCTS = {
     "Sm90Params": ("llm_attn::sm90::Sm90Params", Sm90Params, FIELDS, KERNEL_HEADER),
     "Fp8Sm90Params": ("llm_attn::sm90::Fp8Sm90Params", Fp8Sm90Params, ("f", "pingpong", "tma_q", "tma_k", "tma_vt"),
                       "flash_fwd_fp8_sm90_kernel.cuh"),
+    "Sm90BwdParams": ("llm_attn::sm90::Sm90BwdParams", Sm90BwdParams, ("p", "tma_q", "tma_k", "tma_v", "tma_do",
+                                                                       "tma_dq"), "flash_bwd_sm90_kernel.cuh"),
 }
 
 
@@ -121,18 +134,25 @@ def _encode(dtype: str, ptr: int, dims, byte_strides, box, swizzle_bytes: int) -
     return ctypes.string_at(tmap.getPtr(), 128)
 
 
+# tma_host.h's kTmaElem: the element type of a map, (driver name, bytes).
+TMA_ELEMS = {0: ("BFLOAT16", 2), 1: ("FLOAT16", 2), 2: ("FLOAT32", 4)}
+
+
 @functools.lru_cache(maxsize=1024)
-def tensor_map(ptr: int, is_bf16: bool, head_dim: int, seqlen: int, heads: int, batch: int, batch_stride: int,
+def tensor_map(ptr: int, elem: int, head_dim: int, seqlen: int, heads: int, batch: int, batch_stride: int,
                head_stride: int, row_stride: int, box_rows: int) -> bytes:
-    """make_tensor_map: the 128 bytes of a CUtensorMap for a (batch, heads, seq, head_dim) tensor with element
-    strides (batch, head, row). A pure function of its arguments (the descriptor holds the address, not the
-    tensor), so it is cached: a shape seen again (every decoder layer, every CUDA graph capture) costs no encode."""
-    def nbytes(stride: int, size: int) -> int:  # a dim of size 1 is never stepped over: any valid stride does
-        return 16 if size == 1 else stride * 2
+    """make_tensor_map: the 128 bytes of a CUtensorMap for a (batch, heads, seq, head_dim) tensor of element type
+    `elem` (TMA_ELEMS: 0 bf16, 1 fp16, 2 fp32) with element strides (batch, head, row), in boxes of one 128-byte
+    swizzle row of columns x box_rows rows. A pure function of its arguments (the descriptor holds the address, not
+    the tensor), so it is cached: a shape seen again (every decoder layer, every CUDA graph capture) costs no
+    encode."""
+    name, size = TMA_ELEMS[elem]
+
+    def nbytes(stride: int, n: int) -> int:  # a dim of size 1 is never stepped over: any valid stride does
+        return 16 if n == 1 else stride * size
 
     strides = [nbytes(row_stride, seqlen), nbytes(head_stride, heads), nbytes(batch_stride, batch)]
-    return _encode("BFLOAT16" if is_bf16 else "FLOAT16", ptr, [head_dim, seqlen, heads, batch], strides,
-                   (64, box_rows, 1, 1), 128)
+    return _encode(name, ptr, [head_dim, seqlen, heads, batch], strides, (128 // size, box_rows, 1, 1), 128)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -158,8 +178,8 @@ def params(p, launch: _plan.Launch) -> Sm90Params:
             ("tma_v", p.v, p.seqlen_k, p.num_kv_heads, (p.v_batch_stride, p.v_head_stride, p.v_row_stride),
              t.block_n),
             ("tma_o", p.o, p.seqlen_q, p.num_heads, (p.o_batch_stride, p.o_head_stride, p.o_row_stride), 64)):
-        raw = tensor_map(int(ptr), bool(p.is_bf16), d, int(seqlen), int(heads), int(p.batch), *map(int, strides),
-                         rows)
+        raw = tensor_map(int(ptr), 0 if p.is_bf16 else 1, d, int(seqlen), int(heads), int(p.batch),
+                         *map(int, strides), rows)
         ctypes.memmove(ctypes.addressof(sp) + getattr(Sm90Params, field).offset, raw, 128)
     return sp
 
@@ -179,4 +199,25 @@ def fp8_params(f: FlashFwdFp8Params, traits: _plan.Fp8Traits) -> Fp8Sm90Params:
             ("tma_vt", f.vt8, pad, d, p.num_kv_heads, traits.vt_box_keys, d)):
         raw = fp8_tensor_map(int(ptr), inner, int(rows), int(heads), int(p.batch), box_inner, box_rows)
         ctypes.memmove(ctypes.addressof(sp) + getattr(Fp8Sm90Params, field).offset, raw, 128)
+    return sp
+
+
+def bwd_params(p: FlashBwdParams, traits: _plan.Sm90BwdTraits) -> Sm90BwdParams:
+    """sm90::launch_bwd_dkdv's Sm90BwdParams for FlashBwdParams `p` (pointers and dq_accum set): the maps of Q and dO
+    (boxes of the step's block_m rows), K and V (the block's block_n keys) in the input dtype, and of the float32 dQ
+    accumulator ((batch, heads, seqlen_q, head_dim) contiguous, boxes of block_m rows x 32 columns)."""
+    sp = Sm90BwdParams()
+    sp.p = p
+    d, elem = traits.head_dim, 0 if p.is_bf16 else 1
+    sq, hq = int(p.seqlen_q), int(p.num_heads)
+    for field, ptr, el, seqlen, heads, strides, rows in (
+            ("tma_q", p.q, elem, sq, hq, (p.q_batch_stride, p.q_head_stride, p.q_row_stride), traits.block_m),
+            ("tma_k", p.k, elem, p.seqlen_k, p.num_kv_heads, (p.k_batch_stride, p.k_head_stride, p.k_row_stride),
+             traits.block_n),
+            ("tma_v", p.v, elem, p.seqlen_k, p.num_kv_heads, (p.v_batch_stride, p.v_head_stride, p.v_row_stride),
+             traits.block_n),
+            ("tma_do", p.dout, elem, sq, hq, (p.do_batch_stride, p.do_head_stride, p.do_row_stride), traits.block_m),
+            ("tma_dq", p.dq_accum, 2, sq, hq, (hq * sq * d, sq * d, d), traits.block_m)):
+        raw = tensor_map(int(ptr), el, d, int(seqlen), int(heads), int(p.batch), *map(int, strides), rows)
+        ctypes.memmove(ctypes.addressof(sp) + getattr(Sm90BwdParams, field).offset, raw, 128)
     return sp

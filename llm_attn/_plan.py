@@ -373,7 +373,6 @@ class Fp8Traits:
     head_dim: int
     stages: int = 2
     block_n: int = 128
-    qk_int8: bool = False  # kQkInt8: S = Q K^T in int8 (wgmma s8) rather than e4m3
 
     block_m = 128
     threads = 384
@@ -387,8 +386,8 @@ class Fp8Traits:
         return self.block_m * self.head_dim + self.stages * 2 * self.block_n * self.head_dim \
             + (1 + 4 * self.stages) * 8 + 1024
 
-    def cpp(self) -> str:  # the name the AOT build's launch instantiates (defaults left out where it leaves them)
-        tail = f", {self.block_n}, true" if self.qk_int8 else f", {self.block_n}" if self.block_n != 128 else ""
+    def cpp(self) -> str:  # the defaulted kBlockN is left out: the name the AOT build's launch instantiates
+        tail = f", {self.block_n}" if self.block_n != 128 else ""
         return f"llm_attn::sm90::Fp8Traits<{self.head_dim}, {self.stages}{tail}>"
 
 
@@ -417,13 +416,10 @@ def fp8_kernel_name(is_bf16: bool, traits: Fp8Traits, causal: bool) -> str:
     return f"llm_attn::sm90::flash_fwd_fp8_sm90_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
 
 
-def fp8_prepass_names(is_bf16: bool, head_dim: int, qk_int8: bool = False) -> tuple[str, str, str]:
-    """The FP8 pre-pass kernels in launch order: K/V channel statistics, Q, K and V^T (kernels/quant_fp8.cuh); Q and
-    K in int8 with ``qk_int8``."""
-    t = f"{DTYPE_NAMES[is_bf16]}, {head_dim}"
-    qk = f"{t}, {str(qk_int8).lower()}"
-    return (f"llm_attn::fp8::fp8_kv_stats_kernel<{t}>", f"llm_attn::fp8::fp8_quant_q_kernel<{qk}>",
-            f"llm_attn::fp8::fp8_quant_kv_kernel<{qk}>")
+def fp8_prepass_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
+    """The FP8 pre-pass kernels in launch order: K/V channel statistics, Q, K and V^T (kernels/quant_fp8.cuh)."""
+    return tuple(f"llm_attn::fp8::{k}<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
+                 for k in ("fp8_kv_stats_kernel", "fp8_quant_q_kernel", "fp8_quant_kv_kernel"))
 
 
 def int8_kernel_name(is_bf16: bool, traits: Int8Traits, causal: bool) -> str:
@@ -475,17 +471,17 @@ def fp8_block_n(head_dim: int, requested: int = 0) -> int:
     return n if n in tiles else 0
 
 
-def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False) -> Fp8Traits:
+def fp8_traits(head_dim: int, block_n: int) -> Fp8Traits:
     """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3."""
     if block_n == 128 and fp8_tuning()[1] == 3:
-        return Fp8Traits(head_dim, 3, 128, qk_int8)
-    return Fp8Traits(head_dim, 2, block_n, qk_int8)
+        return Fp8Traits(head_dim, 3)
+    return Fp8Traits(head_dim, 2, block_n)
 
 
 def fp8_launches(s: Shape, traits: Fp8Traits) -> tuple[Launch, ...]:
     """launch_fp8_tile: the three pre-pass kernels, then the kernel (its parameters: Fp8Sm90Params with the tensor
     maps; the pre-pass takes FlashFwdFp8Params). Causal: heads in x, so that blocks launch longest first."""
-    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim, traits.qk_int8)
+    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim)
     m_blocks = _cdiv(s.seqlen_q, traits.block_m)
     grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
     return (Launch(stats, (_cdiv(s.seqlen_k, FP8_STATS_KEYS), s.num_kv_heads, s.batch), QUANT_THREADS, 0),
@@ -561,16 +557,15 @@ def _quant_instantiations(kind: str) -> list[tuple[int, bool, bool]]:
 
 def fp8_kernels() -> list[str]:
     """Every FP8 instantiation the AOT build compiles for sm_90a (flash_fwd_fp8_sm90_*.cu through launch_fp8): per
-    (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages)
-    and each Q K^T type, and per (head_dim, dtype) the pre-pass kernels (Q and K's for each type)."""
+    (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages),
+    and per (head_dim, dtype) the three pre-pass kernels."""
     names = []
     for d, bf16, causal in _quant_instantiations("fwd_fp8_sm90"):
-        for qk_int8 in (False, True):  # Q K^T in e4m3, and in int8
-            for block_n in _table.FP8_BLOCK_N[d]:
-                for stages in ((2, 3) if block_n == 128 else (2,)):
-                    names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n, qk_int8), causal))
-            if causal:
-                names += [n for n in fp8_prepass_names(bf16, d, qk_int8) if n not in names]
+        for block_n in _table.FP8_BLOCK_N[d]:
+            for stages in ((2, 3) if block_n == 128 else (2,)):
+                names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n), causal))
+        if causal:
+            names += fp8_prepass_names(bf16, d)
     return names
 
 
@@ -590,3 +585,253 @@ def int8_kernels(arch: str) -> list[str]:
         if causal:
             names += int8_prepass_names(bf16, d, pv)
     return names
+
+
+# -- the backward ------------------------------------------------------------------------------------------------
+# kernels/flash_bwd.cu's flash_bwd_set_splits (which dK/dV kernel, how many blocks share a key block, the dQ way) and
+# the launches of run_flash_bwd_common / run_flash_bwd_ / run_flash_bwd_sm90_ (flash_bwd_launch.cuh,
+# flash_bwd_sm90_launch.cuh): the preprocessing, the dK/dV kernel (portable or Hopper), the separate dQ kernel or the
+# dQ conversion, and the dK/dV conversion of a split launch. The tiles are the generated tables' (BwdTile<D>,
+# BwdTileNarrow<D>); tests/test_nvrtc.py runs flash_bwd_set_splits itself (host code, nvcc) against bwd_splits and
+# reads every constant below back from the C++.
+BWD_TILE_IDS = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_dq": 4, "hopper_shared_dq": 5,
+                "portable_separate_dq": 6}  # BwdTileId (kernels/flash.h), by llm_attn.backward.force_bwd_tile's names
+BWD_AUTO, BWD_PORTABLE, BWD_NARROW, BWD_HOPPER, BWD_HOPPER_OWN_DQ, BWD_HOPPER_SHARED_DQ, BWD_PORTABLE_SEPARATE_DQ = \
+    range(len(BWD_TILE_IDS))
+BWD_PRE_THREADS = 128   # run_flash_bwd_common's kPreThreads: the preprocessing's block
+BWD_CONV_THREADS = 256  # kConvThreads: the conversions' block
+
+
+@dataclass(frozen=True)
+class BwdTraits:
+    """BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kSplitDp> (kernels/flash_bwd_kernel.cuh): the portable dK/dV
+    kernel's tile, 16 keys per warp, block_m query rows a step."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    n_warps: int
+    split_dp: int
+
+    @property
+    def threads(self) -> int:
+        return self.n_warps * 32
+
+    @property
+    def smem_bytes(self) -> int:  # bwd_smem_bytes: K, V, two stages of (Q, dO), dS^T; two stages of (lse, dsum)
+        d, m, n = self.head_dim, self.block_m, self.block_n
+        return (4 * m * d + 2 * n * d + n * m) * 2 + 4 * m * 4
+
+    def cpp(self) -> str:
+        return (f"llm_attn::BwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, {self.n_warps}, "
+                f"{self.split_dp}>")
+
+
+# head_dim -> (BwdTile<D>, BwdTileNarrow<D>): BwdConfigOf<D, Tile> of flash_bwd_launch.cuh.
+BWD_CONFIGS = {d: (BwdTraits(d, **_table.BWD_TILES[d]), BwdTraits(d, **_table.BWD_NARROW[d]))
+               for d in _table.BWD_TILES}
+
+
+@dataclass(frozen=True)
+class Sm90BwdTraits:
+    """sm90::Sm90BwdTraits<kHeadDim, kStages> (kernels/flash_bwd_sm90_kernel.cuh; flash_bwd_sm90_launch.cuh's
+    BwdConfig<D> has 2 stages): 128 keys (64 per consumer warpgroup) x 64 query rows a step, a producer warpgroup
+    and two consumers."""
+
+    head_dim: int
+    stages: int = 2
+
+    block_m = 64
+    block_n = 128
+    n_warps = 8  # the consumers' warps: what flash_bwd_set_splits counts a block's register share by
+    threads = 384
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: K, V; stages x (Q, dO); 2 dS^T; 2 float32 dQ tiles; lse/dsum; bars
+        slabs = self.head_dim // 64
+        q, kv, ds, dq = slabs * self.block_m * 128, slabs * self.block_n * 128, self.block_n * self.block_m * 2, \
+            self.block_m * self.head_dim * 4
+        return 2 * kv + 2 * self.stages * q + 2 * ds + 2 * dq + self.stages * 2 * self.block_m * 4 \
+            + (1 + 2 * self.stages) * 8 + 1024
+
+    def cpp(self) -> str:
+        return f"llm_attn::sm90::Sm90BwdTraits<{self.head_dim}, {self.stages}>"
+
+
+@dataclass(frozen=True)
+class BwdDqTraits:
+    """BwdDqTraits<kHeadDim>: the separate dQ kernel, 4 warps x 16 query rows, 64-key steps, Q, dO and two stages
+    of (K, V) in shared memory."""
+
+    head_dim: int
+
+    block_m = 64
+    threads = 128
+
+    @property
+    def smem_bytes(self) -> int:
+        return 6 * 64 * self.head_dim * 2
+
+    def cpp(self) -> str:
+        return f"llm_attn::BwdDqTraits<{self.head_dim}>"
+
+
+@dataclass(frozen=True)
+class BwdShape:
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: bool = False
+    is_bf16: bool = False
+    force_splits: int = 0       # llm_attn.backward.force_bwd_splits (0 = automatic)
+    force_tile: int = BWD_AUTO  # a BwdTileId (llm_attn.backward.force_bwd_tile)
+
+
+@dataclass(frozen=True)
+class BwdSplits:
+    """The fields flash_bwd_set_splits sets in FlashBwdParams."""
+
+    hopper: bool
+    narrow: bool
+    num_splits: int
+    iters_per_split: int
+    dq_shared: bool
+    dq_separate: bool
+
+
+def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
+    """flash_bwd_set_splits, line for line (see its comments for why each rule)."""
+    wide, narrow_tile = BWD_CONFIGS[s.head_dim]
+    hopper = BWD_HOPPER <= s.force_tile <= BWD_HOPPER_SHARED_DQ or (s.force_tile == BWD_AUTO and dev.sm90)
+    narrow = not hopper and (s.force_tile == BWD_NARROW or dev.smem_per_block_optin < wide.smem_bytes)
+    tile = Sm90BwdTraits(s.head_dim) if hopper else narrow_tile if narrow else wide
+    block_m, block_n = tile.block_m, tile.block_n
+    group = s.num_heads // s.num_kv_heads
+    num_m = _cdiv(s.seqlen_q, block_m)
+    n_blocks = _cdiv(s.seqlen_k, block_n)
+    max_iters = group * num_m
+    total = 0
+    for n in range(n_blocks):
+        m_min = max(n * block_n - (s.seqlen_k - s.seqlen_q), 0) // block_m if s.causal else 0
+        total += group * max(num_m - m_min, 0)
+    total *= s.num_kv_heads * s.batch
+    blocks = n_blocks * s.num_kv_heads * s.batch
+    slots = (8 // tile.n_warps) * dev.num_sms
+    splits = 1
+    if s.force_splits > 0:
+        splits = s.force_splits
+    elif s.causal and blocks < 2 * slots:
+        per = max(_cdiv(total, 4 * slots), 8)
+        splits = _cdiv(max_iters, per)
+    elif not s.causal and blocks * 5 < slots * 4:
+        splits = slots // blocks
+    splits = max(1, min(splits, max_iters, 65535 // s.batch))
+    iters = _cdiv(max_iters, splits)
+    num_splits = _cdiv(max_iters, iters)
+    dq_shared = s.force_tile == BWD_HOPPER_SHARED_DQ or (
+        s.force_tile != BWD_HOPPER_OWN_DQ and iters >= 32 and blocks * num_splits > dev.num_sms)
+    return BwdSplits(hopper, narrow, num_splits, iters, dq_shared,
+                     not hopper and s.force_tile == BWD_PORTABLE_SEPARATE_DQ)
+
+
+def bwd_kernel_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
+    """The preprocessing, the dQ conversion and the dK/dV conversion of (dtype, head_dim)."""
+    return tuple(f"llm_attn::flash_bwd_{k}_kernel<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
+                 for k in ("preprocess", "convert_dq", "convert_dkdv"))
+
+
+def bwd_dkdv_kernel_name(is_bf16: bool, traits: BwdTraits, causal: bool) -> str:
+    return f"llm_attn::flash_bwd_dkdv_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
+
+
+def bwd_sm90_kernel_name(is_bf16: bool, traits: Sm90BwdTraits, causal: bool) -> str:
+    return f"llm_attn::sm90::flash_bwd_sm90_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
+
+
+def bwd_dq_kernel_name(is_bf16: bool, head_dim: int, causal: bool) -> str:
+    traits = BwdDqTraits(head_dim).cpp()
+    return f"llm_attn::flash_bwd_dq_kernel<{DTYPE_NAMES[is_bf16]}, {traits}, {str(causal).lower()}>"
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """A backward call: the choices of flash_bwd_set_splits and its launches in order (``launches``). The Hopper
+    dK/dV kernel (``sm90`` set) takes Sm90BwdParams (FlashBwdParams + five tensor maps), every other FlashBwdParams.
+    Workspaces (binding.cpp's mha_bwd): dsum and lse_log2 always, the zeroed float32 dQ accumulator unless
+    dq_separate, the zeroed float32 dK/dV accumulators when num_splits > 1."""
+
+    splits: BwdSplits
+    preprocess: Launch
+    dkdv: Launch
+    dq: Launch | None            # the separate dQ kernel (dq_separate)
+    convert_dq: Launch | None    # not with dq_separate
+    convert_dkdv: Launch | None  # a split launch only
+    sm90: Sm90BwdTraits | None = None
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(x for x in (self.preprocess, self.dkdv, self.dq, self.convert_dq, self.convert_dkdv) if x)
+
+
+def bwd_plan(s: BwdShape, dev: Device) -> BwdPlan:
+    """run_flash_bwd with the FlashBwdParams that mha_bwd fills (flash_bwd_set_splits on this device)."""
+    if s.head_dim not in BWD_CONFIGS:
+        raise ValueError(f"head_dim must be 64 or 128, got {s.head_dim}")
+    sp = bwd_set_splits(s, dev)
+    if sp.hopper and not dev.sm90:  # run_flash_bwd: cudaErrorInvalidDeviceFunction (the launcher checks it first)
+        raise ValueError("the Hopper backward needs a compute capability 9.0 GPU and sm_90a code")
+    d, chunks = s.head_dim, s.head_dim // 8
+    pre, conv_dq, conv_dkdv = bwd_kernel_names(s.is_bf16, d)
+    rows = s.batch * s.num_heads * s.seqlen_q
+    sm90 = Sm90BwdTraits(d) if sp.hopper else None
+    if sm90 is not None:
+        tile, name = sm90, bwd_sm90_kernel_name(s.is_bf16, sm90, s.causal)
+    else:
+        tile = BWD_CONFIGS[d][1 if sp.narrow else 0]
+        name = bwd_dkdv_kernel_name(s.is_bf16, tile, s.causal)
+    n_blocks = _cdiv(s.seqlen_k, tile.block_n)
+    z = s.batch * sp.num_splits
+    grid = (s.num_kv_heads, n_blocks, z) if s.causal else (n_blocks, s.num_kv_heads, z)
+    dq = None
+    if sp.dq_separate:
+        t = BwdDqTraits(d)
+        m_blocks = _cdiv(s.seqlen_q, t.block_m)
+        dq_grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
+        dq = Launch(bwd_dq_kernel_name(s.is_bf16, d, s.causal), dq_grid, t.threads, t.smem_bytes)
+    kv_rows = s.batch * s.num_kv_heads * s.seqlen_k
+    return BwdPlan(
+        splits=sp,
+        preprocess=Launch(pre, (_cdiv(rows * chunks, BWD_PRE_THREADS), 1, 1), BWD_PRE_THREADS, 0),
+        dkdv=Launch(name, grid, tile.threads, tile.smem_bytes),
+        dq=dq,
+        convert_dq=None if sp.dq_separate else Launch(conv_dq, (_cdiv(rows * chunks, BWD_CONV_THREADS), 1, 1),
+                                                      BWD_CONV_THREADS, 0),
+        convert_dkdv=Launch(conv_dkdv, (_cdiv(kv_rows * chunks, BWD_CONV_THREADS), 1, 1), BWD_CONV_THREADS, 0)
+        if sp.num_splits > 1 else None,
+        sm90=sm90)
+
+
+def bwd_kernels() -> list[str]:
+    """Every portable backward instantiation the AOT build compiles (the flash_bwd_*.cu files through
+    run_flash_bwd_): per (head_dim, dtype, causal) the dK/dV kernel with BwdTile<D> and BwdTileNarrow<D> (one
+    where they are the same) and the separate dQ kernel; per (head_dim, dtype) the preprocessing and the two
+    conversions."""
+    names = []
+    for d, bf16, causal in _quant_instantiations("bwd"):
+        for traits in dict.fromkeys(BWD_CONFIGS[d]):
+            names.append(bwd_dkdv_kernel_name(bf16, traits, causal))
+        names.append(bwd_dq_kernel_name(bf16, d, causal))
+        if causal:
+            names += bwd_kernel_names(bf16, d)
+    return names
+
+
+def bwd_sm90_kernels() -> list[str]:
+    """Every Hopper backward instantiation the AOT build compiles for sm_90a (flash_bwd_sm90_*.cu through
+    run_flash_bwd_sm90_): BwdConfig<D> per (head_dim, dtype, causal). Its preprocessing and conversions are the
+    portable ones (bwd_kernels), compiled for the device's arch."""
+    return [bwd_sm90_kernel_name(bf16, Sm90BwdTraits(d), causal)
+            for d, bf16, causal in _quant_instantiations("bwd_sm90")]

@@ -3,8 +3,10 @@
 The forward op returns (out, lse). Its autograd saves only q, k, v, out and lse (plus the int32 ``seqused_k`` when
 given) and calls ``llm_attn::flash_bwd``, which recomputes the attention probabilities from lse:
 
-- CUDA with ``use_kernel``: the FlashAttention-2 backward kernels (kernels/flash_bwd_*.cu), dK/dV summed over each
-  KV head's query heads in the kernel (K/V never expanded), dQ accumulated in float32;
+- CUDA with ``use_kernel``: the FlashAttention-2 backward kernels (kernels/flash_bwd_*.cu; on compute capability 9.0
+  the Hopper one), dK/dV summed over each KV head's query heads in the kernel (K/V never expanded), dQ accumulated in
+  float32, from whichever build runs the forward (the extension's ``mha_bwd``, or the NVRTC build's, which compiles
+  the same sources at first use and launches them with the same plan: ``llm_attn._plan.bwd_plan``);
 - anywhere else: ``llm_attn.reference.attention_backward`` (float32 math, float64 for float64 inputs), so the
   reference path stays differentiable on CPU.
 
@@ -18,7 +20,7 @@ import contextlib
 
 import torch
 
-from llm_attn import reference
+from llm_attn import _plan, reference
 from llm_attn._ext import get_ext, kernel_build
 from llm_attn.kernel_contract import aligned16 as _aligned16
 
@@ -54,10 +56,10 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
     work = [t if _kernel_ready(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in grads]
     dlse = None if dlse is None else dlse.float().contiguous()
     ext = get_ext()
-    if not hasattr(ext, "mha_bwd"):
+    if not hasattr(ext, "mha_bwd"):  # an extension built before the backward existed
         raise NotImplementedError(
-            f"the backward kernel is in the compiled extension only; the {kernel_build()} build runs the forward "
-            "pass. Build the extension (README, 'Building the kernel') or use path='reference'.")
+            f"this {kernel_build()} build has no backward kernel: rebuild it (README, 'Building the kernel') or use "
+            "path='reference'.")
     ext.mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k, float(scale),
                 bool(causal))
     for g, w in zip(grads, work):
@@ -109,8 +111,7 @@ def force_bwd_splits(splits: int):
 
 
 # force_bwd_tile's names, by their BwdTileId (kernels/flash.h).
-BWD_TILES = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_dq": 4, "hopper_shared_dq": 5,
-             "portable_separate_dq": 6}
+BWD_TILES = _plan.BWD_TILE_IDS
 
 
 @contextlib.contextmanager
@@ -122,7 +123,8 @@ def force_bwd_tile(tile: str):
     - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU, dQ by float32 atomics;
       'portable_separate_dq' with dQ by a separate kernel instead, without atomics;
     - 'narrow' the portable kernel's narrow tile (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on any device;
-    - 'hopper' the Hopper kernel (compute capability 9.0 and an extension built for it only: ValueError elsewhere),
+    - 'hopper' the Hopper kernel (compute capability 9.0 and a build with sm_90a code only: the extension built
+      for 9.0, or NVRTC 12.0 or newer; ValueError elsewhere),
       'hopper_own_dq' / 'hopper_shared_dq' with its dQ way forced (each warpgroup over its own keys, or one
       warpgroup a step over the block's; 'hopper' chooses by the shapes).
     """
@@ -130,8 +132,8 @@ def force_bwd_tile(tile: str):
         raise ValueError(f"tile must be one of {', '.join(map(repr, BWD_TILES))}, got {tile!r}")
     ext = get_ext()
     if tile.startswith("hopper") and not ext.sm90_available():
-        raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and an extension built for it "
-                         "(LLM_ATTN_CUDA_ARCHS containing 9.0)")
+        raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and a build with sm_90a code "
+                         "(the extension built with LLM_ATTN_CUDA_ARCHS containing 9.0, or NVRTC 12.0 or newer)")
     prev = ext.set_bwd_tile(BWD_TILES[tile])
     try:
         yield

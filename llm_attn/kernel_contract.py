@@ -272,3 +272,61 @@ def launcher_problem(q, k, v, out, lse, seqused_k, scale: float, causal: bool) -
                                       and seqused_k.shape[0] == batch and seqused_k.is_contiguous()):
         return "seqused_k must be a contiguous int32 tensor of shape (batch,)"
     return None
+
+
+def backward_launcher_problem(dout, q, k, v, out, lse, dlse, dq, dk, dv, seqused_k, scale: float,
+                              causal: bool) -> str | None:
+    """What ``mha_bwd`` of a kernel build refuses, in the words and order of kernels/binding.cpp's ``mha_bwd``
+    (without its "llm_attn.mha_bwd: " prefix), or None. The NVRTC launcher raises it; the extension checks the same
+    in C++."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"only float16 and bfloat16 are supported, got {q.dtype}"
+    if not (q.is_cuda and q.dim() == 4):
+        return "q must be a 4-D CUDA tensor (batch, heads, seq, head_dim)"
+    if k.dim() != 4 or v.dim() != 4:
+        return "k and v must be 4-D (batch, kv_heads, seq, head_dim)"
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim must be {' or '.join(map(str, KERNEL_HEAD_DIMS))}, got {head_dim}"
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        return f"k/v {_shape(k.shape)} do not match q {_shape(q.shape)}"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+    if min(batch, num_heads, seqlen_q, seqlen_k) <= 0:
+        return f"empty input: q {_shape(q.shape)}, k {_shape(k.shape)}"
+    if seqlen_q >= KERNEL_MAX_SEQ_LEN or seqlen_k >= KERNEL_MAX_SEQ_LEN:
+        return "sequence too long"
+    if num_heads > KERNEL_MAX_GRID_YZ or batch > KERNEL_MAX_GRID_YZ:
+        return f"at most {KERNEL_MAX_GRID_YZ} heads and batch {KERNEL_MAX_GRID_YZ}, got {num_heads} and {batch}"
+    if causal and seqlen_k > KERNEL_MAX_CAUSAL_Q_LEN:  # causal key blocks in gridDim.y
+        return f"causal kv_len must be <= {KERNEL_MAX_CAUSAL_Q_LEN}, got {seqlen_k}"
+    for t, name, sizes in ((q, "q", q.shape), (k, "k", k.shape), (v, "v", k.shape), (out, "out", q.shape),
+                           (dout, "dout", q.shape), (dq, "dq", q.shape), (dk, "dk", k.shape), (dv, "dv", k.shape)):
+        if not t.is_cuda:
+            return f"{name} must be a CUDA tensor"
+        if t.device != q.device:
+            return f"{name} is on {t.device} but q is on {q.device}"
+        if t.dtype != q.dtype:
+            return f"{name} dtype {t.dtype} != q dtype {q.dtype}"
+        if t.shape != sizes:
+            return f"{name} {_shape(t.shape)} must have shape {_shape(sizes)}"
+        st = t.stride()
+        if st[3] != 1:
+            return f"{name} must be contiguous in head_dim"
+        if any(st[d] % 8 and t.shape[d] != 1 for d in range(3)):
+            return f"{name} strides must be multiples of 8 elements (16 bytes), got {_shape(st)}"
+        if t.data_ptr() % 16:
+            return f"{name} must be 16-byte aligned"
+    for t, name in ((lse, "lse"), (dlse, "dlse")):
+        if t is not None and not (t.is_cuda and t.device == q.device and t.dtype == torch.float32
+                                  and t.is_contiguous() and tuple(t.shape) == (batch, num_heads, seqlen_q)):
+            return f"{name} must be a contiguous float32 (batch, heads, seqlen_q) tensor on q's device"
+    if not math.isfinite(scale):
+        return "scale must be finite"
+    if seqused_k is not None and not (seqused_k.is_cuda and seqused_k.device == q.device):
+        return "seqused_k must be on q's device"
+    if seqused_k is not None and not (seqused_k.dtype == torch.int32 and seqused_k.dim() == 1
+                                      and seqused_k.shape[0] == batch and seqused_k.is_contiguous()):
+        return "seqused_k must be a contiguous int32 tensor of shape (batch,)"
+    return None

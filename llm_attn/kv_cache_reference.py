@@ -41,8 +41,19 @@ exponent range and the error is relative wherever the scale is; per head, per 64
 measure the same (cosine within 1e-4 of one another, README). A block scale, unlike a per-head one, never has to
 change when a later token is larger than every earlier one: old blocks are never re-read or re-written.
 
-``FP8_KV_ATTR``: the cache sets it on the dequantised K it returns to attention (the copy stock attention reads),
-holding an ``Fp8KV`` view of the raw data and scales; the patched attention looks for it (``fp8_kv_of``).
+``FP8_KV_ATTR``: the cache sets it on the K and V it returns to attention, holding an ``Fp8KV`` view of the raw data
+and scales; the patched attention looks for it (``fp8_kv_of``). For stock attention those are a dequantised copy
+(the honest baseline: it has no other way to read FP8). When the model runs llm_attn's attention function
+(``config._attn_implementation == "llm_attn"``) they are *placeholders* (``is_placeholder``: a zero-stride view of
+one zero, of the copy's shape and dtype, no memory): the patched attention reads the FP8 data directly
+(``llm_attn.ops.decode_fp8_kv``: the decode kernel, kernels/flash_decode_fp8kv_kernel.cuh, or this module's
+``decode_attention`` on CPU) or, for a call the direct path does not take (a long prefill, a padding mask, another
+registry implementation), makes the dequantised copy itself; the patch report counts which (``FP8_READ_*``).
+
+What the decode kernel computes (``decode_attention(..., rounding="kernel")``, its exact arithmetic up to the order of
+float32 sums): Q rounded to fp16 (bf16 queries are converted: exact within fp16's range), S = Q K^T over each 64-key
+block's e4m3 values in float32, the online softmax's exact running max (P <= 1), P times the block's V scale rounded
+to fp16 before P V; the output rounded once to q's dtype.
 """
 
 from __future__ import annotations
@@ -59,6 +70,9 @@ FP8_KV_ATTR = "_llm_attn_fp8_kv"  # on the dequantised K the cache returns: the 
 # What the patch report says for attention calls whose K/V come from the FP8 cache: no kernel reads the fp8 data yet,
 # so every such call reads the dequantised copy the cache returned.
 FP8_READ_VIA_COPY = "fp8 cache read via dequantised copy"
+FP8_READ_KERNEL = "fp8 cache read directly by the decode kernel"
+FP8_READ_REFERENCE = "fp8 cache read directly by the blockwise reference"
+FP8_PLACEHOLDER_ATTR = "_llm_attn_fp8_placeholder"  # on a K/V that holds no values: read the Fp8KV instead
 
 
 def n_blocks(tokens: int) -> int:
@@ -127,24 +141,41 @@ def fp8_kv_of(key: torch.Tensor) -> Fp8KV | None:
     return getattr(key, FP8_KV_ATTR, None)
 
 
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether a K/V the cache returned holds no values (the FP8 data must be read through ``fp8_kv_of``)."""
+    return getattr(t, FP8_PLACEHOLDER_ATTR, False)
+
+
+ROUNDINGS = ("float32", "kernel")
+
+
 def decode_attention(q: torch.Tensor, kv: Fp8KV, causal: bool = True, scale: float | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, seqused_k: torch.Tensor | None = None, rounding: str = "float32"):
     """Attention of ``q`` (B, Hq, Sq, D) over the FP8 cache's ``kv.length`` tokens, as a kernel computes it: one
-    64-key block at a time, K and V dequantised in float32 with their block's scale, online softmax in float32.
-    The query rows are the newest ``Sq`` tokens (already in the cache): with ``causal`` row ``i`` sees keys
-    ``0 .. length - Sq + i`` (bottom-right, the kernels' convention; decode, ``Sq == 1``, sees every key). GQA: query
-    head ``h`` reads KV head ``h // (Hq // H)``. Returns the output in q's dtype, (B, Hq, Sq, D); with
-    ``return_lse`` also the natural-log lse (B, Hq, Sq) float32 of the dequantised scores (k_shift included)."""
+    64-key block at a time, K and V dequantised in float32 with their block's scale, online softmax in float32
+    with the exact running max. The query rows are the newest ``Sq`` tokens (already in the cache): with ``causal``
+    row ``i`` sees keys ``0 .. length - Sq + i`` (bottom-right, the kernels' convention; decode, ``Sq == 1``, sees
+    every key). ``seqused_k`` (B,) int32: batch ``b`` uses its first ``seqused_k[b]`` tokens only (clamped to
+    ``[0, length]``; causality aligned to that length; a row that sees no key outputs 0, lse -inf). GQA: query head
+    ``h`` reads KV head ``h // (Hq // H)``. ``rounding="kernel"``: the decode kernel's two roundings too (Q to fp16,
+    P times the V scale to fp16; the module docstring); "float32" keeps both in float32. Returns the output in q's
+    dtype, (B, Hq, Sq, D); with ``return_lse`` also the natural-log lse (B, Hq, Sq) float32 of the dequantised
+    scores (k_shift included)."""
     b, hq, sq, d = q.shape
     hkv, n = kv.k_data.shape[1], kv.length
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if sq > n:
         raise ValueError(f"{sq} query rows but only {n} tokens in the cache: the queries are the newest tokens")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     g = hq // hkv
     sm_scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    qf = q.to(torch.float32).reshape(b, hkv, g * sq, d)                   # a KV head's query heads as one matrix
-    row_pos = torch.arange(sq, device=q.device).repeat(g) + (n - sq)      # the position of each query row
+    kernel = rounding == "kernel"
+    qf = (q.to(torch.float16) if kernel else q).to(torch.float32).reshape(b, hkv, g * sq, d)  # a KV head's rows
+    used = (torch.full((b,), n, device=q.device) if seqused_k is None
+            else seqused_k.to(device=q.device, dtype=torch.int64).clamp(0, n))
+    row_pos = torch.arange(sq, device=q.device).repeat(g).view(1, -1) + (used - sq).view(-1, 1)  # (B, G*Sq)
     m = torch.full((b, hkv, g * sq), float("-inf"), device=q.device)
     l = torch.zeros((b, hkv, g * sq), device=q.device)
     acc = torch.zeros((b, hkv, g * sq, d), device=q.device)
@@ -153,15 +184,22 @@ def decode_attention(q: torch.Tensor, kv: Fp8KV, causal: bool = True, scale: flo
         k = kv.k_data[:, :, lo:hi].to(torch.float32) * kv.k_scale[:, :, j, None, None]
         v = kv.v_data[:, :, lo:hi].to(torch.float32) * kv.v_scale[:, :, j, None, None]
         s = torch.matmul(qf, k.transpose(-1, -2)) * sm_scale             # (B, H, G*Sq, keys)
+        key_pos = torch.arange(lo, hi, device=q.device).view(1, 1, -1)
+        hidden = key_pos >= used.view(-1, 1, 1)                            # (B, 1, keys): past the used tokens
         if causal:
-            key_pos = torch.arange(lo, hi, device=q.device)
-            s = s.masked_fill(key_pos.view(1, -1) > row_pos.view(-1, 1), float("-inf"))
+            hidden = hidden | (key_pos > row_pos.unsqueeze(-1))            # (B, G*Sq, keys)
+        s = s.masked_fill(hidden.unsqueeze(1), float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1))
         safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - safe.unsqueeze(-1))
         alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - safe))
         l = l * alpha + p.sum(dim=-1)
-        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, v)
+        if kernel:  # fp16 (P * v_scale * 256) times V's e4m3 values * 2^-8: the kernel's operands, exact products
+            pv = (p * (kv.v_scale[:, :, j, None, None] * 256.0)).to(torch.float16).to(torch.float32)
+            v = kv.v_data[:, :, lo:hi].to(torch.float32) * 2.0 ** -8
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(pv, v)
+        else:
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, v)
         m = m_new
     out = (acc / l.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)).reshape(b, hq, sq, d).to(q.dtype)
     if not return_lse:

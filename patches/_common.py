@@ -19,7 +19,7 @@ import torch
 
 from llm_attn import registry
 from llm_attn.kernel_contract import KERNEL_HEAD_DIMS
-from llm_attn.kv_cache_reference import FP8_READ_VIA_COPY, fp8_kv_of
+from llm_attn.kv_cache_reference import FP8_READ_VIA_COPY, Fp8KV, fp8_kv_of, is_placeholder
 
 ON_UNSUPPORTED = ("error", "fallback")
 BACKENDS = registry.BACKENDS
@@ -73,8 +73,8 @@ class PatchReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     native_calls: Counter = dataclasses.field(default_factory=Counter)
     fallback_calls: Counter = dataclasses.field(default_factory=Counter)
-    # Calls whose K/V came from a quantised KV cache, by how they were read (today only "fp8 cache read via
-    # dequantised copy": no kernel reads llm_attn.models.kv_cache's FP8 data yet). Counted beside the two above.
+    # Calls whose K/V came from a quantised KV cache, by how they were read (kv_cache_reference.FP8_READ_*: directly
+    # by the decode kernel or its blockwise reference, or via the dequantised copy). Counted beside the two above.
     kv_cache_reads: Counter = dataclasses.field(default_factory=Counter)
     compiled_native_seen: bool = False
     compiled_fallback_seen: bool = False
@@ -157,6 +157,8 @@ class AttentionRuntime:
         self._choices: dict = {}
         # variant -> the entry's runner (registry.AttentionImpl.runner): the serving entry decided once, not per call.
         self._runners: dict = {}
+        # variant -> (reader, how) that reads the FP8 KV cache directly, or None (impls.flash_kernel.fp8_kv_reader).
+        self._fp8_readers: dict = {}
 
     # A patched model is copied (copy.deepcopy), pickled and torch.saved with its patch: the runtime keeps the
     # implementation's name, not its entry (a plugin's function may not pickle), and looks the entry up again when
@@ -166,11 +168,13 @@ class AttentionRuntime:
         del state["impl"]
         state["_choices"] = {}
         state["_runners"] = {}
+        state["_fp8_readers"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_runners", {})
+        self.__dict__.setdefault("_fp8_readers", {})
         self.impl = registry.get(self.options.impl)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
@@ -181,11 +185,28 @@ class AttentionRuntime:
         else:
             self.report.native_calls[variant] += 1
 
-    def count_kv_cache_read(self, key: torch.Tensor) -> None:
-        """Count a call whose K came from the FP8 KV cache (``kv_cache_reference.fp8_kv_of``): read, for now, through
-        the dequantised copy the cache returned."""
+    def count_kv_cache_read(self, key: torch.Tensor, how: str = FP8_READ_VIA_COPY) -> None:
+        """Count a call whose K came from the FP8 KV cache (``kv_cache_reference.fp8_kv_of``), by how it was read."""
         if not _is_compiling() and fp8_kv_of(key) is not None:
-            self.report.kv_cache_reads[FP8_READ_VIA_COPY] += 1
+            self.report.kv_cache_reads[how] += 1
+
+    def fp8_kv_copy(self, key: torch.Tensor, value: torch.Tensor, kv: Fp8KV) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V to hand to a path that reads fp16/bf16 tensors: the cache's dequantised copy, made here where the
+        cache returned placeholders (``kv_cache_reference.is_placeholder``); counted as read via that copy."""
+        self.count_kv_cache_read(key, FP8_READ_VIA_COPY)
+        if not is_placeholder(key):
+            return key, value
+        k, v = kv.dequantized(key.dtype)
+        return k, v
+
+    def fp8_kv_reader(self, variant: str):
+        """(reader, how) that reads the FP8 cache directly for this variant, or None: only llm_attn's own entry has
+        one (its decode kernel, or the blockwise reference on CPU); every other implementation reads the copy."""
+        if variant not in self._fp8_readers:
+            from llm_attn.impls.flash_kernel import fp8_kv_reader  # noqa: PLC0415
+
+            self._fp8_readers[variant] = fp8_kv_reader(self.impl.name, variant)
+        return self._fp8_readers[variant]
 
     def setting_unsupported(self, reason: str) -> None:
         """A model/setting problem found at call time: raise under on_unsupported='error', else count a fallback."""

@@ -19,6 +19,11 @@ How each call is served (stock sdpa semantics, reproduced exactly):
   on the device, the verdict kept while the tensor is not written): the same, with ``seqused_k`` read off the mask.
 * Any other mask (left padding, packed sequences, other custom 4D masks): stock ``sdpa_attention_forward`` with the
   very mask stock would have built, counted in the report as a fallback.
+* K/V from the FP8 KV cache (``llm_attn.models.kv_cache``; ``kv_cache_reference.fp8_kv_of``): a decode call (no mask
+  or a tagged causal prefix, (query heads per KV head) x q_len <= 32) on llm_attn's own entry reads the FP8 bytes
+  directly (``llm_attn.ops.decode_fp8_kv``: the decode kernel, or its blockwise reference on CPU); every other call
+  (a long prefill, padding, another implementation, the stock path) reads the dequantised copy, made here when the
+  cache returned placeholders. The report counts each way (``PatchReport.kv_cache_reads``).
 
 Our mask function delegates to transformers' ``sdpa_mask`` (so the mask is bit-for-bit what stock sdpa gets) and only
 adds the analysis; when it cannot be sure it adds nothing and the call falls back. While ``torch.compile`` traces it
@@ -29,6 +34,8 @@ would break the graph. Everything on the call path traces without a graph break 
 from __future__ import annotations
 
 import torch
+
+from llm_attn.kv_cache_reference import fp8_kv_of
 
 from ._common import (
     SUPPORTED_MODEL_TYPES,
@@ -220,7 +227,12 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
     sdpa_attention_forward: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) un-repeated, returns ((B, Sq, Hq, D),
     None)."""
     runtime = getattr(module, RUNTIME_ATTR, None) or _default_runtime()
-    runtime.count_kv_cache_read(key)  # an FP8 KV cache's dequantised copy: counted, whichever path serves the call
+    fp8 = fp8_kv_of(key)
+    if fp8 is not None:  # the FP8 KV cache: read directly where the call is a decode on llm_attn, else via the copy
+        out = _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is_causal, scaling, kwargs)
+        if out is not None:
+            return out, None
+        key, value = runtime.fp8_kv_copy(key, value, fp8)
 
     # 1. Settings llm_attn does not implement: error or counted fallback, per on_unsupported.
     problem = runtime.forced[0] if runtime.forced else None
@@ -277,6 +289,43 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
 
     runtime.count_fallback("attention mask is not a causal prefix (padding or custom mask): stock sdpa")
     return _stock_call(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+
+
+def _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is_causal, scaling, kwargs):
+    """The call's output, (B, Sq, Hq, D), read from the FP8 cache's bytes (``runtime.fp8_kv_reader``), or None when
+    the call is not one the direct path computes exactly (then the caller reads the dequantised copy): a setting
+    llm_attn does not implement, another implementation, a mask that is not a tagged causal prefix, no-mask causal
+    queries over a longer cache (stock's top-left crop), or more rows than the decode kernel holds."""
+    if runtime.forced or _is_compiling() or (dropout and dropout > 0 and module.training):
+        return None
+    if kwargs and any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+        return None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if query.shape[-1] != key.shape[-1] or kv_len != fp8.length:
+        return None
+    variant, problem = runtime.choose_variant(query)
+    reader = runtime.fp8_kv_reader(variant) if problem is None else None
+    if reader is None:
+        return None
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True)) and q_len > 1
+        if causal and kv_len != q_len:
+            return None
+        seqused = None
+    else:
+        seqused = getattr(attention_mask, SEQUSED_ATTR, None) if isinstance(attention_mask, torch.Tensor) else None
+        if not (seqused is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
+                and attention_mask.shape[-2] == q_len and seqused.shape == (query.shape[0],)
+                and seqused.device == query.device):
+            return None
+        causal = True
+    read, how = reader
+    out = read(query, fp8, causal, scaling, seqused)
+    if out is None:
+        return None
+    runtime.count_native(variant)
+    runtime.count_kv_cache_read(key, how)
+    return out.transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -6,6 +6,10 @@ differentiated in fp16/bf16 against float64): ours must be within 2x of it (plus
     pytest tests/test_backward_gpu.py -q            # the default subset of the grids
     pytest tests/test_backward_gpu.py -q -m full    # every case
 
+Every test that takes ``cuda_ext`` runs once per kernel build (the compiled extension, NVRTC; conftest.py): both
+have the backward (``LLM_ATTN_BACKEND=nvrtc`` runs the NVRTC one only). ``test_nvrtc_backward_is_the_aot_backward``
+compares the two builds on the same inputs: the same bits where nothing is summed by atomics.
+
 The grids (``test_backward_grid``, ``test_backward_forced_splits``) run every dtype x mask x head_dim x heads (x
 split count) combination by default, each with rotating awkward lengths; ``-m full`` runs the whole cross product
 (conftest.py ``grid``).
@@ -26,13 +30,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LENGTHS = [1, 17, 63, 127, 129, 1000]
 PAIRS = [(n, n) for n in LENGTHS] + UNEQUAL
-
-
-@pytest.fixture(autouse=True)
-def _backend_with_backward(request):
-    """The backward kernels are in the compiled extension only: skip the NVRTC backend's runs with that reason."""
-    if "cuda_ext" in request.fixturenames and not hasattr(request.getfixturevalue("cuda_ext"), "mha_bwd"):
-        pytest.skip("the NVRTC backend compiles the forward kernels only; the backward is in the compiled extension")
 
 
 def run_raw(ext, q, k, v, dout, causal, scale=None, seqused_k=None):
@@ -341,3 +338,127 @@ def test_patched_tiny_llama_training_gradients_match_sdpa(cuda_ext, head_dim, dt
         err = (ours[name] - ref[name]).abs().max().item()
         sdpa_err = (stock[name] - ref[name]).abs().max().item()
         assert err <= 2 * sdpa_err + 1e-3 * ref[name].abs().max().item(), f"{name}: {err:.3e} vs sdpa {sdpa_err:.3e}"
+
+
+# -- the two builds side by side -------------------------------------------------------------------------------------
+def _build(name: str):
+    """The module of build `name`, or skip saying why it is missing (a failure where LLM_ATTN_REQUIRE_BACKENDS names
+    it)."""
+    import os
+
+    from llm_attn import _ext
+
+    status = _ext.backend_status()[name]
+    if status != "available":
+        required = {b.strip() for b in os.environ.get("LLM_ATTN_REQUIRE_BACKENDS", "").split(",") if b.strip()}
+        if name in required:
+            pytest.fail(f"the {name} build is required but not available: {status}")
+        pytest.skip(f"needs the {name} build: {status}")
+    prev = _ext.set_backend(name)
+    try:
+        return _ext.get_ext()
+    finally:
+        _ext.set_backend(prev)
+
+
+def _both_builds():
+    return _build("aot"), _build("nvrtc")
+
+
+def _forced_in(ext, tile: str, splits: int):
+    """force_bwd_tile / force_bwd_splits on one build's module (the context managers act on the selected build)."""
+    from llm_attn._plan import BWD_TILE_IDS
+
+    class _Forced:
+        def __enter__(self):
+            self.prev = (ext.set_bwd_tile(BWD_TILE_IDS[tile]), ext.set_bwd_splits(splits))
+
+        def __exit__(self, *exc):
+            ext.set_bwd_tile(self.prev[0])
+            ext.set_bwd_splits(self.prev[1])
+
+    return _Forced()
+
+
+# (tile, splits) whose dK, dV and dQ are each written by one thread block, without atomics: the portable kernel with
+# the separate dQ kernel and no key-block split. Elsewhere dQ (atomics or TMA reduce-add) and, when split, dK/dV are
+# float32 sums in launch-dependent order: there the builds agree to that order's rounding (the check below), and
+# dK/dV bit for bit where the key blocks are not split.
+BITWISE = [("portable_separate_dq", 1)]
+COMPARED = BITWISE + [("portable", 1), ("portable", 3), ("narrow", 1), ("hopper_own_dq", 1), ("hopper_shared_dq", 1),
+                      ("hopper", 0), ("auto", 0)]
+
+
+@pytest.mark.parametrize("tile,splits", COMPARED)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,heads,sq,sk", [(64, "gqa", 1000, 1000), (128, "mha", 129, 2049), (128, "mqa", 300, 77),
+                                          (64, "mha", 2049, 129)])
+def test_nvrtc_backward_is_the_aot_backward(tile, splits, dtype, causal, d, heads, sq, sk):
+    """The NVRTC build runs the AOT build's backward: the same kernels, tiles, splits and launches (llm_attn._plan
+    mirrors flash_bwd_set_splits), so on the same inputs it gives the same bits where nothing is summed by atomics
+    (BITWISE; dK/dV of every unsplit launch), and elsewhere agrees within the atomics' run-to-run rounding. The
+    split and tile each build chose are compared too."""
+    aot, nvrtc = _both_builds()
+    if tile.startswith("hopper") and not (aot.sm90_available() and nvrtc.sm90_available()):
+        pytest.skip("the Hopper backward needs a compute capability 9.0 GPU and sm_90a code in both builds")
+    hq, hkv = HEADS[heads]
+    q, k, v, dout = _qkv(2, hq, hkv, sq, sk, d, DTYPES[dtype], zlib.crc32(repr((tile, splits, dtype, causal, d,
+                                                                               heads, sq, sk)).encode()))
+    got = {}
+    for name, ext in (("aot", aot), ("nvrtc", nvrtc)):
+        with _forced_in(ext, tile, splits):
+            got[name] = run_raw(ext, q, k, v, dout, causal)
+            got[name + "_splits"] = ext.bwd_splits(2, hq, hkv, sq, sk, d, causal,
+                                                    torch.cuda.get_device_properties(0).multi_processor_count)
+    torch.cuda.synchronize()
+    assert got["aot_splits"] == got["nvrtc_splits"]
+    unsplit = got["aot_splits"][0] == 1
+    for name, a, n in zip(("dq", "dk", "dv"), got["aot"], got["nvrtc"], strict=True):
+        assert not n.isnan().any(), f"NaN in the NVRTC build's {name}"
+        if (tile, splits) in BITWISE or (name != "dq" and unsplit):
+            assert torch.equal(a, n), f"{name}: the builds differ by {(a.float() - n.float()).abs().max().item():.3e}"
+        else:
+            torch.testing.assert_close(n, a, rtol=2e-2, atol=2e-2 * max(1.0, a.abs().max().item()))
+    check_grads(got["nvrtc"], q, k, v, dout, causal)
+
+
+def test_nvrtc_backward_under_autograd_and_graphs():
+    """flash_attn_func's autograd on the NVRTC build: the raw mha_bwd's gradients; and the backward captured in a
+    CUDA graph and replayed gives them again (its workspaces come from torch's allocator on the captured stream)."""
+    from llm_attn import _ext
+
+    nvrtc = _build("nvrtc")
+    prev = _ext.set_backend("nvrtc")
+    try:
+        q, k, v, dout = _qkv(2, 8, 2, 300, 300, 128, torch.bfloat16, 11)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with _forced_in(nvrtc, "portable_separate_dq", 1):
+            flash_attn_func(*leaves, causal=True).backward(dout)
+            raw = run_raw(nvrtc, q, k, v, dout, True)
+            torch.cuda.synchronize()
+            for t, r in zip(leaves, raw, strict=True):
+                assert torch.equal(t.grad, r)
+            static = [t.clone().requires_grad_() for t in (q, k, v)]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: compile, load, plan outside the capture
+                    for t in static:
+                        t.grad = None
+                    flash_attn_func(*static, causal=True).backward(dout)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            for t in static:
+                t.grad = None
+            with torch.cuda.graph(graph):
+                flash_attn_func(*static, causal=True).backward(dout)
+            grads = [t.grad for t in static]
+            for g in grads:
+                g.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for g, r in zip(grads, raw, strict=True):
+                assert torch.equal(g, r)
+    finally:
+        _ext.set_backend(prev)

@@ -289,32 +289,84 @@ def test_generate_greedy_beam_and_static_with_the_fp8_cache(tiny):
     assert (slogits[:, 0] - logits8[:, 0]).abs().max() < 1e-4  # static and dynamic store the same FP8 values
 
 
-# -- the patched attention on the FP8 cache: the dequantised copy, counted ---------------------------------------------
-def test_patched_attention_reads_the_fp8_cache_through_its_dequantised_copy(tiny):
+# -- the patched attention on the FP8 cache: decode steps read its bytes, the rest its dequantised copy, counted -----
+def test_patched_attention_reads_the_fp8_cache_directly_in_decode_and_via_the_copy_elsewhere(tiny):
+    """llm_attn's own entry reads a decode step's K/V from the FP8 bytes (on CPU: the blockwise reference of the
+    decode kernel), the 80-token prefill (4 query heads per KV head x 80 rows > 32) from the dequantised copy, which
+    the attention function makes itself: with llm_attn's attention function the cache returns placeholders. Stock
+    sdpa on the same cache reads the copy the cache returns; the logits agree."""
     from llm_attn import patch_model, unpatch_model
-    from llm_attn.kv_cache_reference import FP8_READ_VIA_COPY
+    from llm_attn.kv_cache_reference import FP8_READ_REFERENCE, FP8_READ_VIA_COPY
 
-    ids = _ids(tiny, 2, 80, seed=9)
-    stock = _prefill(tiny, ids, Fp8DynamicCache(config=tiny.config))
+    ids, step = _ids(tiny, 2, 80, seed=9), _ids(tiny, 2, 1, seed=10)
+    stock_cache = Fp8DynamicCache(config=tiny.config)
+    stock, stock_step = _prefill(tiny, ids, stock_cache), _prefill(tiny, step, stock_cache)
+    layers = tiny.config.num_hidden_layers
     report = patch_model(tiny)
     try:
         cache = Fp8DynamicCache(config=tiny.config)
         ours = _prefill(tiny, ids, cache)
-        _prefill(tiny, _ids(tiny, 2, 1, seed=10), cache)  # a decode step over the cache
-        layers = tiny.config.num_hidden_layers
-        assert report.kv_cache_reads == {FP8_READ_VIA_COPY: 2 * layers}
+        ours_step = _prefill(tiny, step, cache)  # a decode step over the cache
+        assert report.kv_cache_reads == {FP8_READ_VIA_COPY: layers, FP8_READ_REFERENCE: layers}
         assert report.num_native_calls == 2 * layers and report.num_fallback_calls == 0
-        assert FP8_READ_VIA_COPY in str(report)
-        # left padding: the mask is not a causal prefix, the call takes stock sdpa (counted), still on the copy
+        assert FP8_READ_REFERENCE in str(report) and FP8_READ_VIA_COPY in str(report)
+        with torch.inference_mode():  # what the cache hands to llm_attn's attention function: no values
+            k, v = cache.layers[0].update(*(torch.zeros(2, 2, 1, 64),) * 2)
+        assert ref.is_placeholder(k) and ref.is_placeholder(v) and k.stride() == (0, 0, 0, 0)
+        assert ref.fp8_kv_of(k).length == 82
+        # left padding: the mask is not a causal prefix, the call takes stock sdpa (counted), on the copy made here
         report.reset_counters()
         mask = torch.ones_like(ids)
         mask[0, :5] = 0
         with torch.inference_mode():
             tiny(input_ids=ids, attention_mask=mask, past_key_values=Fp8DynamicCache(config=tiny.config))
-        assert report.num_fallback_calls == layers and report.kv_cache_reads[FP8_READ_VIA_COPY] == layers
+        assert report.num_fallback_calls == layers and report.kv_cache_reads == {FP8_READ_VIA_COPY: layers}
     finally:
         unpatch_model(tiny)
-    assert (ours - stock).abs().max() < 1e-4
+    assert (ours - stock).abs().max() < 1e-4 and (ours_step - stock_step).abs().max() < 1e-4
+    with torch.inference_mode():  # unpatched again: the cache returns real copies
+        k, _ = Fp8DynamicCache(config=tiny.config).layers[0].update(*(torch.ones(1, 2, 3, 64),) * 2)
+    assert not ref.is_placeholder(k) and torch.equal(k, torch.ones(1, 2, 3, 64))
+
+
+def test_other_registry_entries_read_the_copy(tiny):
+    """Only llm_attn's own entry reads the FP8 bytes; another implementation behind the same attention function
+    (here the naive one) gets the dequantised copy, counted as such."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.kv_cache_reference import FP8_READ_VIA_COPY
+
+    ids, step = _ids(tiny, 1, 70, seed=12), _ids(tiny, 1, 1, seed=13)
+    stock_cache = Fp8DynamicCache(config=tiny.config)
+    _prefill(tiny, ids, stock_cache)
+    want = _prefill(tiny, step, stock_cache)
+    report = patch_model(tiny, impl="naive")
+    try:
+        cache = Fp8DynamicCache(config=tiny.config)
+        _prefill(tiny, ids, cache)
+        got = _prefill(tiny, step, cache)
+        assert report.kv_cache_reads == {FP8_READ_VIA_COPY: 2 * tiny.config.num_hidden_layers}
+    finally:
+        unpatch_model(tiny)
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_static_cache_decode_reads_the_bytes_through_generate(tiny):
+    """generate() on the static FP8 cache with llm_attn: the same tokens as stock sdpa on it; every decode step's
+    attention read the bytes (the mask is a tagged causal prefix), the prompt the copy."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.kv_cache_reference import FP8_READ_REFERENCE, FP8_READ_VIA_COPY
+
+    ids, new = _ids(tiny, 2, 70, seed=14), 6
+    want, want_logits = _generate(tiny, ids, Fp8StaticCache(config=tiny.config, max_cache_len=70 + new), new)
+    report = patch_model(tiny)
+    try:
+        got, logits = _generate(tiny, ids, Fp8StaticCache(config=tiny.config, max_cache_len=70 + new), new)
+        layers = tiny.config.num_hidden_layers
+        assert report.kv_cache_reads == {FP8_READ_VIA_COPY: layers, FP8_READ_REFERENCE: (new - 1) * layers}
+        assert report.num_fallback_calls == 0
+    finally:
+        unpatch_model(tiny)
+    assert torch.equal(got, want) and (logits - want_logits).abs().max() < 1e-4
 
 
 # -- accuracy: decode over the FP8 cache against float64, outlier-shaped K ---------------------------------------------

@@ -12,6 +12,7 @@ run in a pool of processes, one per core (``compiled``), all started by the firs
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -62,22 +63,11 @@ def _nvrtc_or_skip():
     return _nvrtc
 
 
-# The portable backward's instantiations (kernels/flash_bwd_launch.cuh: the dK/dV kernel with each head_dim's tile
-# and narrow tile, kernel_tiles.h's BwdTile<D> / BwdTileNarrow<D>, mirrored in _kernel_table; the separate dQ
-# kernel). The NVRTC backend does not launch them (backward() needs the compiled extension), but they are compiled
-# here for every arch so that they stay NVRTC-compilable and spill-free, as check_ptxas.sh keeps them under nvcc.
-BWD_KERNELS = [
-    name
-    for d in (64, 128) for t in ("half", "__nv_bfloat16")
-    for name in (f"llm_attn::flash_bwd_preprocess_kernel<{t}, {d}>",
-                 f"llm_attn::flash_bwd_convert_dq_kernel<{t}, {d}>",
-                 f"llm_attn::flash_bwd_convert_dkdv_kernel<{t}, {d}>",
-                 *(f"llm_attn::flash_bwd_dkdv_kernel<{t}, llm_attn::BwdTraits<{d}, {tile['block_m']}, "
-                   f"{tile['block_n']}, {tile['n_warps']}, {tile['split_dp']}>, {c}>"
-                   for tile in {str(x): x for x in (_kernel_table.BWD_TILES[d], _kernel_table.BWD_NARROW[d])}.values()
-                   for c in ("false", "true")),
-                 *(f"llm_attn::flash_bwd_dq_kernel<{t}, llm_attn::BwdDqTraits<{d}>, {c}>" for c in ("false", "true")))
-]
+# The portable backward's instantiations (_plan.bwd_kernels: the dK/dV kernel with each head_dim's tile and narrow
+# tile, kernel_tiles.h's BwdTile<D> / BwdTileNarrow<D> through _kernel_table; the separate dQ kernel; the
+# preprocessing and the conversions), which the NVRTC build launches (_plan.bwd_plan) on every arch, the Hopper one's
+# preprocessing and conversions included. The Hopper dK/dV kernel: _plan.bwd_sm90_kernels, for sm_90a.
+BWD_KERNELS = _plan.bwd_kernels()
 
 
 # -- the every-arch compiles, in a pool of processes ----------------------------------------------------------------
@@ -92,6 +82,7 @@ COMPILE_TESTS = {
     "test_int8_instantiations_compile_without_local_memory": (_plan.int8_kernels, True),
     "test_hopper_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.sm90_kernels(), False),
     "test_fp8_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.fp8_kernels(), False),
+    "test_hopper_backward_compiles_for_sm90a_without_local_memory": (lambda arch: _plan.bwd_sm90_kernels(), False),
 }
 _PROGRAM_KERNELS = 12
 _farm: dict = {}
@@ -167,8 +158,12 @@ def test_every_instantiation_compiles_without_local_memory(arch, request):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_backward_kernels_compile_without_local_memory(arch, request):
+    """Every portable backward instantiation, in programs that static_assert the FlashBwdParams mirror: no stack,
+    no spills (the dK/dV kernels' registers: kernels/NOTES.md "The backward through NVRTC")."""
     cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
+    assert len(BWD_KERNELS) == 32  # per (head_dim, dtype): 3 + per mask (dK/dV tiles + the dQ kernel)
+    assert "FlashBwdParams" in nvrtc.program_source(BWD_KERNELS)
     spilled = _local_memory(nvrtc, BWD_KERNELS, *compiled(request, arch), arch)
     assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
 
@@ -206,16 +201,14 @@ def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
 
 def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every FP8 instantiation the AOT build has (flash_fwd_fp8_sm90_*.cu through launch_fp8: each key tile of
-    Fp8Tiles<D>, the 128-key one with 2 and 3 stages; Q K^T in e4m3 and in int8) and its pre-pass kernels, compiled
-    by NVRTC for sm_90a in programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the
-    kernels' real bodies (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 and
-    int8 conversions."""
+    Fp8Tiles<D>, the 128-key one with 2 and 3 stages) and its pre-pass kernels, compiled by NVRTC for sm_90a in
+    programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the kernels' real bodies
+    (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 conversions."""
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.fp8_kernels()
     main = [k for k in kernels if "flash_fwd_fp8_sm90_kernel<" in k]
     tiles = sum(len(t) + (1 if 128 in t else 0) for t in (_kernel_table.FP8_BLOCK_N[d] for d in (64, 128)))
-    # x 2 dtypes x 2 masks x 2 Q K^T types; per (head_dim, dtype) the statistics, and Q's and K's per type
-    assert len(main) == 8 * tiles and len(kernels) == len(main) + 5 * 2 * 2
+    assert len(main) == 4 * tiles and len(kernels) == len(main) + 12  # x 2 dtypes x 2 masks; 3 pre-pass x 2 x 2
     src = nvrtc.program_source(kernels)
     assert all(f'#include "{h}"' in src for h in ("quant_fp8.cuh", "flash_fwd_fp8_sm90_kernel.cuh"))
     assert "Fp8Sm90Params" in src and "FlashFwdFp8Params" in src
@@ -225,6 +218,25 @@ def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     regs = nvrtc.register_report(log)
     assert all(regs[lowered[k]][0] > 100 and regs[lowered[k]][1] > 1 for k in main), {k: regs[lowered[k]] for k in main}
     assert all(regs[lowered[k]][0] > 32 for k in kernels if k not in main), regs
+
+
+def test_hopper_backward_compiles_for_sm90a_without_local_memory(request):
+    """The Hopper backward's dK/dV kernel (flash_bwd_sm90_*.cu through run_flash_bwd_sm90_: Sm90BwdTraits<D, 2> per
+    head_dim, dtype and mask) compiled by NVRTC for sm_90a, in programs that static_assert FlashBwdParams and
+    Sm90BwdParams: no stack, no spills, the real body (setmaxnreg: 168 registers a thread at launch, named
+    barriers); kernel_arch sends it to sm_90a and its preprocessing to the device's arch."""
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.bwd_sm90_kernels()
+    assert len(kernels) == 8
+    src = nvrtc.program_source(kernels)
+    assert '#include "flash_bwd_sm90_kernel.cuh"' in src and "Sm90BwdParams" in src and "FlashBwdParams" in src
+    assert {nvrtc.kernel_arch("sm_90", k) for k in kernels} == {"sm_90a"}
+    assert nvrtc.kernel_arch("sm_90", _plan.bwd_kernel_names(True, 128)[0]) == "sm_90"
+    lowered, log = compiled(request, "sm_90a")
+    spilled = _local_memory(nvrtc, kernels, lowered, log, "sm_90a")
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on sm_90a: {spilled}"
+    regs = nvrtc.register_report(log)
+    assert all(regs[lowered[k]][0] == 168 and regs[lowered[k]][1] > 1 for k in kernels), regs
 
 
 def test_hopper_kernel_compiles_for_sm90a_only():
@@ -239,7 +251,7 @@ def test_hopper_kernel_compiles_for_sm90a_only():
     assert regs and regs[0] < 32, log[-1000:]
 
 
-@pytest.mark.parametrize("struct", ["Sm90Params", "Fp8Sm90Params"])
+@pytest.mark.parametrize("struct", ["Sm90Params", "Fp8Sm90Params", "Sm90BwdParams"])
 def test_sm90_params_layout_matches_cpp(struct):
     """Every field's offset of a Hopper kernel's parameter struct (Sm90Params; the FP8 kernel's Fp8Sm90Params) as
     NVRTC lays out the C++ struct (a probe kernel's PTX: NVRTC has no offsetof), against the ctypes mirror; size and
@@ -251,12 +263,12 @@ def test_sm90_params_layout_matches_cpp(struct):
     cpp = _nvrtc.sm90_probe_offsets(struct)
     assert set(cpp) == set(fields), cpp
     assert cpp == {f: getattr(mirror, f).offset for f in fields}
-    assert ctypes.sizeof(mirror) == 768 and cpp["tma_q"] % 128 == 0
+    assert ctypes.sizeof(mirror) == {"Sm90BwdParams": 1024}.get(struct, 768) and cpp["tma_q"] % 128 == 0
 
 
 def test_params_struct_layout_matches_cpp(tmp_path):
-    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params and FlashFwdInt8Params, checked by the host C++
-    compiler on kernels/flash.h, flash_fp8.h and flash_int8.h (NVRTC has no offsetof; every NVRTC program checks the
+    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params, FlashFwdInt8Params and FlashBwdParams, checked by
+    the host C++ compiler on kernels/flash.h, flash_fp8.h and flash_int8.h (NVRTC has no offsetof; every NVRTC program checks the
     sizes). The structs hold no CUDA type, so a small cuda_runtime.h stands in for the toolkit's (the pip headers
     lack its host parts)."""
     nvrtc = _nvrtc_or_skip()
@@ -265,7 +277,7 @@ def test_params_struct_layout_matches_cpp(tmp_path):
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to check the struct offsets with")
-    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232]
+    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 368]
     src = ('#include <cstddef>\n#include "flash.h"\n#include "flash_fp8.h"\n#include "flash_int8.h"\n'
            + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
     (tmp_path / "cuda_runtime.h").write_text("#pragma once\nenum cudaError_t { cudaSuccess = 0 };\n"
@@ -578,9 +590,9 @@ QUANT_HOST_LINES = (
     ("flash_fwd_fp8_sm90_launch.cuh", "const int kv_chunks = fp8_seqlen_k_pad(p.seqlen_k) / kFp8KvChunk;"),
     ("flash_fwd_fp8_sm90_launch.cuh", "fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, "
                                       "p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f); "
-                                      "fp8::fp8_quant_q_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(q_blocks, p.num_heads, "
-                                      "p.batch), fp8::kThreads, 0, stream>>>(f); fp8::fp8_quant_kv_kernel<T, kHeadDim, "
-                                      "Traits::kQkInt8><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
+                                      "fp8::fp8_quant_q_kernel<T, kHeadDim><<<dim3(q_blocks, p.num_heads, p.batch), "
+                                      "fp8::kThreads, 0, stream>>>(f); fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3("
+                                      "kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "static const int pingpong = tuning_env(\"LLM_ATTN_SM90_PINGPONG\", 1);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, "
                                       "kHeadDim, Traits::kBlockM) && encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, "
@@ -594,11 +606,10 @@ QUANT_HOST_LINES = (
                                       "kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "static const int stages = tuning_env(\"LLM_ATTN_FP8_STAGES\", 2); if (block_n "
                                       "== 192) {"),
-    ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, kQkInt8>, kCausal>(f, "
+    ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192>, kCausal>(f, stream);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, "
+                                      "stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, "
                                       "stream);"),
-    ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3, 128, kQkInt8>, "
-                                      "kCausal>(f, stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, kQkInt8>, "
-                                      "kCausal>(f, stream);"),
     ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
                      "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
@@ -698,9 +709,9 @@ def test_every_planned_quant_kernel_is_compiled():
             ((1, 32, 8), (2, 8, 8), (1, 8, 1)), (1, 17, 129, 2049), (1, 100, 4097), (64, 128), (False, True),
             (False, True)):
         s = _plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16)
-        for block_n, qk_int8 in itertools.product(_kernel_table.FP8_BLOCK_N[d], (False, True)):
+        for block_n in _kernel_table.FP8_BLOCK_N[d]:
             for stages in ((2, 3) if block_n == 128 else (2,)):
-                for launch in _plan.fp8_launches(s, _plan.Fp8Traits(d, stages, block_n, qk_int8)):
+                for launch in _plan.fp8_launches(s, _plan.Fp8Traits(d, stages, block_n)):
                     assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
                     assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
                     seen.add(launch.kernel)
@@ -776,6 +787,322 @@ def test_quant_entry_points_are_the_bindings(monkeypatch):
             fn(q.float(), q.float(), q.float(), None, 0.125, True)
     if not torch.cuda.is_available():
         assert not nvrtc.fp8_available() and not nvrtc.int8_available() and not nvrtc.int8_pv_fp8()
+
+
+# -- the backward's plan --------------------------------------------------------------------------------------------
+BWD_HOST_LINES = (
+    ("flash_bwd_launch.cuh", "dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : "
+                             "params.num_kv_heads, params.batch * params.num_splits); kernel<<<grid, Traits::kThreads, "
+                             "smem, stream>>>(params);"),
+    ("flash_bwd_launch.cuh", "constexpr int kPreThreads = 128; const int64_t pre_blocks = (rows * kChunks + "
+                             "kPreThreads - 1) / kPreThreads; flash_bwd_preprocess_kernel<T, kHeadDim><<<static_cast<"
+                             "unsigned>(pre_blocks), kPreThreads, 0, stream>>>(params);"),
+    ("flash_bwd_launch.cuh", "err = dkdv(); if (err != cudaSuccess) return err; constexpr int kConvThreads = 256; if "
+                             "(!params.dq_separate) { const int64_t conv_blocks = (rows * kChunks + kConvThreads - 1) "
+                             "/ kConvThreads; flash_bwd_convert_dq_kernel<T, kHeadDim><<<static_cast<unsigned>("
+                             "conv_blocks), kConvThreads, 0, stream>>>(params); } if (params.num_splits == 1) return "
+                             "cudaGetLastError();"),
+    ("flash_bwd_launch.cuh", "const int64_t kv_rows = static_cast<int64_t>(params.batch) * params.num_kv_heads * "
+                             "params.seqlen_k; const int64_t kv_blocks = (kv_rows * kChunks + kConvThreads - 1) / "
+                             "kConvThreads; flash_bwd_convert_dkdv_kernel<T, kHeadDim><<<static_cast<unsigned>("
+                             "kv_blocks), kConvThreads, 0, stream>>>(params);"),
+    ("flash_bwd_launch.cuh", "const dim3 grid(kCausal ? params.num_heads : m_blocks, kCausal ? m_blocks : "
+                             "params.num_heads, params.batch); flash_bwd_dq_kernel<T, Traits, kCausal><<<grid, "
+                             "Traits::kThreads, Traits::kSmemBytes, stream>>>(params);"),
+    ("flash_bwd_launch.cuh", "err = params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream) : "
+                             "launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream); } if (err != cudaSuccess || "
+                             "!params.dq_separate) return err; return launch_flash_bwd_dq<T, kHeadDim, kCausal>(params, "
+                             "stream);"),
+    ("flash_bwd_sm90_launch.cuh", "using BwdConfig = Sm90BwdTraits<kHeadDim, 2>;"),
+    ("flash_bwd_sm90_launch.cuh", "make_qkv_maps<T>(p, kHeadDim, Traits::kBlockM, Traits::kBlockN, &sp.tma_q, "
+                                  "&sp.tma_k, &sp.tma_v) && make_tensor_map<T>(&sp.tma_do, p.dout, kHeadDim, "
+                                  "p.seqlen_q, p.num_heads, p.batch, p.do_batch_stride, p.do_head_stride, "
+                                  "p.do_row_stride, Traits::kBlockM) && make_tensor_map<float>(&sp.tma_dq, p.dq_accum, "
+                                  "kHeadDim, p.seqlen_q, p.num_heads, p.batch, static_cast<int64_t>(p.num_heads) * "
+                                  "p.seqlen_q * kHeadDim, static_cast<int64_t>(p.seqlen_q) * kHeadDim, kHeadDim, "
+                                  "Traits::kBlockM);"),
+    ("flash_bwd_sm90_launch.cuh", "const dim3 grid(kCausal ? p.num_kv_heads : n_blocks, kCausal ? n_blocks : "
+                                  "p.num_kv_heads, p.batch * p.num_splits); flash_bwd_sm90_kernel<T, Traits, kCausal>"
+                                  "<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
+    ("tma_host.h", "const cuuint32_t box[4] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows), 1, 1};"),
+    ("binding.cpp", "if (!p.dq_separate) { dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32); "
+                    "p.dq_accum = dq_accum.data_ptr<float>(); } at::Tensor dk_accum, dv_accum; if (p.num_splits > 1) "
+                    "{ dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32); dv_accum = at::zeros("
+                    "{batch, num_kv_heads, seqlen_k, head_dim}, f32);"),
+    ("binding.cpp", "const char* v = std::getenv(\"LLM_ATTN_BWD_SPLITS\"); return v != nullptr && std::atoi(v) > 0 ? "
+                    "std::atoi(v) : 0;"),
+    ("binding.cpp", "if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortableSeparateDq) return -1;"),
+    ("binding.cpp", "if (splits < 0) return -1;"),
+)
+A100 = _plan.Device(num_sms=108, smem_per_sm=164 * 1024, smem_per_block_optin=163 * 1024, cc_major=8)
+BWD_DEVICES = (H100, H100_SM90, RTX4060TI, ORIN, A100)
+BWD_SHAPES = tuple(itertools.product(((1, 32, 8), (2, 8, 8), (4, 32, 32), (1, 8, 1), (3, 6, 2)),
+                                     ((1, 1), (17, 17), (63, 129), (129, 63), (300, 1000), (1000, 300), (2048, 2048),
+                                      (8192, 8192), (2049, 2049), (16384, 16384)),
+                                     (64, 128), (False, True)))
+
+
+def test_backward_launches_mirror_the_cpp_host_code():
+    """bwd_plan follows the C++ host code (BWD_HOST_LINES) and gives its launch sequence on known shapes."""
+    for name, line in BWD_HOST_LINES:
+        assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py"
+    # Llama 3 8B, 2048 tokens, causal bf16 on an H100 running the Hopper kernel: 16 key blocks x 8 KV heads = 128
+    # blocks < 2 x 132: split into 8 shares of 16 steps, then the dQ and dK/dV conversions.
+    s = _plan.BwdShape(1, 32, 8, 2048, 2048, 128, True, True)
+    p = _plan.bwd_plan(s, H100_SM90)
+    assert (p.splits.hopper, p.splits.num_splits, p.splits.iters_per_split, p.splits.dq_shared) == (True, 8, 16, False)
+    assert [x.kernel for x in p.launches] == [
+        "llm_attn::flash_bwd_preprocess_kernel<__nv_bfloat16, 128>",
+        "llm_attn::sm90::flash_bwd_sm90_kernel<__nv_bfloat16, llm_attn::sm90::Sm90BwdTraits<128, 2>, true>",
+        "llm_attn::flash_bwd_convert_dq_kernel<__nv_bfloat16, 128>",
+        "llm_attn::flash_bwd_convert_dkdv_kernel<__nv_bfloat16, 128>"]
+    assert p.preprocess.grid == (2048 * 32 * 16 // 128, 1, 1) and p.convert_dkdv.grid == (8 * 2048 * 16 // 256, 1, 1)
+    assert (p.dkdv.grid, p.dkdv.threads, p.dkdv.smem) == ((8, 16, 8), 384, _plan.Sm90BwdTraits(128).smem_bytes)
+    assert p.sm90 == _plan.Sm90BwdTraits(128)
+    # The same on an RTX 4060 Ti (99 KB a block): the narrow tile, 4 warps x 64 keys, two blocks an SM.
+    p = _plan.bwd_plan(s, RTX4060TI)
+    assert p.splits.narrow and not p.splits.hopper and p.sm90 is None
+    assert p.dkdv.kernel.endswith("BwdTraits<128, 32, 64, 4, 1>, true>") and p.dkdv.threads == 128
+    # Non-causal, 8192 tokens, forced onto the separate dQ kernel: no dQ conversion, no split.
+    p = _plan.bwd_plan(_plan.BwdShape(1, 32, 8, 8192, 8192, 128, False, False,
+                                      force_tile=_plan.BWD_PORTABLE_SEPARATE_DQ), H100_SM90)
+    assert [x.kernel.split("<")[0] for x in p.launches] == [
+        "llm_attn::flash_bwd_preprocess_kernel", "llm_attn::flash_bwd_dkdv_kernel", "llm_attn::flash_bwd_dq_kernel"]
+    assert p.dkdv.grid == (64, 8, 1) and p.dq.grid == (128, 32, 1) and p.dq.smem == 6 * 64 * 128 * 2
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        _plan.bwd_plan(dataclasses.replace(s, force_tile=_plan.BWD_HOPPER), H100)
+
+
+def test_backward_splits_are_the_cpp(tmp_path):
+    """bwd_set_splits against kernels/flash_bwd.cu's flash_bwd_set_splits itself: the host C++ compiler builds it
+    (stand-in CUDA headers, the device queries answering what each case says) and runs it on every (device, shape,
+    forced tile, forced split) case below; every field it sets must be the mirror's."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to run flash_bwd_set_splits with")
+    (tmp_path / "cuda_runtime.h").write_text(
+        "#pragma once\nenum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, "
+        "cudaErrorInvalidDeviceFunction = 98 };\ntypedef struct CUstream_st* cudaStream_t;\n"
+        "#define __host__\n#define __device__\n")
+    (tmp_path / "cuda_bf16.h").write_text("#pragma once\nstruct __nv_bfloat16 {};\n")
+    (tmp_path / "cuda_fp16.h").write_text("#pragma once\nstruct half {};\n")
+    (tmp_path / "run.cpp").write_text(textwrap.dedent("""
+        #include "flash_bwd.cu"
+        #include <cstdio>
+        static int g_smem = 0;
+        static bool g_sm90 = false;
+        bool llm_attn::flash_fwd_sm90_available() { return g_sm90; }
+        int llm_attn::max_smem_per_block_current_device() { return g_smem; }
+        namespace llm_attn {
+        template <typename T, int D, bool C>
+        cudaError_t run_flash_bwd_(FlashBwdParams&, cudaStream_t) { return cudaSuccess; }
+        template <typename T, int D, bool C>
+        cudaError_t run_flash_bwd_sm90_(FlashBwdParams&, cudaStream_t) { return cudaSuccess; }
+        }
+        int main() {
+            int b, hq, hkv, sq, sk, d, causal, sms, smem, sm90, splits, tile;
+            while (std::scanf("%d %d %d %d %d %d %d %d %d %d %d %d", &b, &hq, &hkv, &sq, &sk, &d, &causal, &sms, &smem,
+                              &sm90, &splits, &tile) == 12) {
+                g_smem = smem, g_sm90 = sm90;
+                llm_attn::FlashBwdParams p{};
+                p.batch = b, p.num_heads = hq, p.num_kv_heads = hkv, p.seqlen_q = sq, p.seqlen_k = sk, p.head_dim = d;
+                p.causal = causal;
+                llm_attn::flash_bwd_set_splits(p, sms, splits, tile);
+                std::printf("%d %d %d %d %d %d\\n", p.hopper, p.narrow, p.num_splits, p.iters_per_split, p.dq_shared,
+                            p.dq_separate);
+            }
+        }
+    """))
+    exe = tmp_path / "run"
+    r = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{tmp_path}", f"-I{os.path.join(ROOT, 'kernels')}",
+                        str(tmp_path / "run.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = [(_plan.BwdShape(b, hq, hkv, sq, sk, d, causal, force_splits=splits, force_tile=tile), dev)
+             for ((b, hq, hkv), (sq, sk), d, causal), dev, splits, tile in itertools.product(
+                 BWD_SHAPES, BWD_DEVICES, (0, 1, 3), range(len(_plan.BWD_TILE_IDS)))]
+    lines = "".join(f"{s.batch} {s.num_heads} {s.num_kv_heads} {s.seqlen_q} {s.seqlen_k} {s.head_dim} {int(s.causal)} "
+                    f"{dev.num_sms} {dev.smem_per_block_optin} {int(dev.sm90)} {s.force_splits} {s.force_tile}\n"
+                    for s, dev in cases)
+    run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = run.stdout.splitlines()
+    assert len(got) == len(cases)
+    bad = []
+    for (s, dev), line in zip(cases, got):
+        sp = _plan.bwd_set_splits(s, dev)
+        want = " ".join(str(int(x)) for x in (sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split, sp.dq_shared,
+                                              sp.dq_separate))
+        if line != want:
+            bad.append((s, dev, line, want))
+    assert not bad, f"{len(bad)} of {len(cases)} cases differ, e.g. {bad[:3]}"
+
+
+def test_every_planned_backward_kernel_is_compiled():
+    """Whatever bwd_plan launches, on any device, shape, forced tile and split, is one of the instantiations the
+    compile tests above check, fits the device's shared memory and the grid's limits; and every one is reached."""
+    known = set(_plan.bwd_kernels()) | set(_plan.bwd_sm90_kernels())
+    seen = set()
+    for ((b, hq, hkv), (sq, sk), d, causal), dev, bf16, splits, tile in itertools.product(
+            BWD_SHAPES, BWD_DEVICES, (False, True), (0, 3), range(len(_plan.BWD_TILE_IDS))):
+        s = _plan.BwdShape(b, hq, hkv, sq, sk, d, causal, bf16, splits, tile)
+        if _plan.BWD_HOPPER <= tile <= _plan.BWD_HOPPER_SHARED_DQ and not dev.sm90:
+            with pytest.raises(ValueError):
+                _plan.bwd_plan(s, dev)
+            continue
+        p = _plan.bwd_plan(s, dev)
+        for launch in p.launches:
+            assert launch.kernel in known, launch.kernel
+            assert launch.smem <= dev.smem_per_block_optin, (launch, dev)
+            assert min(launch.grid) > 0 and launch.grid[1] <= 65535 and launch.grid[2] <= 65535
+            seen.add(launch.kernel)
+        assert (p.sm90 is not None) == p.splits.hopper == ("sm90::" in p.dkdv.kernel)
+        assert (p.dq is None) == (p.convert_dq is not None)
+        assert (p.convert_dkdv is not None) == (p.splits.num_splits > 1)
+    assert seen == known, known - seen
+
+
+def test_backward_constants_match_cpp():
+    """The numbers bwd_plan uses are the headers': every BwdTraits / Sm90BwdTraits / BwdDqTraits' shared memory,
+    threads and tile, and the BwdTileId values, read back from a probe kernel's PTX (NVRTC, sm_90a)."""
+    _nvrtc_or_skip()
+    from llm_attn import _nvrtc, _nvrtc_sm90
+
+    want = {f"llm_attn::kBwd{''.join(w.capitalize() for w in name.split('_'))}": i
+            for name, i in _plan.BWD_TILE_IDS.items()}
+    for d in (64, 128):
+        for t in (*_plan.BWD_CONFIGS[d], _plan.Sm90BwdTraits(d)):
+            want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                     f"{t.cpp()}::kBlockM": t.block_m, f"{t.cpp()}::kBlockN": t.block_n}
+        t = _plan.BwdDqTraits(d)
+        want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                 f"{t.cpp()}::kBlockM": t.block_m}
+        for t in _plan.BWD_CONFIGS[d]:
+            want[f"llm_attn::bwd_smem_bytes({d}, {t.block_m}, {t.block_n})"] = t.smem_bytes
+    exprs = list(want)
+    src = ('#include "flash_bwd_sm90_kernel.cuh"\n'
+           'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
+           + "".join(f"    out[{i}] = static_cast<unsigned long long>({e});\n" for i, e in enumerate(exprs)) + "}\n")
+    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx("sm_90a", src, "llm_attn_bwd_constants_probe.cu"))
+    got = {e: values.get(i) for i, e in enumerate(exprs)}
+    assert got == want, {e: (got[e], want[e]) for e in exprs if got[e] != want[e]}
+
+
+def test_backward_entry_points_are_the_bindings(monkeypatch):
+    """_nvrtc has the extension's backward functions (so llm_attn.backward runs either build through one path):
+    mha_bwd refuses bad input with binding.cpp's words before any GPU work; set_bwd_splits / set_bwd_tile answer as
+    the binding's (the previous value, -1 and no change when out of range); LLM_ATTN_BWD_SPLITS / LLM_ATTN_BWD_TILE
+    are read as the binding reads them."""
+    nvrtc = _nvrtc_or_skip()
+    binding = _kernels_text("binding.cpp")
+    for name in ("mha_bwd", "set_bwd_splits", "set_bwd_tile", "bwd_splits"):
+        assert f'm.def("{name}"' in binding and callable(getattr(nvrtc, name)), name
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match=r"^llm_attn.mha_bwd: q must be a 4-D CUDA tensor \(batch, heads, seq, "
+                                           r"head_dim\)$"):
+        nvrtc.mha_bwd(q, q, q, q, q, lse, None, q, q, q, None, 0.125, True)
+    with pytest.raises(RuntimeError, match="^llm_attn.mha_bwd: only float16 and bfloat16 are supported"):
+        nvrtc.mha_bwd(q.float(), q.float(), q.float(), q.float(), q.float(), lse, None, q, q, q, None, 0.125, True)
+    assert "CHECK_BWD(q.is_cuda() && q.dim() == 4, \"q must be a 4-D CUDA tensor (batch, heads, seq, head_dim)\");" \
+        in binding
+    prev_splits, prev_tile = nvrtc.set_bwd_splits(0), nvrtc.set_bwd_tile(0)
+    try:
+        assert nvrtc.set_bwd_splits(5) == 0 and nvrtc.set_bwd_splits(-1) == -1 and nvrtc.set_bwd_splits(0) == 5
+        assert nvrtc.set_bwd_tile(6) == 0 and nvrtc.set_bwd_tile(7) == -1 and nvrtc.set_bwd_tile(-1) == -1
+        assert nvrtc.set_bwd_tile(0) == 6
+    finally:
+        nvrtc.set_bwd_splits(prev_splits)
+        nvrtc.set_bwd_tile(prev_tile)
+    for value, want in (("", 0), ("3", 3), ("-2", 0), ("x", 0)):
+        monkeypatch.setenv("LLM_ATTN_BWD_SPLITS", value)
+        assert nvrtc._bwd_splits_from_env() == want
+    for name, i in _plan.BWD_TILE_IDS.items():
+        monkeypatch.setenv("LLM_ATTN_BWD_TILE", name)
+        assert nvrtc._bwd_tile_from_env() == i
+        assert f'std::strcmp(v, "{name}") == 0' in binding
+    monkeypatch.setenv("LLM_ATTN_BWD_TILE", "wide")
+    with pytest.warns(UserWarning, match="LLM_ATTN_BWD_TILE=wide is not auto, portable, narrow"):
+        assert nvrtc._bwd_tile_from_env() == 0
+
+
+@pytest.mark.parametrize("tile,splits,want_sm90", [("auto", 0, True), ("portable", 3, False),
+                                                   ("portable_separate_dq", 1, False)])
+def test_mha_bwd_fills_what_the_binding_fills(monkeypatch, tile, splits, want_sm90):
+    """_nvrtc.mha_bwd without a GPU (the device, the launches and the tensor maps stood in for, CPU tensors past the
+    checks): FlashBwdParams as binding.cpp's mha_bwd fills it (set_shared_params, the gradient strides, the split
+    fields), the workspaces (dsum, lse_log2, the zeroed accumulators, each 256-byte aligned inside one allocation),
+    the plan's launches in order, and for the Hopper kernel Sm90BwdParams with make_tensor_map's arguments for Q,
+    K, V, dO and the float32 dQ accumulator."""
+    nvrtc = _nvrtc_or_skip()
+    from llm_attn import _nvrtc_sm90, kernel_contract
+
+    index = 0
+    monkeypatch.setattr(kernel_contract, "backward_launcher_problem", lambda *a: None)
+    monkeypatch.setattr(nvrtc, "_device_of", lambda q: contextlib.nullcontext((index, 1234)))
+    monkeypatch.setattr(nvrtc, "device_info", lambda i: ("sm_90", H100_SM90))
+    nvrtc._bwd_plan_for.cache_clear()
+    launched, maps = [], []
+
+    def launch(i, lc, params, stream):
+        assert (i, stream) == (index, 1234)
+        launched.append((lc, type(params).from_buffer_copy(params)))
+
+    def tensor_map(*args):
+        maps.append(args)
+        return bytes([len(maps)]) * 128
+
+    monkeypatch.setattr(nvrtc, "_launch", launch)
+    monkeypatch.setattr(_nvrtc_sm90, "tensor_map", tensor_map)
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 77, 300, 128
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, S, H, D) memory
+    k, v = torch.randn(b, hkv, sk, d, dtype=torch.bfloat16), torch.randn(b, hkv, sk, d, dtype=torch.bfloat16)
+    out, dout = torch.randn_like(q), torch.randn(b, hq, sq, d, dtype=torch.bfloat16)
+    lse, dlse = torch.randn(b, hq, sq), torch.randn(b, hq, sq)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    used = torch.tensor([300, 5], dtype=torch.int32)
+    prev = (nvrtc.set_bwd_tile(_plan.BWD_TILE_IDS[tile]), nvrtc.set_bwd_splits(splits))
+    try:
+        nvrtc.mha_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, used, 0.125, True)
+    finally:
+        nvrtc.set_bwd_tile(prev[0])
+        nvrtc.set_bwd_splits(prev[1])
+        nvrtc._bwd_plan_for.cache_clear()
+    plan = _plan.bwd_plan(_plan.BwdShape(b, hq, hkv, sq, sk, d, True, True, splits, _plan.BWD_TILE_IDS[tile]),
+                          H100_SM90)
+    assert [lc for lc, _ in launched] == list(plan.launches) and (plan.sm90 is not None) == want_sm90
+    ps = [x.p if isinstance(x, _nvrtc_sm90.Sm90BwdParams) else x for _, x in launched]
+    assert all(bytes(x) == bytes(ps[0]) for x in ps)  # one FlashBwdParams for every launch
+    p = ps[0]
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert (getattr(p, f"{name}_batch_stride"), getattr(p, f"{name}_head_stride"),
+                getattr(p, f"{name}_row_stride")) == t.stride()[:3], name
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv),
+                    ("lse", lse), ("dlse", dlse), ("seqused_k", used)):
+        assert getattr(p, name) == t.data_ptr(), name
+    assert (p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim) == (b, hq, hkv, sq, sk, d)
+    assert p.scale == 0.125 and p.scale_log2 == ctypes.c_float(0.125 * 1.4426950408889634).value
+    assert p.causal and p.is_bf16
+    sp = plan.splits
+    assert (p.hopper, p.narrow, p.num_splits, p.iters_per_split, p.dq_shared, p.dq_separate) == \
+        (sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split, sp.dq_shared, sp.dq_separate)
+    rows = b * hq * sq
+    # (offsets from the allocation's start, dsum: torch's CUDA allocator aligns that to 512 bytes, the CPU's less)
+    assert p.lse_log2 - p.dsum >= 4 * rows and (p.lse_log2 - p.dsum) % 256 == 0
+    assert (not p.dq_accum) == sp.dq_separate and (not p.dk_accum) == (not p.dv_accum) == (sp.num_splits == 1)
+    for ptr in (p.dq_accum, p.dk_accum, p.dv_accum):
+        assert ptr is None or (ptr - p.dsum) % 256 == 0 and ptr - p.lse_log2 >= 4 * rows
+    if p.dk_accum:
+        assert p.dv_accum - p.dk_accum == 4 * b * hkv * sk * d
+    if want_sm90:
+        sm = launched[1][1]
+        assert [bytes(getattr(sm, f)) for f in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_dq")] == \
+            [bytes([i]) * 128 for i in range(1, 6)]
+        qs, ks, vs, ds = (t.stride()[:3] for t in (q, k, v, dout))
+        assert maps == [(q.data_ptr(), 0, d, sq, hq, b, *qs, 64), (k.data_ptr(), 0, d, sk, hkv, b, *ks, 128),
+                        (v.data_ptr(), 0, d, sk, hkv, b, *vs, 128), (dout.data_ptr(), 0, d, sq, hq, b, *ds, 64),
+                        (p.dq_accum, 2, d, sq, hq, b, hq * sq * d, sq * d, d, 64)]
+    else:
+        assert not maps
 
 
 def test_sm90_available_needs_a_cc90_device():

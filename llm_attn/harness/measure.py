@@ -8,7 +8,8 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
   With ``prefill_chunk`` (``--prefill-chunk N``) the prompt runs as forwards of N tokens against the growing cache
   (``prefill_first_token``); TTFT, both decodes' prefills and the graph TTFT take it. With ``kv_cache="fp8"``
   (``--kv-cache fp8``) TTFT and decode "generate" run on ``Fp8DynamicCache`` and decode "graph" on
-  ``Fp8StaticCache`` (``llm_attn.models.kv_cache``); attention reads its dequantised copy, stock and ours alike.
+  ``Fp8StaticCache`` (``llm_attn.models.kv_cache``): stock attention reads its dequantised copy, llm_attn's decode
+  steps its bytes (the patch report, and so the row's ``attention_calls.kv_cache_reads``, counts which).
   The FP8 static cache cannot be captured in a CUDA graph yet: the graph measurements are then 'unsupported'.
 - Decode, "generate": ``model.generate`` with the default cache, exactly as users call it; a streamer timestamps
   every token as it reaches the host, so the first token (the prefill) is excluded and each later token is timed.

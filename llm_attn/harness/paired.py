@@ -104,6 +104,13 @@ def host_bound_summary(samples_ms: Sequence[float], enqueue_ms: Sequence[float],
     }
 
 
+def kv_cache_reads(counts) -> dict:
+    """The ``kv_cache_reads`` entry of a row's ``attention_calls``: how many attention calls read the FP8 KV cache
+    which way (``kv_cache_reference.FP8_READ_*``), from a PatchReport or a Counter; {} where none came from it."""
+    counts = getattr(counts, "kv_cache_reads", counts)
+    return {"kv_cache_reads": dict(counts)} if counts else {}
+
+
 def _timed_prefill(model, input_ids: torch.Tensor, chunk: int | None = None,
                    kv_cache: str = "fp16") -> tuple[float, float, float]:
     """One TTFT: (device ms, host enqueue ms, wall ms). On CPU the device time is the wall time."""
@@ -155,6 +162,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
     peak = dict.fromkeys(impls)
     calls = {i: Counter() for i in impls}
     reasons = {i: Counter() for i in impls}
+    kv_reads = {i: Counter() for i in impls}
     patch_report = dict.fromkeys(impls)
 
     def tally(impl, rep):
@@ -163,6 +171,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         calls[impl]["impl"] += rep.num_native_calls
         calls[impl]["stock_fallback"] += rep.num_fallback_calls
         reasons[impl].update(rep.fallback_calls)
+        kv_reads[impl].update(rep.kv_cache_reads)
         patch_report[impl] = rep
 
     stock_calls = dict.fromkeys(impls)
@@ -188,10 +197,7 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
                         win = meter.begin()
                     d, e, w = _timed_prefill(model, input_ids, prefill_chunk, kv_cache)
                     if meter is not None:
-                        # A prefill shorter than the energy counter resolves is read from a burst of it run here
-                        # (harness.energy.NvmlMeter.end); the TTFT sample stays the timed prefill above.
-                        windows[impl].append(meter.end(
-                            win, again=lambda: _timed_prefill(model, input_ids, prefill_chunk, kv_cache)))
+                        windows[impl].append(meter.end(win))
                     pk = _peak(device)
                     tally(impl, rep)
                 dev[impl].append(d)
@@ -225,10 +231,8 @@ def measure_ttft_paired(model, input_ids: torch.Tensor, impls: Sequence[str], wa
         if patch_report[impl] is not None:
             # Summed over every patch of this implementation (warm-up included): proof of what really ran.
             fields["attention_calls"] = {"impl": calls[impl]["impl"], "stock_fallback": calls[impl]["stock_fallback"],
-                                         "fallback_reasons": dict(reasons[impl]),
-                                         "counted_over": "warm-up and repeats" + (
-                                             " and their energy bursts" if any(w and w.get("burst")
-                                                                                for w in windows[impl]) else "")}
+                                         "fallback_reasons": dict(reasons[impl]), **kv_cache_reads(kv_reads[impl]),
+                                         "counted_over": "warm-up and repeats"}
             fields["patch"] = jsonable(patch_report[impl])
         elif stock_calls[impl] is not None:
             # A stock implementation: all of its calls are stock by definition; counted over the warm-up.
@@ -362,6 +366,7 @@ def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: 
         pos = {i: [] for i in impls}
         calls = {i: Counter() for i in impls}
         reasons = {i: Counter() for i in impls}
+        kv_reads = {i: Counter() for i in impls}
         patch_report = dict.fromkeys(impls)
         for r in range(repeats):
             for p, impl in enumerate(order[r]):
@@ -373,6 +378,7 @@ def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: 
                         calls[impl]["impl"] += rep.num_native_calls
                         calls[impl]["stock_fallback"] += rep.num_fallback_calls
                         reasons[impl].update(rep.fallback_calls)
+                        kv_reads[impl].update(rep.kv_cache_reads)
                         patch_report[impl] = rep
                 pos[impl].append(p)
             if on_repeat:
@@ -409,7 +415,8 @@ def measure_decode_paired(model, impls: Sequence[str], repeats: int, *, switch: 
         if patch_report[impl] is not None:
             # Calls replayed from a CUDA graph run no Python: counted at capture (each repeat captures anew).
             fields["attention_calls"] = {"impl": calls[impl]["impl"], "stock_fallback": calls[impl]["stock_fallback"],
-                                         "fallback_reasons": dict(reasons[impl]), "counted_over": "repeats"}
+                                         "fallback_reasons": dict(reasons[impl]), **kv_cache_reads(kv_reads[impl]),
+                                         "counted_over": "repeats"}
             fields["patch"] = jsonable(patch_report[impl])
         out[impl] = fields
     return out, failed

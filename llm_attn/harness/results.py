@@ -31,7 +31,8 @@ KINDS = MEASUREMENTS + ("error",)
 STATUSES = ("ok", "oom", "unsupported", "error")
 
 # The KV cache a row's prefill and decode ran on (its "kv_cache" field, --kv-cache): "fp16" is transformers' own
-# cache in the model's dtype, "fp8" the FP8 (e4m3) cache of llm_attn.models.kv_cache, read through a dequantised
+# cache in the model's dtype, "fp8" the FP8 (e4m3) cache of llm_attn.models.kv_cache (how each attention call read it:
+# the row's attention_calls.kv_cache_reads, for patched implementations; stock reads it through a dequantised
 # copy. Rows without the field ran on "fp16".
 KV_CACHES = ("fp16", "fp8")
 

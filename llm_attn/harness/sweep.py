@@ -42,9 +42,10 @@ from llm_attn.harness.measure import (
     measure_ttft,
     measure_ttft_graph,
 )
-from llm_attn.harness.paired import measure_decode_paired, measure_ttft_paired, paired_verdicts
+from llm_attn.harness.paired import kv_cache_reads, measure_decode_paired, measure_ttft_paired, paired_verdicts
 from llm_attn.harness.stats import format_ratio, format_ratio_interval, ratio_header, speed_ratio
 from llm_attn.harness.results import KV_CACHES, SCHEMA, ResultWriter, jsonable, point_key
+from llm_attn.kv_cache_reference import FP8_READ_VIA_COPY
 
 PER_POINT = ("ttft", "decode_generate", "decode_graph", "breakdown", "ttft_graph", "ttft_graph_static")
 # TTFT and decode tok/s are measured paired: every implementation once per repeat, in a seeded shuffled order
@@ -506,7 +507,8 @@ class Sweep:
                         fields["patch"] = jsonable(report)
                         fields["attention_calls"] = {"impl": report.num_native_calls,
                                                      "stock_fallback": report.num_fallback_calls,
-                                                     "fallback_reasons": dict(report.fallback_calls)}
+                                                     "fallback_reasons": dict(report.fallback_calls),
+                                                     **kv_cache_reads(report)}
                     return fields
 
                 self._guarded(self._base(m, impl, b, s, [impl]), run_one)
@@ -532,14 +534,27 @@ def verdict_cell(row: dict | None, stock: str, ref_p50: float | None, mine_p50: 
     return format_ratio(speed_ratio(ref_p50, mine_p50))
 
 
+def kv_cache_note(row: dict) -> str:
+    """How a row's attention read the FP8 KV cache: stock (and any row without counts) through a dequantised copy;
+    a patched implementation as its patch report counted (``attention_calls.kv_cache_reads``)."""
+    reads = (row.get("attention_calls") or {}).get("kv_cache_reads") or {}
+    direct = {how: n for how, n in reads.items() if how != FP8_READ_VIA_COPY}
+    if not direct:
+        return FP8_KV_NOTE
+    total = sum(reads.values())
+    said = "; ".join(f"{how.removeprefix('fp8 cache ')} in {n}/{total} calls" for how, n in sorted(direct.items()))
+    return f"FP8 KV cache ({said}; the rest via a dequantised copy)" if sum(direct.values()) < total \
+        else f"FP8 KV cache ({said})"
+
+
 def row_notes(row: dict | None) -> list[str]:
     """What a reader must know before trusting a row's number: low precision (attention, the KV cache), a chunked
     prefill, host-bound, fallbacks to stock, moved clocks."""
     if not row or row.get("status") != "ok":
         return []
     notes = [n for n in (low_precision_note(row.get("impl_info")),) if n]  # e.g. fp8 attention: its accuracy
-    if row.get("kv_cache") == "fp8":  # --kv-cache fp8: stock and ours both read the dequantised copy today
-        notes.append(FP8_KV_NOTE)
+    if row.get("kv_cache") == "fp8":  # --kv-cache fp8: how attention read it
+        notes.append(kv_cache_note(row))
     if row.get("prefill_chunk"):  # --prefill-chunk: how the prompt went in
         notes.append(f"prefill chunk {row['prefill_chunk']} >= prompt: one chunk" if row.get("prefill_chunks") == 1
                      else f"prefill in {row['prefill_chunks']} chunks of {row['prefill_chunk']}")

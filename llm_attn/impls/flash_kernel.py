@@ -12,7 +12,8 @@ import torch
 
 from llm_attn._ext import kernel_available
 from llm_attn.kernel_contract import KERNEL_DTYPES, kernel_problem, reference_problem
-from llm_attn.ops import flash_attn_func
+from llm_attn.kv_cache_reference import FP8_READ_KERNEL, FP8_READ_REFERENCE
+from llm_attn.ops import FP8_KV_MAX_ROWS, decode_fp8_kv, flash_attn_func, fp8_kv_kernel_available, fp8_kv_rows
 from llm_attn.registry import register_attention
 
 NOT_BUILT = ("the llm_attn CUDA extension is not built (python -m pip install --no-build-isolation -e . on a machine "
@@ -56,3 +57,23 @@ register_attention("llm_attn", _run, dtypes=KERNEL_DTYPES + (torch.float32, torc
                    head_dims=None, devices=("cuda", "cpu"), supports_seqused_k=True,
                    description="this project's FlashAttention-2 kernel (mma.sync; the PyTorch reference on CPU)",
                    default=True, select=_select, provides_reference=True)
+
+
+def fp8_kv_reader(impl: str, variant: str):
+    """How llm_attn reads the FP8 KV cache directly on this variant: (read, how) or None (read the dequantised copy).
+    ``read(q, kv, causal, scale, seqused_k)`` returns (B, Hq, Sq, D), or None for a call with more rows than the
+    decode kernel holds (a prefill over the cache: the copy). 'cuda': the FP8-cache decode kernel, where the build
+    has it (the AOT build; the NVRTC build has none yet: the copy); 'reference': its blockwise PyTorch reference
+    (``kv_cache_reference.decode_attention``), the same calls on CPU. Other registry entries have none."""
+    if impl != "llm_attn" or variant not in ("cuda", "reference"):
+        return None
+    if variant == "cuda" and not fp8_kv_kernel_available():
+        return None
+    path, how = ("kernel", FP8_READ_KERNEL) if variant == "cuda" else ("reference", FP8_READ_REFERENCE)
+
+    def read(q, kv, causal, scale, seqused_k):
+        if fp8_kv_rows(q, kv) > FP8_KV_MAX_ROWS:
+            return None
+        return decode_fp8_kv(q, kv, causal=causal, scale=scale, seqused_k=seqused_k, path=path)
+
+    return read, how

@@ -13,8 +13,12 @@ storage replaced, so every Cache operation goes through transformers' code: ``up
 
 ``update`` quantises the new tokens and returns a dequantised copy of the whole layer in the model's dtype: what
 stock attention needs (the honest baseline: stock attention has no way to read FP8). That copy carries the raw
-data and scales (``kv_cache_reference.fp8_kv_of``), and ``cache.fp8(layer_idx)`` gives them too. The patched
-attention counts such calls as "fp8 cache read via dequantised copy": no kernel reads the FP8 data yet.
+data and scales (``kv_cache_reference.fp8_kv_of``), and ``cache.fp8(layer_idx)`` gives them too. When the cache was
+made with the model's ``config`` and the model runs llm_attn's attention function (``patch_model``:
+``config._attn_implementation == "llm_attn"``, read at every update), ``update`` returns placeholders of the copy's
+shape instead (``kv_cache_reference.is_placeholder``; no memory): the patched attention reads the FP8 data directly
+(``llm_attn.ops.decode_fp8_kv``: the decode kernel) or makes the copy itself for a call the direct path does not
+take, and the patch report counts each ("fp8 cache read directly by the decode kernel" / "... via dequantised copy").
 
 Not supported (transformers 5.17): ``cache_implementation="fp8"``. Its ``generate`` accepts a fixed tuple of names
 (``GenerationConfig.validate``, ``ALL_CACHE_IMPLEMENTATIONS``) and builds each cache by name in
@@ -76,15 +80,30 @@ class _Fp8Storage:
                 torch.cat([self.v_tail, value_states.to(torch.float32)], dim=2))
 
     def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What ``update`` returns: the whole layer dequantised in the model's dtype, K tagged with its Fp8KV."""
+        """What ``update`` returns: the whole layer dequantised in the model's dtype, K and V tagged with their
+        Fp8KV; placeholders (no values, no memory) where llm_attn's attention function reads the FP8 data itself."""
         view = self.fp8()
         n = self._returned_tokens()
+        if self._attention_reads_fp8():
+            if getattr(self, "_zero", None) is None or self._zero.device != self.k_data.device:
+                self._zero = torch.zeros((), dtype=self.dtype, device=self.k_data.device)
+            shape = (self.k_data.shape[0], self.k_data.shape[1], n, self.k_data.shape[3])
+            k, v = self._zero.expand(shape), self._zero.expand(shape)
+            for t in (k, v):
+                setattr(t, ref.FP8_KV_ATTR, view)
+                setattr(t, ref.FP8_PLACEHOLDER_ATTR, True)
+            return k, v
         nb = ref.n_blocks(n)
         k = ref.dequantize(self.k_data[:, :, :n], self.k_scale[:, :, :nb], self.k_shift, self.dtype)
         v = ref.dequantize(self.v_data[:, :, :n], self.v_scale[:, :, :nb], None, self.dtype)
         setattr(k, ref.FP8_KV_ATTR, view)
         setattr(v, ref.FP8_KV_ATTR, view)
         return k, v
+
+    def _attention_reads_fp8(self) -> bool:
+        """Whether the model this cache serves runs llm_attn's attention function now (which reads placeholders)."""
+        config = getattr(self, "attn_config", None)
+        return config is not None and getattr(config, "_attn_implementation", None) == "llm_attn"
 
     def fp8(self) -> ref.Fp8KV:
         """The raw FP8 data and scales (the storage itself, not a copy) and the number of valid tokens."""
@@ -244,6 +263,11 @@ def _full_attention_layers(config, what: str) -> int:
 
 
 class _Fp8CacheMixin:
+    def _serve(self, config) -> None:
+        """Give every layer the model's config: update asks it which attention function reads the layer."""
+        for layer in self.layers:
+            layer.attn_config = config
+
     def fp8(self, layer_idx: int) -> ref.Fp8KV:
         """Layer ``layer_idx``'s raw FP8 data and scales (``kv_cache_reference.Fp8KV``)."""
         return self.layers[layer_idx].fp8()
@@ -259,6 +283,7 @@ class Fp8DynamicCache(_Fp8CacheMixin, Cache):
         else:
             n = _full_attention_layers(config, "Fp8DynamicCache")
             super().__init__(layers=[Fp8DynamicLayer() for _ in range(n)])
+            self._serve(config)
 
 
 class Fp8StaticCache(_Fp8CacheMixin, Cache):
@@ -267,3 +292,4 @@ class Fp8StaticCache(_Fp8CacheMixin, Cache):
     def __init__(self, config, max_cache_len: int):
         n = _full_attention_layers(config, "Fp8StaticCache")
         super().__init__(layers=[Fp8StaticLayer(max_cache_len=max_cache_len) for _ in range(n)])
+        self._serve(config)

@@ -1,0 +1,199 @@
+"""The decode over the FP8 KV cache on CPU: the kernel's arithmetic (kernels/flash_decode_fp8kv_kernel.cuh) checked
+where a CPU can check it, and ``--kv-cache`` end to end.
+
+- the e4m3 -> fp16 bit trick the kernel uses (integer ops only, so sm_80-87 need no FP8 hardware), over all 256 bytes;
+- ``kv_cache_reference.decode_attention(rounding="kernel")`` (the kernel's exact semantics) against a plain
+  restatement of them, with ``seqused_k``, causal q_len > 1, GQA/MQA;
+- ``llm_attn.ops.decode_fp8_kv``: its checks (one line each) and the reference path;
+- ``python -m llm_attn.ttft --kv-cache fp8``: rows carry the cache dtype and how attention read it.
+
+    pytest tests/test_kv_cache_fp8_decode.py        # the GPU side: tests/test_kv_cache_fp8_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llm_attn import kv_cache_reference as ref
+from llm_attn import ops
+from llm_attn.models.kv_cache import Fp8DynamicLayer
+
+
+def _cache(b, h, n, d, seed=0, outliers=False, capacity=None):
+    """An Fp8KV of n tokens (the layer's own quantisation), K with a few biased channels when ``outliers``."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, n, d, generator=gen)
+    if outliers:
+        k[..., :4] = k[..., :4] * 10 + torch.tensor([30.0, -50.0, 20.0, 40.0])
+    v = torch.randn(b, h, n, d, generator=gen)
+    layer = Fp8DynamicLayer()
+    layer.update(k, v)
+    kv = layer.fp8()
+    if capacity:  # unused slots past the length, holding junk (a static cache after a rewind)
+        pad = capacity - n
+        junk = torch.full((b, h, pad, d), 300.0).to(ref.STORAGE_DTYPE)
+        kv = ref.Fp8KV(torch.cat([kv.k_data, junk], 2), torch.cat([kv.k_scale, torch.ones(b, h, 4)], 2), kv.k_shift,
+                       torch.cat([kv.v_data, junk], 2), torch.cat([kv.v_scale, torch.ones(b, h, 4)], 2), n)
+    return k, v, kv
+
+
+# -- the kernel's conversion ------------------------------------------------------------------------------------------
+def _kernel_bits(byte: int) -> int:
+    """e4m3x2_to_half2_scaled on one byte placed at byte 1 of a word (what __byte_perm puts there): the fp16 bits."""
+    w = byte << 8
+    return ((w >> 1) & 0x3F80) | (w & 0x8000)
+
+
+def test_the_bit_trick_is_the_e4m3_value_times_2_to_the_minus_8():
+    """Every finite e4m3 byte, subnormals and -0 included, becomes exactly its value / 256 in fp16; the two NaN
+    bytes become finite numbers (the cache never stores NaN: quantize saturates at +-448)."""
+    bits = torch.tensor([_kernel_bits(b) for b in range(256)], dtype=torch.int32).to(torch.int16)  # wraps
+    got = bits.view(torch.float16).to(torch.float64)
+    want = torch.arange(256, dtype=torch.uint8).view(ref.STORAGE_DTYPE).to(torch.float64) / 256
+    finite = ~torch.isnan(want)
+    assert int((~finite).sum()) == 2 and torch.isfinite(got).all()
+    assert torch.equal(got[finite], want[finite])
+    assert _kernel_bits(0x80) == 0x8000  # -0 stays -0
+
+
+# -- the kernel's semantics (the reference with rounding="kernel") ---------------------------------------------------
+def _kernel_semantics(q, kv, causal, scale, used):
+    """The decode kernel's arithmetic restated without blocks' online softmax: fp16 Q, scores over the e4m3 values
+    times each block's K scale, softmax in float64, P times each block's V scale rounded to fp16. The online
+    softmax's running max is the final max here, so P's fp16 rounding falls on other values where a row's max
+    moves: the tolerance is fp16's (2^-11), far below the float32 reference's distance would be if a scale or a
+    rounding were misplaced (a 2^-8 or a block's scale off: O(1) errors)."""
+    b, hq, sq, d = q.shape
+    hkv, n = kv.k_data.shape[1], kv.length
+    g = hq // hkv
+    blocks = torch.arange(n) // 64
+    k = kv.k_data[:, :, :n].double() * kv.k_scale[:, :, blocks, None].double()
+    vs = kv.v_scale[:, :, blocks].double()
+    qf = q.to(torch.float16).double().reshape(b, hkv, g * sq, d)
+    s = qf @ k.transpose(-1, -2) * scale
+    key = torch.arange(n).view(1, 1, -1)
+    row = torch.arange(sq).repeat(g).view(1, -1, 1) + (used - sq).view(-1, 1, 1)
+    hidden = (key >= used.view(-1, 1, 1)) | ((key > row) if causal else torch.zeros_like(key, dtype=torch.bool))
+    s = s.masked_fill(hidden.unsqueeze(1), float("-inf"))
+    m = s.amax(-1, keepdim=True).clamp_min(-1e300)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    p16 = (p * vs.unsqueeze(2) * 256).to(torch.float16).double()
+    o = p16 @ (kv.v_data[:, :, :n].double() / 256)
+    o = torch.where(l > 0, o / l, torch.zeros_like(o))
+    return o.reshape(b, hq, sq, d)
+
+
+@pytest.mark.parametrize("heads,kv_heads,sq,n,causal", [(8, 2, 1, 200, False), (8, 8, 1, 65, False),
+                                                       (8, 1, 3, 130, True), (32, 8, 4, 257, True)])
+def test_reference_with_kernel_rounding_is_the_kernel_semantics(heads, kv_heads, sq, n, causal):
+    q = torch.randn(2, heads, sq, 64, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    _, _, kv = _cache(2, kv_heads, n, 64, seed=n, outliers=True, capacity=n + 70)
+    used = torch.tensor([n, n - 37], dtype=torch.int32)
+    out = ref.decode_attention(q, kv, causal=causal, scale=0.125, seqused_k=used, rounding="kernel")
+    want = _kernel_semantics(q, kv, causal, 0.125, used.long())
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert (out.double() - want).abs().max() <= 1e-2 * want.abs().max()  # bf16 output rounding
+    f32 = ref.decode_attention(q.float(), kv, causal=causal, scale=0.125, seqused_k=used, rounding="kernel")
+    assert (f32.double() - want).abs().max() <= 2.0 ** -11 * want.abs().max()
+
+
+def test_seqused_k_clamps_and_a_row_that_sees_nothing_outputs_zero():
+    q = torch.randn(3, 4, 1, 64)
+    _, _, kv = _cache(3, 2, 100, 64)
+    out, lse = ref.decode_attention(q, kv, causal=False, seqused_k=torch.tensor([0, 150, -5], dtype=torch.int32),
+                                    return_lse=True)
+    full = ref.decode_attention(q[1:2], ref.Fp8KV(*(t[1:2] for t in (kv.k_data, kv.k_scale, kv.k_shift, kv.v_data,
+                                                                      kv.v_scale)), kv.length), causal=False)
+    assert (out[0] == 0).all() and (out[2] == 0).all() and torch.isinf(lse[0]).all() and torch.isinf(lse[2]).all()
+    assert torch.allclose(out[1:2], full, atol=1e-6)
+
+
+# -- the op -----------------------------------------------------------------------------------------------------------
+def test_decode_fp8_kv_reference_path_and_its_lse():
+    q = torch.randn(2, 8, 1, 128, dtype=torch.float16)
+    k, v, kv = _cache(2, 2, 300, 128, outliers=True)
+    out, lse = ops.decode_fp8_kv(q, kv, return_lse=True, path="reference")
+    want = ref.decode_attention(q, kv, return_lse=True, rounding="kernel")
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    dk, dv = kv.dequantized(torch.float64)  # the lse is the dequantised scores' (k_shift included)
+    s = (q.double().view(2, 2, 4, 128) @ dk.transpose(-1, -2)) / math.sqrt(128)
+    assert (lse.double().view(2, 2, 4) - s.logsumexp(-1)).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, kv: (q[0], kv), "4-D"),
+    (lambda q, kv: (q, ref.Fp8KV(kv.k_data.float(), kv.k_scale, kv.k_shift, kv.v_data, kv.v_scale, kv.length)),
+     "float8_e4m3fn"),
+    (lambda q, kv: (q[:, :3], kv), "multiple of the cache's KV heads"),
+    (lambda q, kv: (q[..., :32], kv), "does not match"),
+    (lambda q, kv: (q, ref.Fp8KV(kv.k_data, kv.k_scale[:, :, :1], kv.k_shift, kv.v_data, kv.v_scale, kv.length)),
+     "k_scale must be float32"),
+    (lambda q, kv: (q, ref.Fp8KV(kv.k_data, kv.k_scale, kv.k_shift, kv.v_data, kv.v_scale, 0)), "nothing to attend"),
+    (lambda q, kv: (q, "not a cache"), "Fp8KV"),
+])
+def test_bad_input_is_one_line(bad, match):
+    q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+    _, _, kv = _cache(1, 2, 100, 64)
+    with pytest.raises(ValueError, match=match) as e:
+        ops.decode_fp8_kv(*bad(q, kv), path="reference")
+    assert "\n" not in str(e.value)
+
+
+def test_the_kernel_path_refuses_what_it_cannot_take_in_one_line():
+    q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+    _, _, kv = _cache(1, 2, 100, 64)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        ops.decode_fp8_kv(q, kv, path="kernel")
+    assert ops.fp8_kv_rows(torch.randn(1, 4, 16, 64), kv) == 32  # 2 query heads per KV head x 16: the most it holds
+    with pytest.raises(ValueError, match="path must be"):
+        ops.decode_fp8_kv(q, kv, path="cuda")
+
+
+# -- --kv-cache end to end on the tiny model ---------------------------------------------------------------------------
+def test_kv_cache_flag_rows_carry_the_cache_and_how_it_was_read(tmp_path, capsys):
+    from llm_attn import ttft
+    from llm_attn.harness.results import iter_rows, point_key, validate_row
+    from llm_attn.harness.sweep import row_notes
+
+    out = tmp_path / "rows.jsonl"
+    common = ["--device", "cpu", "--model", "tiny", "--impl", "sdpa", "llm_attn", "--seq", "40", "--repeats", "1",
+              "--warmup", "0", "--new-tokens", "4", "--decode-repeats", "1", "--no-progress", "--out", str(out),
+              "--measure", "ttft", "decode_generate", "decode_graph"]
+    assert ttft.main([*common, "--kv-cache", "fp8"]) == 0
+    assert ttft.main(common) == 0
+    capsys.readouterr()
+    rows = list(iter_rows(out, strict=True))
+    for r in rows:
+        validate_row(r)
+    fp8 = [r for r in rows if r.get("kv_cache") == "fp8"]
+    assert len(fp8) == 6 and all(r["status"] == "ok" for r in fp8)
+    assert all(r["kv_cache"] == "fp16" for r in rows if r not in fp8)
+    assert len({point_key(r) for r in rows}) == 12
+    notes = {r["impl"] + " " + r["measurement"]: row_notes(r) for r in fp8}
+    for m in ("ttft", "decode_generate", "decode_graph"):
+        assert "FP8 KV cache (read via a dequantised copy)" in notes[f"sdpa {m}"], notes
+    ours = {m: next(r for r in fp8 if r["impl"] == "llm_attn" and r["measurement"] == m) for m in
+            ("ttft", "decode_generate", "decode_graph")}
+    assert ours["ttft"]["attention_calls"]["kv_cache_reads"] == {ref.FP8_READ_VIA_COPY: ours["ttft"][
+        "attention_calls"]["impl"]}  # a 40-token prefill: more rows than the decode kernel holds
+    for m in ("decode_generate", "decode_graph"):
+        reads = ours[m]["attention_calls"]["kv_cache_reads"]
+        assert reads[ref.FP8_READ_REFERENCE] > 0 and reads[ref.FP8_READ_VIA_COPY] > 0, reads
+        assert any("read directly by the blockwise reference" in n for n in notes[f"llm_attn {m}"]), notes
+
+
+def test_kv_cache_flag_with_tp_or_context_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "llm_attn.ttft", "--device", "cpu", "--model", "tiny", "--kv-cache",
+                        "fp8", "--context", "4096", "--out", str(tmp_path / "x.jsonl")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--kv-cache fp8 is not supported with --tp, --context" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "llm_attn.ttft", "--kv-cache", "int4"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "invalid choice: 'int4'" in r.stderr
