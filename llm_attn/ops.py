@@ -401,3 +401,128 @@ def force_decode(splits: int = 0, config: str = "auto"):
     finally:
         ext.set_decode_splits(prev_splits)
         ext.set_decode_config(prev_config)
+
+
+# ---- Decode over the FP8 KV cache (kernels/flash_decode_fp8kv.h; the format: llm_attn.kv_cache_reference) ----------
+# The kernel packs (query heads per KV head) x q_len rows into at most this many (kernels/kernel_tiles.h
+# kDecodeMaxRows); longer queries (a prefill over the cache) are not decode: they read the dequantised copy.
+FP8_KV_MAX_ROWS = 32
+FP8_KV_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fp8_kv_rows(q: torch.Tensor, kv) -> int:
+    """The rows one (batch, KV head) block of the decode kernel holds: query heads per KV head x q_len."""
+    return q.shape[1] // max(kv.k_data.shape[1], 1) * q.shape[2]
+
+
+def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool) -> str | None:
+    """Why ``decode_fp8_kv`` cannot take these inputs, as one line (None when it can)."""
+    from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
+
+    if not isinstance(kv, kvref.Fp8KV):
+        return f"kv must be an llm_attn.kv_cache_reference.Fp8KV (the cache's .fp8(layer)), got {type(kv).__name__}"
+    if q.dim() != 4:
+        return f"q must be 4-D (batch, heads, q_len, head_dim), got {q.dim()}-D"
+    kd, vd = kv.k_data, kv.v_data
+    if kd.dtype != kvref.STORAGE_DTYPE or vd.dtype != kvref.STORAGE_DTYPE:
+        return f"the cache's data must be {kvref.STORAGE_DTYPE}, got {kd.dtype} and {vd.dtype}"
+    if kd.dim() != 4 or kd.shape != vd.shape:
+        return f"k_data {tuple(kd.shape)} and v_data {tuple(vd.shape)} must be one (batch, kv_heads, tokens, " \
+               f"head_dim) shape"
+    b, hq, sq, d = q.shape
+    if kd.shape[0] != b or kd.shape[3] != d:
+        return f"the cache {tuple(kd.shape)} does not match q {tuple(q.shape)} (batch, head_dim)"
+    if kd.shape[1] == 0 or hq % kd.shape[1]:
+        return f"query heads ({hq}) must be a multiple of the cache's KV heads ({kd.shape[1]})"
+    if not 0 < kv.length <= kd.shape[2]:
+        return f"the cache holds {kv.length} tokens of {kd.shape[2]} slots: nothing to attend to"
+    if sq == 0 or sq > kv.length:
+        return f"{sq} query rows over {kv.length} cached tokens: the queries are the newest cached tokens"
+    blocks = kvref.n_blocks(kv.length)
+    for name, t in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
+        if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[:2]) != tuple(kd.shape[:2]) \
+                or t.shape[2] < blocks:
+            return f"{name} must be float32 (batch, kv_heads, >= {blocks} blocks), got {t.dtype} {tuple(t.shape)}"
+    if any(t.device != q.device for t in (kd, vd, kv.k_scale, kv.v_scale)):
+        return f"the cache is on {kd.device} but q is on {q.device}"
+    if not use_kernel:
+        return None if q.is_floating_point() else f"q must be floating point, got {q.dtype}"
+    if not q.is_cuda:
+        return f"the FP8-cache decode kernel needs CUDA tensors, q is on {q.device}"
+    if q.dtype not in FP8_KV_KERNEL_DTYPES:
+        return f"the FP8-cache decode kernel takes float16 or bfloat16 queries, got {q.dtype}"
+    if d not in KERNEL_HEAD_DIMS:
+        return f"the FP8-cache decode kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}"
+    if fp8_kv_rows(q, kv) > FP8_KV_MAX_ROWS:
+        return (f"(query heads per KV head) x q_len = {fp8_kv_rows(q, kv)} > {FP8_KV_MAX_ROWS}: not a decode call for "
+                f"the FP8-cache decode kernel (read the dequantised copy: Fp8KV.dequantized)")
+    return None
+
+
+def fp8_kv_kernel_available(ext=None) -> bool:
+    """Whether the kernel build here has the FP8-cache decode kernel (the AOT build from the commit that added it;
+    the NVRTC build has none yet). Any CUDA GPU of the build's archs runs it: it needs no FP8 hardware (the e4m3
+    bytes are converted with integer operations, kernels/flash_decode_fp8kv_kernel.cuh)."""
+    try:
+        ext = ext or _current_ext()
+    except KernelNotBuiltError:
+        return False
+    return hasattr(ext, "mha_decode_fp8kv")
+
+
+def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None = None, return_lse: bool = False,
+                  seqused_k: torch.Tensor | None = None, path: Path = "auto"):
+    """Attention of the newest ``q_len`` tokens' queries over the FP8 (e4m3) KV cache, reading its bytes.
+
+    Args:
+        q: (batch, num_heads, q_len, head_dim); float16/bfloat16 for the kernel (the reference also float32/64).
+        kv: one layer of the cache, ``llm_attn.kv_cache_reference.Fp8KV`` (``Fp8DynamicCache.fp8(layer)``, or the
+           ``fp8_kv_of`` view of what the cache returned): tokens ``[0, kv.length)`` are attended to.
+        causal: bottom-right, as ``flash_attn_func`` (q_len 1: every cached token).
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+        return_lse: also the natural-log lse (batch, num_heads, q_len) float32 of the dequantised scores, K's
+           smoothing shift included (as ``kv_cache_reference.decode_attention``).
+        seqused_k: optional int32 (batch,): batch ``b`` uses its first ``seqused_k[b]`` tokens (read on the device).
+        path: 'kernel' (kernels/flash_decode_fp8kv_kernel.cuh: K/V read as e4m3 bytes and dequantised in
+           registers, no fp16 copy of the cache; (query heads per KV head) x q_len <= 32), 'reference'
+           (``kv_cache_reference.decode_attention`` with the kernel's roundings for fp16/bf16 queries) or 'auto'
+           (the kernel for CUDA tensors).
+
+    Returns the output (batch, num_heads, q_len, head_dim) in q's dtype (stored as (batch, q_len, num_heads,
+    head_dim) by the kernel), and the lse if ``return_lse``. Bad input raises ValueError with one line; a build
+    without the kernel raises KernelNotBuiltError.
+    """
+    from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
+
+    if path not in ("auto", "kernel", "reference"):
+        raise ValueError(f"path must be 'auto', 'kernel' or 'reference', got {path!r}")
+    use_kernel = path == "kernel" or (path == "auto" and q.is_cuda)
+    problem = fp8_kv_decode_problem(q, kv, use_kernel)
+    if problem:
+        raise ValueError(problem)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"scale must be finite and >= 0, got {scale}")
+    if seqused_k is not None and (seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (q.shape[0],)
+                                  or seqused_k.device != q.device):
+        raise ValueError("seqused_k must be an int32 tensor of shape (batch,) on q's device")
+    if not use_kernel:
+        rounding = "kernel" if q.dtype in FP8_KV_KERNEL_DTYPES else "float32"
+        return kvref.decode_attention(q, kv, causal=causal, scale=scale, return_lse=return_lse,
+                                      seqused_k=seqused_k, rounding=rounding)
+    ext = _current_ext()  # raises KernelNotBuiltError with build instructions
+    if not hasattr(ext, "mha_decode_fp8kv"):
+        raise KernelNotBuiltError(f"this {kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv): "
+                                  f"rebuild the extension (python -m pip install --no-build-isolation -e .), or read "
+                                  f"the cache's dequantised copy")
+    n = kv.length
+    out, lse = ext.mha_decode_fp8kv(_readable(q), kv.k_data[:, :, :n], kv.v_data[:, :, :n], kv.k_scale, kv.v_scale,
+                                    seqused_k, scale, bool(causal))
+    if not return_lse:
+        return out
+    # The kernel's lse leaves out K's smoothing shift (the same for every key of a row): add q . k_shift back.
+    b, hq, sq, d = q.shape
+    hkv = kv.k_shift.shape[1]
+    qs = q.to(torch.float32).reshape(b, hkv, hq // hkv * sq, d)
+    shift = torch.matmul(qs, kv.k_shift.unsqueeze(-1)).reshape(b, hq, sq) * scale
+    return out, lse + shift
