@@ -770,6 +770,14 @@ def int8_pv_fp8() -> bool:
     return unavailable_reason() is None and _plan.int8_pv_fp8(device_info(torch.cuda.current_device())[0])
 
 
+def fp8_qk(qk: str = "") -> str:
+    """binding.cpp's fp8_qk: the Q K^T operands an FP8 call with this qk runs ('' = LLM_ATTN_FP8_QK if it is 'e4m3',
+    else int8)."""
+    if qk:
+        return qk
+    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+
+
 def fp8_block_n(head_dim: int, block_n: int = 0) -> int:
     """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim and block_n runs, 0 if not built."""
     return _plan.fp8_block_n(int(head_dim), int(block_n))
@@ -803,11 +811,14 @@ def _device_of(q):
 
 
 def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
-                causal: bool, block_n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                causal: bool, block_n: int = 0, qk: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """binding.cpp's mha_fwd_fp8: the same checks and messages, the same workspaces (e4m3 Q, K, V^T in one byte
     buffer; the zeroed channel statistics, the scales and q . mean(K) in one float32 buffer, from torch's caching
     allocator), then launch_fp8_tile's launches: the three pre-pass kernels and the kernel with its tensor maps.
-    block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default). Returns (out, lse)."""
+    block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default); qk: Q K^T's operands, "int8" or
+    "e4m3" ("" = LLM_ATTN_FP8_QK if set, else int8). Returns (out, lse)."""
+    if qk not in ("", "int8", "e4m3"):
+        raise RuntimeError(f"llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of Q K^T), not '{qk}'")
     out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
     with _device_of(q) as (index, stream):
         if not fp8_available():
@@ -835,7 +846,7 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
         for name in ("stats", "q_scale", "k_scale", "v_scale", "q_dot_kmean"):
             setattr(f, name, at)
             at += 4 * getattr(ws, name)
-        traits = _plan.fp8_traits(d, tile)
+        traits = _plan.fp8_traits(d, tile, fp8_qk(qk) == "int8")
         *prepass, main = _plan.fp8_launches(shape, traits)
         for launch in prepass:
             _launch(index, launch, f, stream)

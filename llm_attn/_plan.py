@@ -373,6 +373,7 @@ class Fp8Traits:
     head_dim: int
     stages: int = 2
     block_n: int = 128
+    qk_int8: bool = False  # kQkInt8: S = Q K^T in int8 (wgmma s8) rather than e4m3
 
     block_m = 128
     threads = 384
@@ -386,8 +387,8 @@ class Fp8Traits:
         return self.block_m * self.head_dim + self.stages * 2 * self.block_n * self.head_dim \
             + (1 + 4 * self.stages) * 8 + 1024
 
-    def cpp(self) -> str:  # the defaulted kBlockN is left out: the name the AOT build's launch instantiates
-        tail = f", {self.block_n}" if self.block_n != 128 else ""
+    def cpp(self) -> str:  # the name the AOT build's launch instantiates (defaults left out where it leaves them)
+        tail = f", {self.block_n}, true" if self.qk_int8 else f", {self.block_n}" if self.block_n != 128 else ""
         return f"llm_attn::sm90::Fp8Traits<{self.head_dim}, {self.stages}{tail}>"
 
 
@@ -416,10 +417,13 @@ def fp8_kernel_name(is_bf16: bool, traits: Fp8Traits, causal: bool) -> str:
     return f"llm_attn::sm90::flash_fwd_fp8_sm90_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
 
 
-def fp8_prepass_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
-    """The FP8 pre-pass kernels in launch order: K/V channel statistics, Q, K and V^T (kernels/quant_fp8.cuh)."""
-    return tuple(f"llm_attn::fp8::{k}<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
-                 for k in ("fp8_kv_stats_kernel", "fp8_quant_q_kernel", "fp8_quant_kv_kernel"))
+def fp8_prepass_names(is_bf16: bool, head_dim: int, qk_int8: bool = False) -> tuple[str, str, str]:
+    """The FP8 pre-pass kernels in launch order: K/V channel statistics, Q, K and V^T (kernels/quant_fp8.cuh); Q and
+    K in int8 with ``qk_int8``."""
+    t = f"{DTYPE_NAMES[is_bf16]}, {head_dim}"
+    qk = f"{t}, {str(qk_int8).lower()}"
+    return (f"llm_attn::fp8::fp8_kv_stats_kernel<{t}>", f"llm_attn::fp8::fp8_quant_q_kernel<{qk}>",
+            f"llm_attn::fp8::fp8_quant_kv_kernel<{qk}>")
 
 
 def int8_kernel_name(is_bf16: bool, traits: Int8Traits, causal: bool) -> str:
@@ -471,17 +475,17 @@ def fp8_block_n(head_dim: int, requested: int = 0) -> int:
     return n if n in tiles else 0
 
 
-def fp8_traits(head_dim: int, block_n: int) -> Fp8Traits:
+def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False) -> Fp8Traits:
     """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3."""
     if block_n == 128 and fp8_tuning()[1] == 3:
-        return Fp8Traits(head_dim, 3)
-    return Fp8Traits(head_dim, 2, block_n)
+        return Fp8Traits(head_dim, 3, 128, qk_int8)
+    return Fp8Traits(head_dim, 2, block_n, qk_int8)
 
 
 def fp8_launches(s: Shape, traits: Fp8Traits) -> tuple[Launch, ...]:
     """launch_fp8_tile: the three pre-pass kernels, then the kernel (its parameters: Fp8Sm90Params with the tensor
     maps; the pre-pass takes FlashFwdFp8Params). Causal: heads in x, so that blocks launch longest first."""
-    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim)
+    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim, traits.qk_int8)
     m_blocks = _cdiv(s.seqlen_q, traits.block_m)
     grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
     return (Launch(stats, (_cdiv(s.seqlen_k, FP8_STATS_KEYS), s.num_kv_heads, s.batch), QUANT_THREADS, 0),
@@ -557,15 +561,16 @@ def _quant_instantiations(kind: str) -> list[tuple[int, bool, bool]]:
 
 def fp8_kernels() -> list[str]:
     """Every FP8 instantiation the AOT build compiles for sm_90a (flash_fwd_fp8_sm90_*.cu through launch_fp8): per
-    (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages),
-    and per (head_dim, dtype) the three pre-pass kernels."""
+    (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages)
+    and each Q K^T type, and per (head_dim, dtype) the pre-pass kernels (Q and K's for each type)."""
     names = []
     for d, bf16, causal in _quant_instantiations("fwd_fp8_sm90"):
-        for block_n in _table.FP8_BLOCK_N[d]:
-            for stages in ((2, 3) if block_n == 128 else (2,)):
-                names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n), causal))
-        if causal:
-            names += fp8_prepass_names(bf16, d)
+        for qk_int8 in (False, True):  # Q K^T in e4m3, and in int8
+            for block_n in _table.FP8_BLOCK_N[d]:
+                for stages in ((2, 3) if block_n == 128 else (2,)):
+                    names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n, qk_int8), causal))
+            if causal:
+                names += [n for n in fp8_prepass_names(bf16, d, qk_int8) if n not in names]
     return names
 
 

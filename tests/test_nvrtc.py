@@ -201,14 +201,16 @@ def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
 
 def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every FP8 instantiation the AOT build has (flash_fwd_fp8_sm90_*.cu through launch_fp8: each key tile of
-    Fp8Tiles<D>, the 128-key one with 2 and 3 stages) and its pre-pass kernels, compiled by NVRTC for sm_90a in
-    programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the kernels' real bodies
-    (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 conversions."""
+    Fp8Tiles<D>, the 128-key one with 2 and 3 stages; Q K^T in e4m3 and in int8) and its pre-pass kernels, compiled
+    by NVRTC for sm_90a in programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the
+    kernels' real bodies (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 and
+    int8 conversions."""
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.fp8_kernels()
     main = [k for k in kernels if "flash_fwd_fp8_sm90_kernel<" in k]
     tiles = sum(len(t) + (1 if 128 in t else 0) for t in (_kernel_table.FP8_BLOCK_N[d] for d in (64, 128)))
-    assert len(main) == 4 * tiles and len(kernels) == len(main) + 12  # x 2 dtypes x 2 masks; 3 pre-pass x 2 x 2
+    # x 2 dtypes x 2 masks x 2 Q K^T types; per (head_dim, dtype) the statistics, and Q's and K's per type
+    assert len(main) == 8 * tiles and len(kernels) == len(main) + 5 * 2 * 2
     src = nvrtc.program_source(kernels)
     assert all(f'#include "{h}"' in src for h in ("quant_fp8.cuh", "flash_fwd_fp8_sm90_kernel.cuh"))
     assert "Fp8Sm90Params" in src and "FlashFwdFp8Params" in src
@@ -590,9 +592,9 @@ QUANT_HOST_LINES = (
     ("flash_fwd_fp8_sm90_launch.cuh", "const int kv_chunks = fp8_seqlen_k_pad(p.seqlen_k) / kFp8KvChunk;"),
     ("flash_fwd_fp8_sm90_launch.cuh", "fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, "
                                       "p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f); "
-                                      "fp8::fp8_quant_q_kernel<T, kHeadDim><<<dim3(q_blocks, p.num_heads, p.batch), "
-                                      "fp8::kThreads, 0, stream>>>(f); fp8::fp8_quant_kv_kernel<T, kHeadDim><<<dim3("
-                                      "kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
+                                      "fp8::fp8_quant_q_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(q_blocks, p.num_heads, "
+                                      "p.batch), fp8::kThreads, 0, stream>>>(f); fp8::fp8_quant_kv_kernel<T, kHeadDim, "
+                                      "Traits::kQkInt8><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "static const int pingpong = tuning_env(\"LLM_ATTN_SM90_PINGPONG\", 1);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, "
                                       "kHeadDim, Traits::kBlockM) && encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, "
@@ -606,10 +608,11 @@ QUANT_HOST_LINES = (
                                       "kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "static const int stages = tuning_env(\"LLM_ATTN_FP8_STAGES\", 2); if (block_n "
                                       "== 192) {"),
-    ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192>, kCausal>(f, stream);"),
-    ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3>, kCausal>(f, "
-                                      "stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2>, kCausal>(f, "
+    ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, kQkInt8>, kCausal>(f, "
                                       "stream);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3, 128, kQkInt8>, "
+                                      "kCausal>(f, stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, kQkInt8>, "
+                                      "kCausal>(f, stream);"),
     ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
                      "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
@@ -709,9 +712,9 @@ def test_every_planned_quant_kernel_is_compiled():
             ((1, 32, 8), (2, 8, 8), (1, 8, 1)), (1, 17, 129, 2049), (1, 100, 4097), (64, 128), (False, True),
             (False, True)):
         s = _plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16)
-        for block_n in _kernel_table.FP8_BLOCK_N[d]:
+        for block_n, qk_int8 in itertools.product(_kernel_table.FP8_BLOCK_N[d], (False, True)):
             for stages in ((2, 3) if block_n == 128 else (2,)):
-                for launch in _plan.fp8_launches(s, _plan.Fp8Traits(d, stages, block_n)):
+                for launch in _plan.fp8_launches(s, _plan.Fp8Traits(d, stages, block_n, qk_int8)):
                     assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
                     assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
                     seen.add(launch.kernel)

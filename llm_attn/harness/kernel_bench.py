@@ -16,8 +16,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # tile; llm_attn.ops.force_fp8_tile) or its Q K^T in e4m3 rather than the default int8 (llm_attn.ops.force_fp8_qk):
 # A/B in one run, beside llm_attn_fp8 (the build's defaults). name -> (block_n, qk); 0 / "": the default.
 FP8_TILE_IMPLS = {"ours-fp8-128": (128, ""), "ours-fp8-192": (192, ""), "ours-fp8-e4m3qk": (0, "e4m3")}
-BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS, "flash", "cudnn",
-               "efficient", "math"]
+# Decode over the FP8 (e4m3) KV cache (llm_attn.models.kv_cache's format, quantised once before timing): ours reads
+# the e4m3 bytes (llm_attn.ops.decode_fp8_kv, kernels/flash_decode_fp8kv_kernel.cuh); sdpa-fp8kv-copy is what stock
+# attention does with that cache, every step: dequantise it to the query dtype, then SDPA (the honest baseline).
+# Their GB/s count the FP8 bytes (K and V, one byte per element; the scales are 1/32 of that at head_dim 128).
+FP8_KV_IMPLS = ("ours-fp8kv", "sdpa-fp8kv-copy")
+BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS, *FP8_KV_IMPLS, "flash",
+               "cudnn", "efficient", "math"]
 
 
 def _sdpa_backends():
@@ -37,6 +42,8 @@ def make_fn(impl: str, q, k, v, causal: bool):
         from llm_attn.ops import flash_attn_func
 
         return (lambda: flash_attn_func(q, k, v, causal=causal, path="kernel")), ""
+    if impl in FP8_KV_IMPLS:
+        return _fp8_kv_fn(impl, q, k, v, causal)
     if impl in FP8_TILE_IMPLS:  # set for each call/capture, as the forced prefill tiles below
         from llm_attn.ops import flash_attn_func, force_fp8_qk, force_fp8_tile
 
@@ -86,6 +93,27 @@ def make_fn(impl: str, q, k, v, causal: bool):
             fn = lambda: call(k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False)  # noqa: E731
         note = "K/V expanded"
     return fn, note
+
+
+def _fp8_kv_fn(impl: str, q, k, v, causal: bool):
+    """The FP8-cache decode callables: K/V quantised into the FP8 cache format once, here (not timed)."""
+    from llm_attn.models.kv_cache import Fp8DynamicLayer
+    from llm_attn.ops import decode_fp8_kv
+
+    layer = Fp8DynamicLayer()
+    with torch.inference_mode():
+        layer.update(k, v)
+    kv = layer.fp8()
+    if impl == "ours-fp8kv":
+        return (lambda: decode_fp8_kv(q, kv, causal=causal, path="kernel")), "FP8 KV cache, read as e4m3"
+    gqa = q.shape[1] != k.shape[1]
+    is_causal = causal and q.shape[2] == k.shape[2] and q.shape[2] > 1
+
+    def copy_then_sdpa():
+        dk, dv = kv.dequantized(q.dtype)
+        return torch.nn.functional.scaled_dot_product_attention(q, dk, dv, is_causal=is_causal, enable_gqa=gqa)
+
+    return copy_then_sdpa, "FP8 KV cache, dequantised copy per call"
 
 
 def time_cuda(fns, warmup: int, repeats: int, graph: bool = False, max_calls_per_graph: int = 20) -> list[float]:
@@ -191,8 +219,9 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
             row["max_abs_diff_vs_first"] = (out0.float() - ref.float()).abs().max().item()
             samples = time_cuda(list(fns), warmup, repeats, graph=graph)
             ms = statistics.median(samples)
+            read = kv_bytes // elem if impl in FP8_KV_IMPLS else kv_bytes  # the FP8 cache: one byte per element
             row.update(status="ok", note=note[0], ms=ms, ms_min=min(samples), samples_ms=samples,
-                       tflops=flops / ms / 1e9, gbps=kv_bytes / ms / 1e6)
+                       tflops=flops / ms / 1e9, gbps=read / ms / 1e6, kv_bytes=read)
         except torch.cuda.OutOfMemoryError as e:
             row.update(status="oom", error=str(e).splitlines()[0])
         except Exception as e:  # noqa: BLE001 (a backend or registry entry that cannot take this shape/mode)
