@@ -3,6 +3,7 @@
     python -m llm_attn.bench                                   # Llama 3 8B prefill shape, S = 512 .. 16384
     python -m llm_attn.bench --seqs 2048 4096 --dtypes bf16 --causal 1 --out bench.jsonl
     python -m llm_attn.bench --mode decode --kv 512 2048 8192 32768 --batch 1 4 16
+    python -m llm_attn.bench --mode decode --kv 8192 32768 131072 --impls ours ours-fp8kv flash sdpa-fp8kv-copy
     python -m llm_attn.bench --mode backward --seqs 1024 4096 16384     # training: forward+backward, backward alone
     python -m llm_attn.bench --impls ours flash cudnn naive flex numba --seqs 2048 8192   # registry entries too
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
@@ -103,7 +104,8 @@ def main(argv=None):
                    choices=BENCH_IMPLS + [i for i in ACCURACY_IMPLS if i not in BENCH_IMPLS] + entries,
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
                         "ours-fp8-128, ours-fp8-192: our FP8 kernel with that key tile forced (llm_attn_fp8: the "
-                        "default tile); "
+                        "default tile); decode: ours-fp8kv, our decode kernel on the FP8 (e4m3) KV cache, and "
+                        "sdpa-fp8kv-copy, SDPA on its dequantised copy made per call (their GB/s: FP8 bytes); "
                         "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
                         f"function ({', '.join(entries)}; --plugin adds more). Default: ours flash cudnn efficient; "
                         f"accuracy: {' '.join(ACCURACY_DEFAULT_IMPLS)} (sdpa: the default SDPA backend; ours-fp8, "
