@@ -119,7 +119,9 @@ def smoothing_shift(k_block0: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Fp8KV:
     """One layer's FP8 cache as a kernel reads it: tokens ``[0, length)`` of the data are valid (the rest of a static
-    cache's capacity is unused). The tensors are the cache's own storage, not copies."""
+    cache's capacity is unused). The tensors are the cache's own storage, not copies. ``trusted``: made by the cache
+    (``llm_attn.models.kv_cache``), whose dtypes, shapes and devices agree by construction, so a decode call checks
+    only its query against them (host time on every layer of every token); any other view is checked whole."""
 
     k_data: torch.Tensor
     k_scale: torch.Tensor
@@ -128,6 +130,7 @@ class Fp8KV:
     v_scale: torch.Tensor
     length: int
     block: int = BLOCK
+    trusted: bool = False
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the valid tokens, (B, H, length, D) in ``dtype``."""

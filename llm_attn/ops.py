@@ -416,34 +416,28 @@ def fp8_kv_rows(q: torch.Tensor, kv) -> int:
 
 
 def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool) -> str | None:
-    """Why ``decode_fp8_kv`` cannot take these inputs, as one line (None when it can)."""
+    """Why ``decode_fp8_kv`` cannot take these inputs, as one line (None when it can). A view the cache made
+    (``Fp8KV.trusted``) has only the query checked against it: this runs on every layer of every decode step."""
     from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
 
     if not isinstance(kv, kvref.Fp8KV):
         return f"kv must be an llm_attn.kv_cache_reference.Fp8KV (the cache's .fp8(layer)), got {type(kv).__name__}"
     if q.dim() != 4:
         return f"q must be 4-D (batch, heads, q_len, head_dim), got {q.dim()}-D"
-    kd, vd = kv.k_data, kv.v_data
-    if kd.dtype != kvref.STORAGE_DTYPE or vd.dtype != kvref.STORAGE_DTYPE:
-        return f"the cache's data must be {kvref.STORAGE_DTYPE}, got {kd.dtype} and {vd.dtype}"
-    if kd.dim() != 4 or kd.shape != vd.shape:
-        return f"k_data {tuple(kd.shape)} and v_data {tuple(vd.shape)} must be one (batch, kv_heads, tokens, " \
-               f"head_dim) shape"
+    kd = kv.k_data
+    if not kv.trusted:
+        problem = _fp8_kv_storage_problem(kv, kvref)
+        if problem:
+            return problem
     b, hq, sq, d = q.shape
-    if kd.shape[0] != b or kd.shape[3] != d:
+    kb, hkv, _, kdim = kd.shape
+    if kb != b or kdim != d:
         return f"the cache {tuple(kd.shape)} does not match q {tuple(q.shape)} (batch, head_dim)"
-    if kd.shape[1] == 0 or hq % kd.shape[1]:
-        return f"query heads ({hq}) must be a multiple of the cache's KV heads ({kd.shape[1]})"
-    if not 0 < kv.length <= kd.shape[2]:
-        return f"the cache holds {kv.length} tokens of {kd.shape[2]} slots: nothing to attend to"
+    if hkv == 0 or hq % hkv:
+        return f"query heads ({hq}) must be a multiple of the cache's KV heads ({hkv})"
     if sq == 0 or sq > kv.length:
         return f"{sq} query rows over {kv.length} cached tokens: the queries are the newest cached tokens"
-    blocks = kvref.n_blocks(kv.length)
-    for name, t in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
-        if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[:2]) != tuple(kd.shape[:2]) \
-                or t.shape[2] < blocks:
-            return f"{name} must be float32 (batch, kv_heads, >= {blocks} blocks), got {t.dtype} {tuple(t.shape)}"
-    if any(t.device != q.device for t in (kd, vd, kv.k_scale, kv.v_scale)):
+    if kd.device != q.device:
         return f"the cache is on {kd.device} but q is on {q.device}"
     if not use_kernel:
         return None if q.is_floating_point() else f"q must be floating point, got {q.dtype}"
@@ -453,9 +447,29 @@ def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool) -> str | None:
         return f"the FP8-cache decode kernel takes float16 or bfloat16 queries, got {q.dtype}"
     if d not in KERNEL_HEAD_DIMS:
         return f"the FP8-cache decode kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}"
-    if fp8_kv_rows(q, kv) > FP8_KV_MAX_ROWS:
-        return (f"(query heads per KV head) x q_len = {fp8_kv_rows(q, kv)} > {FP8_KV_MAX_ROWS}: not a decode call for "
+    if hq // hkv * sq > FP8_KV_MAX_ROWS:
+        return (f"(query heads per KV head) x q_len = {hq // hkv * sq} > {FP8_KV_MAX_ROWS}: not a decode call for "
                 f"the FP8-cache decode kernel (read the dequantised copy: Fp8KV.dequantized)")
+    return None
+
+
+def _fp8_kv_storage_problem(kv, kvref) -> str | None:
+    """What is wrong with an Fp8KV's own tensors (dtypes, shapes, devices, length), or None."""
+    kd, vd = kv.k_data, kv.v_data
+    if kd.dtype != kvref.STORAGE_DTYPE or vd.dtype != kvref.STORAGE_DTYPE:
+        return f"the cache's data must be {kvref.STORAGE_DTYPE}, got {kd.dtype} and {vd.dtype}"
+    if kd.dim() != 4 or kd.shape != vd.shape:
+        return f"k_data {tuple(kd.shape)} and v_data {tuple(vd.shape)} must be one (batch, kv_heads, tokens, " \
+               f"head_dim) shape"
+    if not 0 < kv.length <= kd.shape[2]:
+        return f"the cache holds {kv.length} tokens of {kd.shape[2]} slots: nothing to attend to"
+    blocks = kvref.n_blocks(kv.length)
+    for name, t in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
+        if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[:2]) != tuple(kd.shape[:2]) \
+                or t.shape[2] < blocks:
+            return f"{name} must be float32 (batch, kv_heads, >= {blocks} blocks), got {t.dtype} {tuple(t.shape)}"
+    if any(t.device != kd.device for t in (vd, kv.k_scale, kv.v_scale, kv.k_shift)):
+        return "the cache's tensors are on different devices"
     return None
 
 

@@ -107,7 +107,8 @@ class _Fp8Storage:
 
     def fp8(self) -> ref.Fp8KV:
         """The raw FP8 data and scales (the storage itself, not a copy) and the number of valid tokens."""
-        return ref.Fp8KV(self.k_data, self.k_scale, self.k_shift, self.v_data, self.v_scale, self.length)
+        return ref.Fp8KV(self.k_data, self.k_scale, self.k_shift, self.v_data, self.v_scale, self.length,
+                         trusted=True)
 
     def _index_batch(self, fn) -> None:
         for name in _BATCHED:
