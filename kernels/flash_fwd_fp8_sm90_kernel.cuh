@@ -126,8 +126,8 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
 // kBiased (the INT8 S): each score is the float 1.5 x 2^23 + s (kS8Bias, s the integer dot product; exact, as
 // |s| < 2^22), so the group max is (max - kS8Bias) x scale (an exact subtraction) and the exp2's FMA takes the bias
 // in its addend, shift - kS8Bias x scale per group: the integer -> float conversion costs one integer add per score
-// (to_biased_float), none of MUFU's conversions. The addend's rounding (<= 1.5 scale, one constant per group and
-// row) is below a unit of the integer score.
+// (v4) or none (v5: the accumulators start at the bias), and none of MUFU's quarter-rate conversions. The addend's
+// rounding (<= 1.5 scale, one constant per group and row) is below a unit of the integer score.
 constexpr float kS8Bias = 12582912.f;  // 1.5 x 2^23: bits 0x4B400000
 template <int kGroups, int kNT, bool kBiased = false, typename State>
 __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][kNT][4],
@@ -203,7 +203,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     st.init();
     Scores acc_s;
     float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&acc_s[0][0][0]);
-    uint32_t s_int[Traits::kQkInt8 ? kBlockN / 2 : 1];  // the INT8 S's accumulators, until to_biased_float
+    uint32_t s_int[Traits::kQkInt8 ? kBlockN / 2 : 1];  // the INT8 S's accumulators, until s_ready
     float(&o_flat)[kHeadDim / 2] = *reinterpret_cast<float(*)[kHeadDim / 2]>(&st.acc_o[0][0][0]);
 
     const SmemDesc desc_q = kmajor_desc<Traits::kRowBytes>(sm.q + wg * 64 * Traits::kRowBytes);
@@ -212,25 +212,31 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
 
     auto issue_qk = [&](int stage) {
         const SmemDesc k = desc_k0 + stage * Traits::kTileBytesK;
+        if constexpr (Traits::kQkInt8) {  // the accumulators start at the bias's bits: S arrives as kS8Bias + s
+#pragma unroll
+            for (int i = 0; i < kBlockN / 2; ++i) s_int[i] = 0x4B400000u;
+        }
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 32; ++kk) {
             if constexpr (Traits::kQkInt8) {
-                WgmmaS8<kBlockN>::ss(s_int, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), kk > 0);
+                WgmmaS8<kBlockN>::ss(s_int, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), 1);
             } else {
                 WgmmaFp8<kBlockN>::ss(s_flat, (desc_q + kk * 32).u64(), (k + kk * 32).u64(), kk > 0);
             }
         }
         wgmma_commit();
     };
-    // After S's wgmma wait: keep the compiler from reading S before it (as fence_regs), and for the INT8 S turn
-    // each integer into the float kS8Bias + s by adding the bias's bits (exact; fp8_update_scores removes the bias).
+    // After S's wgmma wait: keep the compiler from reading S before it (as fence_regs). The INT8 S accumulated onto
+    // the bias's bits (issue_qk), so each register already holds the float kS8Bias + s (exact below 2^22; no
+    // conversion instruction: v4's integer add after the wait cost ~10 % causal, kernels/NOTES.md), and
+    // fp8_update_scores removes the bias.
     auto s_ready = [&] {
         if constexpr (Traits::kQkInt8) {
 #pragma unroll
             for (int i = 0; i < kBlockN / 2; ++i) asm volatile("" : "+r"(s_int[i])::"memory");
 #pragma unroll
-            for (int i = 0; i < kBlockN / 2; ++i) s_flat[i] = __uint_as_float(s_int[i] + 0x4B400000u);
+            for (int i = 0; i < kBlockN / 2; ++i) s_flat[i] = __uint_as_float(s_int[i]);
         } else {
             fence_regs(s_flat);
         }

@@ -193,7 +193,8 @@ def test_fp8_tile_asked_is_the_tile_run(fp8_ext, d):
                 flash_attn_func(q, k, k, causal=True, precision="fp8")
             torch.cuda.synchronize()
         names = {e.name for e in prof.events() if "flash_fwd_fp8_sm90_kernel" in e.name}
-        ran = re.compile(rf"Fp8Traits<{d}, \d, {block_n}>|Fp8TraitsILi{d}ELi\dELi{block_n}E")  # demangled or not
+        # demangled or not; the default Q K^T is int8 (kQkInt8 = true)
+        ran = re.compile(rf"Fp8Traits<{d}, \d, {block_n}, true>|Fp8TraitsILi{d}ELi\dELi{block_n}ELb1E")
         assert names and all(ran.search(n) for n in names), names
 
 
