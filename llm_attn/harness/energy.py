@@ -26,14 +26,17 @@ Where the energy comes from (``open_meter``), in this order:
     brackets the window. Its resolution is still the update period: the updates around the window mix its power
     with the idle time around it (2.1 % spread at 8k on an H100, 270 ms; 8.7-10.6 % at 2k, 69 ms).
   - *burst* (a shorter window, where the caller passes ``again``: TTFT): right after the timed prefill, ``n``
-    back-to-back prefills of the same input (``n`` so that they span ``BURST_PERIODS`` counter periods) whose
-    average power is the least-squares slope of the counter over its updates inside the burst (every one of them
-    under load: no idle edge is mixed in); the repeat's J per prefill is that power x the burst's length / ``n``.
+    back-to-back prefills of the same input (as many as span ``BURST_PERIODS`` counter periods and
+    ``BURST_MIN_UPDATES`` updates, at least 2: ``burst_done``) whose average power is the least-squares slope of the
+    counter over its updates inside the burst (every one of them under load: no idle edge is mixed in; an update
+    seen by a poll more than ``MAX_POLL_GAP_S`` after the poll before, a stalled poll thread, is left out); the
+    repeat's J per prefill is that power x the burst's length / ``n``.
     It is the energy of one prefill among back-to-back ones, not a reading of the timed prefill alone, whose time
     stays the TTFT sample; repeat i of every implementation is its own burst, so the paired ratio still pairs
     repeat i with repeat i. On synthetic traces of a 100 ms counter with jitter (tests/test_energy.py) a 69 ms
-    prefill reads within 1 % of the true energy with a 0.5-1.2 % spread (1-2.2 % with 8 ms jitter), where the
-    window reading spreads 7-15 % and reads ~30 % low (idle at 90 W between repeats).
+    prefill reads within 1 % of the true energy with a 0.5-1.2 % spread (0.9-1.8 % with 8 ms jitter; the same
+    with a poll thread stalled 50-400 ms every 2 s), where the window reading spreads 7-15 % and reads ~30 % low
+    (idle at 90 W between repeats).
 
   The same thread reads ``nvmlDeviceGetPowerUsage`` for the peak power only (on Ampere and newer, except GA100, NVML
   returns that reading averaged over one second). The board power limit in force is read at the start of each point.
@@ -47,6 +50,7 @@ Where the energy comes from (``open_meter``), in this order:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -66,11 +70,14 @@ METHOD_NVML = "nvml_total_energy_counter"
 METHOD_JETSON = "ina3221_rails_sampled"
 NVML_PERIOD_S = 0.005  # the counter's poll (its updates come every ~100 ms) and the peak power's samples
 COUNTER_WAIT_S = 0.5  # how long ``end`` waits for the counter's first update past a window
+MAX_POLL_GAP_S = 0.025  # an update seen by a poll this long after the one before is not timed well enough for a burst
 # A timed window shorter than BURST_BELOW_PERIODS counter updates is read from a burst (its interpolated window
 # reading spreads by ~7 % x period / window on an H100: 2.1 % at 2.7 periods, 9-11 % at 0.7); the burst spans
 # BURST_PERIODS updates: 4-5 updates inside it, ~0.8 % spread on synthetic traces with jitter (3 periods: ~1.6 %).
 BURST_BELOW_PERIODS = 2.5
 BURST_PERIODS = 5.0
+BURST_MIN_UPDATES = 4  # well-timed counter updates inside a burst (3 intervals) before it may stop
+BURST_MAX_PERIODS = 15.0  # ... unless it has run this long (a poll thread stalled throughout): then it stops
 BURST_MAX_PREFILLS = 1000  # a 0.5 ms prefill would otherwise take more
 READING_WINDOW = "window"
 READING_BURST = "burst"
@@ -257,20 +264,23 @@ def _nvml_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def interpolated_counter_j(updates: list[tuple[float, int]], t0: float, t1: float) -> float | None:
-    """Joules over [t0, t1] of a counter seen as ``updates`` ((time first seen, mJ), in time order), interpolated
-    linearly between them; None when no update at or before ``t0`` is seen (beyond the last, it is held)."""
+def interpolated_counter_j(updates: list[tuple], t0: float, t1: float) -> float | None:
+    """Joules over [t0, t1] of a counter seen as ``updates`` ((time first seen, mJ[, seconds since the poll
+    before]), in time order), interpolated linearly between them; None when no update at or before ``t0`` is seen
+    (beyond the last, it is held)."""
     if not updates or updates[0][0] > t0:
         return None
-    ts = np.array([t for t, _ in updates])
-    mj = np.array([v for _, v in updates], dtype=np.float64)
+    ts = np.array([u[0] for u in updates])
+    mj = np.array([u[1] for u in updates], dtype=np.float64)
     return float(np.interp(t1, ts, mj) - np.interp(t0, ts, mj)) / 1e3
 
 
-def counter_power_w(updates: list[tuple[float, int]], t0: float, t1: float) -> float | None:
+def counter_power_w(updates: list[tuple], t0: float, t1: float) -> float | None:
     """Average watts over [t0, t1] from the counter's updates seen inside it: the least-squares slope of joules on
-    time (every update counts, so the jitter of when each is seen averages out). None with fewer than three."""
-    pts = [(t, v) for t, v in updates if t0 <= t <= t1]
+    time (every update counts, so the jitter of when each is seen averages out). An update whose poll came more than
+    ``MAX_POLL_GAP_S`` after the poll before it (a stalled poll thread: it happened anywhere in that gap, and the
+    updates before it in the gap were not seen) is left out. None with fewer than three left."""
+    pts = [(u[0], u[1]) for u in updates if t0 <= u[0] <= t1 and (len(u) < 3 or u[2] <= MAX_POLL_GAP_S)]
     if len(pts) < 3:
         return None
     ts = np.array([t for t, _ in pts])
@@ -279,12 +289,21 @@ def counter_power_w(updates: list[tuple[float, int]], t0: float, t1: float) -> f
     return float(np.sum(ts * (j - j.mean())) / np.sum(ts * ts))
 
 
-def burst_done(n: int, elapsed_s: float, period_s: float) -> bool:
-    """Whether a burst of ``n`` repeats that has lasted ``elapsed_s`` is long enough: at least two repeats spanning
-    ``BURST_PERIODS`` counter periods (or ``BURST_MAX_PREFILLS`` repeats). Judged on the clock, not predicted from
-    the timed window: a prefill's time varies (a loaded CPU host), and the rule knows nothing of the power, so the
-    point where it stops cannot bias the reading."""
-    return n >= BURST_MAX_PREFILLS or (n >= 2 and elapsed_s >= BURST_PERIODS * period_s)
+def timed_updates(updates: list[tuple], t0: float, t1: float) -> int:
+    """How many of ``updates`` inside [t0, t1] are timed well enough for ``counter_power_w``."""
+    return sum(1 for u in updates if t0 <= u[0] <= t1 and (len(u) < 3 or u[2] <= MAX_POLL_GAP_S))
+
+
+def burst_done(n: int, elapsed_s: float, period_s: float, timed: int) -> bool:
+    """Whether a burst of ``n`` repeats that has lasted ``elapsed_s`` with ``timed`` well-timed counter updates
+    inside is long enough: at least two repeats spanning ``BURST_PERIODS`` counter periods with
+    ``BURST_MIN_UPDATES`` updates (a stalled poll loses some), or ``BURST_MAX_PERIODS`` periods, or
+    ``BURST_MAX_PREFILLS`` repeats. Judged on the clock and the updates seen, not predicted from the timed window (a
+    prefill's time varies: a loaded host); the rule knows nothing of the power, so where it stops cannot bias the
+    reading."""
+    if n >= BURST_MAX_PREFILLS or (n >= 2 and elapsed_s >= BURST_MAX_PERIODS * period_s):
+        return True
+    return n >= 2 and elapsed_s >= BURST_PERIODS * period_s and timed >= BURST_MIN_UPDATES
 
 
 def wants_burst(window_s: float, period_s: float | None) -> bool:
@@ -303,8 +322,10 @@ class NvmlMeter(Meter):
     def __init__(self, pynvml, handle, match: str, period_s: float = NVML_PERIOD_S):
         super().__init__(None)
         self.nvml, self.handle, self.match = pynvml, handle, match
-        self.updates: deque = deque(maxlen=20_000)  # (perf_counter time first seen, mJ) of each counter value
+        # (perf_counter time first seen, mJ, seconds since the poll before) of each counter value
+        self.updates: deque = deque(maxlen=20_000)
         self.updates_lock = threading.Lock()
+        self._last_poll: float | None = None
         self.sampler = Sampler(self._power, period_s)
 
     def _power(self) -> tuple[float, dict]:
@@ -317,14 +338,20 @@ class NvmlMeter(Meter):
         except Exception:  # noqa: BLE001 (end() reads the counter itself and records its failure)
             return
         t = time.perf_counter()
+        gap, self._last_poll = t - (self._last_poll if self._last_poll is not None else -math.inf), t
         with self.updates_lock:
             if not self.updates or mj != self.updates[-1][1]:
-                self.updates.append((t, mj))
+                self.updates.append((t, mj, gap))
+
+    def _timed_since(self, t0: float, t1: float) -> int:
+        with self.updates_lock:
+            recent = list(itertools.takewhile(lambda u: u[0] >= t0, reversed(self.updates)))
+        return timed_updates(recent, t0, t1)
 
     def counter_period_s(self) -> float | None:
         """Median seconds between the counter's updates seen so far (None before three updates)."""
         with self.updates_lock:
-            ts = [t for t, _ in self.updates]
+            ts = [u[0] for u in self.updates]
         return float(np.median(np.diff(ts[-50:]))) if len(ts) > 3 else None
 
     def interpolated_j(self, t0: float, t1: float, wait_s: float = COUNTER_WAIT_S) -> float | None:
@@ -395,10 +422,10 @@ class NvmlMeter(Meter):
     def _burst(self, again, window_s: float, period_s: float) -> dict | None:
         """Run ``again`` back to back until ``burst_done`` and read their average power from the counter's updates inside the
         burst: ``{"n", "duration_s", "power_w", "energy_j" (per repeat), "window_periods"}``, or None (recorded) when
-        fewer than three updates were seen inside it (the caller reads the timed window instead)."""
+        fewer than three well-timed updates were seen inside it (the caller reads the timed window instead)."""
         n, b0 = 0, time.perf_counter()
         try:
-            while not burst_done(n, time.perf_counter() - b0, period_s):
+            while not burst_done(n, (now := time.perf_counter()) - b0, period_s, self._timed_since(b0, now)):
                 again()
                 n += 1
         except Exception as e:  # noqa: BLE001 (the burst is for energy only: the timed repeat stands)
@@ -406,11 +433,12 @@ class NvmlMeter(Meter):
             return None
         b1 = time.perf_counter()
         with self.updates_lock:
-            pts = [u for u in self.updates if u[0] >= b0]
+            pts = list(itertools.takewhile(lambda u: u[0] >= b0, reversed(self.updates)))[::-1]
         watts = counter_power_w(pts, b0, b1)
         if watts is None:
             self._failed("the energy burst", RuntimeError(
-                f"fewer than 3 counter updates in a {b1 - b0:.3f} s burst; the timed window is read instead"))
+                f"fewer than 3 well-timed counter updates in a {b1 - b0:.3f} s burst (a stalled poll thread); the "
+                "timed window is read instead"))
             return None
         return {"n": n, "duration_s": b1 - b0, "power_w": watts, "energy_j": watts * (b1 - b0) / n,
                 "window_periods": window_s / period_s}
