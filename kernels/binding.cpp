@@ -457,11 +457,12 @@ void check_rows_f32(const at::Tensor& t, const char* name, const at::Tensor& q) 
 }
 
 // Gradients of flash attention into preallocated dq (q's shape), dk, dv (k's shape). lse: the forward's output;
-// dlse: optional gradient of it. Allocates the float32 dQ accumulator and the per-row workspaces from torch's
+// dlse: optional gradient of it. deterministic: the same bits on every run (FlashBwdParams::deterministic). Allocates the float32 dQ accumulator and the per-row workspaces from torch's
 // caching allocator; launches on the current stream; no synchronisation.
 void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::Tensor& dq,
-             at::Tensor& dk, at::Tensor& dv, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+             at::Tensor& dk, at::Tensor& dv, const std::optional<at::Tensor>& seqused_k, double scale, bool causal,
+             bool deterministic) {
     CHECK_BWD(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "only float16 and bfloat16 are supported, got ", q.scalar_type());
     CHECK_BWD(q.is_cuda() && q.dim() == 4, "q must be a 4-D CUDA tensor (batch, heads, seq, head_dim)");
@@ -519,6 +520,10 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
                   llm_attn::flash_fwd_sm90_available(),
               "the Hopper backward was forced (force_bwd_tile('hopper')) but needs a compute capability 9.0 GPU and a "
               "build with sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
+    CHECK_BWD(!deterministic || g_bwd_tile < llm_attn::kBwdHopper || g_bwd_tile > llm_attn::kBwdHopperSharedDq,
+              "deterministic=True, but the Hopper backward was forced (force_bwd_tile('hopper...')): its dQ is summed "
+              "in no fixed order; force 'auto', 'portable', 'narrow' or 'portable_separate_dq'");
+    p.deterministic = deterministic;
     llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits,
                                    g_bwd_tile);
     if (!p.dq_separate) {
@@ -526,9 +531,10 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
         p.dq_accum = dq_accum.data_ptr<float>();
     }
     at::Tensor dk_accum, dv_accum;
-    if (p.num_splits > 1) {
-        dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
-        dv_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32);
+    if (p.num_splits > 1) {  // deterministic: one slab per split
+        const int64_t slabs = deterministic ? p.num_splits : 1;
+        dk_accum = at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32);
+        dv_accum = at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32);
         p.dk_accum = dk_accum.data_ptr<float>();
         p.dv_accum = dv_accum.data_ptr<float>();
     }
@@ -692,7 +698,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Whether the current device runs the Hopper (sm_90a) prefill kernel of this build");
     m.def("mha_bwd", &mha_bwd, "FlashAttention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
-          py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
+          py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"), py::arg("deterministic") = false);
     m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
     m.def("set_bwd_tile", &set_bwd_tile, "Force the backward's dK/dV kernel (a BwdTileId, 0 auto); returns the previous");
     m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");

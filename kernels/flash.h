@@ -133,6 +133,12 @@ struct FlashBwdParams {
     bool dq_separate;
     float* __restrict__ dk_accum;
     float* __restrict__ dv_accum;
+    // The same bits on every run (llm_attn flash_attn_func(deterministic=True), torch.use_deterministic_algorithms):
+    // the portable kernel with the separate dQ kernel (dq_separate), and a split launch's dK/dV partials stored into
+    // one float32 slab per split (dk_accum / dv_accum hold num_splits slabs), summed in split order by the
+    // conversion, instead of added by atomics. Set before flash_bwd_set_splits, which then never picks the Hopper
+    // kernel (its dQ is a TMA reduce-add in no fixed order).
+    bool deterministic;
 };
 
 // Dynamic shared memory of the backward's dK/dV kernel (BwdTraits::kSmemBytes): K and V (block_n rows each), two

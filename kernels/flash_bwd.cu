@@ -24,8 +24,9 @@ static BwdTileDims bwd_tile(int head_dim, bool narrow) {
 
 void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int force_tile) {
     const BwdTileDims wide = bwd_tile(p.head_dim, false);
-    p.hopper = (force_tile >= kBwdHopper && force_tile <= kBwdHopperSharedDq) ||
-               (force_tile == kBwdAuto && flash_fwd_sm90_available());
+    // Deterministic: never the Hopper kernel (the binding refuses it forced), dQ by the separate kernel (below).
+    p.hopper = !p.deterministic && ((force_tile >= kBwdHopper && force_tile <= kBwdHopperSharedDq) ||
+                                    (force_tile == kBwdAuto && flash_fwd_sm90_available()));
     p.narrow = !p.hopper && (force_tile == kBwdNarrow ||
                              max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n));
     // The Hopper kernel (flash_bwd_sm90_kernel.cuh): 128 keys, 64 query rows a step, one block of 8 consumer warps
@@ -77,7 +78,7 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
     // S 2048-4096 (it recomputes S and dP) and within the benchmark's run-to-run spread at S 512-1024 (medians
     // 0.88-1.26x, rounds 0.66-2.05x): no shape where it reliably wins (kernels/NOTES.md "Backward: dQ without
     // atomics").
-    p.dq_separate = !p.hopper && force_tile == kBwdPortableSeparateDq;
+    p.dq_separate = !p.hopper && (force_tile == kBwdPortableSeparateDq || p.deterministic);
 }
 
 template <typename T, int D>

@@ -128,7 +128,8 @@ __global__ void flash_bwd_convert_dq_kernel(const FlashBwdParams params) {
     *reinterpret_cast<uint4*>(dq) = out;
 }
 
-// dk, dv from the float32 accumulators of a split launch (dK already carries the softmax scale).
+// dk, dv from the float32 accumulators of a split launch (dK already carries the softmax scale): one buffer each,
+// or, deterministic, num_splits slabs each, summed in split order.
 template <typename T, int kHeadDim>
 __global__ void flash_bwd_convert_dkdv_kernel(const FlashBwdParams params) {
     constexpr int kChunks = kHeadDim / 8;
@@ -140,10 +141,17 @@ __global__ void flash_bwd_convert_dkdv_kernel(const FlashBwdParams params) {
     const int row = row_id % params.seqlen_k;
     const int head = (row_id / params.seqlen_k) % params.num_kv_heads;
     const int batch = row_id / (static_cast<int64_t>(params.seqlen_k) * params.num_kv_heads);
+    const int slabs = params.deterministic ? params.num_splits : 1;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
         const float* acc = (which == 0 ? params.dk_accum : params.dv_accum) + row_id * kHeadDim + chunk * 8;
-        const float4 a = reinterpret_cast<const float4*>(acc)[0], b = reinterpret_cast<const float4*>(acc)[1];
+        float4 a = reinterpret_cast<const float4*>(acc)[0], b = reinterpret_cast<const float4*>(acc)[1];
+        for (int s = 1; s < slabs; ++s) {
+            const float4* x = reinterpret_cast<const float4*>(acc + s * rows * kHeadDim);
+            const float4 xa = x[0], xb = x[1];
+            a.x += xa.x, a.y += xa.y, a.z += xa.z, a.w += xa.w;
+            b.x += xb.x, b.y += xb.y, b.z += xb.z, b.w += xb.w;
+        }
         uint4 out;
         out.x = pack2<T>(a.x, a.y);
         out.y = pack2<T>(a.z, a.w);
@@ -201,6 +209,25 @@ __device__ __forceinline__ void add_dkdv_split(const FlashBwdParams& params, int
     for (int dt = 0; dt < kDT; ++dt) {
         atomic_add2(params.dk_accum + off + dt * 8, dk[dt][2 * r] * scale, dk[dt][2 * r + 1] * scale);
         atomic_add2(params.dv_accum + off + dt * 8, dv[dt][2 * r], dv[dt][2 * r + 1]);
+    }
+}
+
+// add_dkdv_split without atomics (FlashBwdParams::deterministic): into split `split`'s own slab of the accumulators,
+// which no other block writes; the conversion sums the slabs in split order.
+template <int kDT>
+__device__ __forceinline__ void store_dkdv_split(const FlashBwdParams& params, int split, int batch, int kv_head,
+                                                 int row, int kv_len, const float (&dk)[kDT][4],
+                                                 const float (&dv)[kDT][4], int r, int t) {
+    if (row >= kv_len) return;
+    const int64_t slab = static_cast<int64_t>(params.batch) * params.num_kv_heads * params.seqlen_k * (kDT * 8);
+    const int64_t off = split * slab +
+        ((static_cast<int64_t>(batch) * params.num_kv_heads + kv_head) * params.seqlen_k + row) * (kDT * 8) + 2 * t;
+    const float scale = params.scale;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+        *reinterpret_cast<float2*>(params.dk_accum + off + dt * 8) =
+            make_float2(dk[dt][2 * r] * scale, dk[dt][2 * r + 1] * scale);
+        *reinterpret_cast<float2*>(params.dv_accum + off + dt * 8) = make_float2(dv[dt][2 * r], dv[dt][2 * r + 1]);
     }
 }
 
@@ -473,10 +500,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 
     const float scale = params.scale;
     if (params.num_splits > 1) {
-        // Split: float32 partials added into the accumulators (converted by flash_bwd_convert_dkdv_kernel).
+        // Split: float32 partials added into the accumulators, or stored into this split's slab (deterministic);
+        // converted by flash_bwd_convert_dkdv_kernel.
+        const int split = blockIdx.z % params.num_splits;
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-            add_dkdv_split(params, batch, kv_head, n0 + warp * 16 + g + r * 8, seqlen_k, acc_dk, acc_dv, r, t);
+        for (int r = 0; r < 2; ++r) {
+            const int row = n0 + warp * 16 + g + r * 8;
+            if (params.deterministic) {
+                store_dkdv_split(params, split, batch, kv_head, row, seqlen_k, acc_dk, acc_dv, r, t);
+            } else {
+                add_dkdv_split(params, batch, kv_head, row, seqlen_k, acc_dk, acc_dv, r, t);
+            }
+        }
         return;
     }
 

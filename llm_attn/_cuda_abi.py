@@ -73,6 +73,7 @@ class FlashBwdParams(ctypes.Structure):
         ("hopper", ctypes.c_bool), ("narrow", ctypes.c_bool), ("dq_shared", ctypes.c_bool),
         ("dq_separate", ctypes.c_bool),
         ("dk_accum", ctypes.c_void_p), ("dv_accum", ctypes.c_void_p),
+        ("deterministic", ctypes.c_bool),
     ]
 
 

@@ -982,7 +982,7 @@ def _bwd_plan_for(index: int, shape: _plan.BwdShape) -> _plan.BwdPlan:
 
 def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-            seqused_k: torch.Tensor | None, scale: float, causal: bool) -> None:
+            seqused_k: torch.Tensor | None, scale: float, causal: bool, deterministic: bool = False) -> None:
     """Gradients of flash attention into preallocated dq (q's shape), dk, dv (k's shape): binding.cpp's mha_bwd,
     with the same checks and messages (kernel_contract.backward_launcher_problem), the same workspaces from torch's
     caching allocator (dsum, lse_log2; the zeroed float32 dQ accumulator unless the separate dQ kernel runs; the
@@ -998,10 +998,14 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             raise RuntimeError("llm_attn.mha_bwd: the Hopper backward was forced (force_bwd_tile('hopper')) but needs "
                                "a compute capability 9.0 GPU and a build with sm_90a (NVRTC 12.0 or newer compiles "
                                "it)")
+        if deterministic and _plan.BWD_HOPPER <= _bwd_tile <= _plan.BWD_HOPPER_SHARED_DQ:
+            raise RuntimeError("llm_attn.mha_bwd: deterministic=True, but the Hopper backward was forced "
+                               "(force_bwd_tile('hopper...')): its dQ is summed in no fixed order; force 'auto', "
+                               "'portable', 'narrow' or 'portable_separate_dq'")
         b, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
         plan = _bwd_plan_for(index, _plan.BwdShape(b, hq, hkv, sq, sk, d, bool(causal), q.dtype == torch.bfloat16,
-                                                   _bwd_splits, _bwd_tile))
+                                                   _bwd_splits, _bwd_tile, bool(deterministic)))
         sp = plan.splits
         p = FlashBwdParams()
         _set_shapes(p, q, k, v, out, scale, causal)
@@ -1013,11 +1017,12 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         (p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dk.stride()[:3]
         (p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dv.stride()[:3]
         p.hopper, p.narrow, p.num_splits, p.iters_per_split = sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split
-        p.dq_shared, p.dq_separate = sp.dq_shared, sp.dq_separate
+        p.dq_shared, p.dq_separate, p.deterministic = sp.dq_shared, sp.dq_separate, plan.deterministic
         # One float32 allocation: dsum and lse_log2 (B, Hq, Sq) each, then the accumulators that start at zero
-        # (dQ (B, Hq, Sq, D) unless dq_separate; dK, dV (B, Hkv, Sk, D) each when split), zeroed in one fill. Each
-        # part starts on a 256-byte boundary (float4 atomics and TMA need 16 bytes), as its own tensor would.
-        rows, kv = b * hq * sq, b * hkv * sk * d
+        # (dQ (B, Hq, Sq, D) unless dq_separate; dK, dV (B, Hkv, Sk, D) each when split, one per split when
+        # deterministic), zeroed in one fill. Each part starts on a 256-byte boundary (float4 atomics and TMA need
+        # 16 bytes), as its own tensor would.
+        rows, kv = b * hq * sq, b * hkv * sk * d * max(plan.dkdv_slabs, 1)
         pad = -rows % 64
         zeroed = (0 if sp.dq_separate else rows * d) + (2 * kv if sp.num_splits > 1 else 0)
         ws = torch.empty(2 * (rows + pad) + zeroed, dtype=torch.float32, device=q.device)

@@ -693,6 +693,7 @@ class BwdShape:
     is_bf16: bool = False
     force_splits: int = 0       # llm_attn.backward.force_bwd_splits (0 = automatic)
     force_tile: int = BWD_AUTO  # a BwdTileId (llm_attn.backward.force_bwd_tile)
+    deterministic: bool = False  # FlashBwdParams::deterministic: the same bits on every run
 
 
 @dataclass(frozen=True)
@@ -710,7 +711,8 @@ class BwdSplits:
 def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
     """flash_bwd_set_splits, line for line (see its comments for why each rule)."""
     wide, narrow_tile = BWD_CONFIGS[s.head_dim]
-    hopper = BWD_HOPPER <= s.force_tile <= BWD_HOPPER_SHARED_DQ or (s.force_tile == BWD_AUTO and dev.sm90)
+    hopper = not s.deterministic and (BWD_HOPPER <= s.force_tile <= BWD_HOPPER_SHARED_DQ
+                                      or (s.force_tile == BWD_AUTO and dev.sm90))
     narrow = not hopper and (s.force_tile == BWD_NARROW or dev.smem_per_block_optin < wide.smem_bytes)
     tile = Sm90BwdTraits(s.head_dim) if hopper else narrow_tile if narrow else wide
     block_m, block_n = tile.block_m, tile.block_n
@@ -739,7 +741,7 @@ def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
     dq_shared = s.force_tile == BWD_HOPPER_SHARED_DQ or (
         s.force_tile != BWD_HOPPER_OWN_DQ and iters >= 32 and blocks * num_splits > dev.num_sms)
     return BwdSplits(hopper, narrow, num_splits, iters, dq_shared,
-                     not hopper and s.force_tile == BWD_PORTABLE_SEPARATE_DQ)
+                     not hopper and (s.force_tile == BWD_PORTABLE_SEPARATE_DQ or s.deterministic))
 
 
 def bwd_kernel_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
@@ -766,7 +768,8 @@ class BwdPlan:
     """A backward call: the choices of flash_bwd_set_splits and its launches in order (``launches``). The Hopper
     dK/dV kernel (``sm90`` set) takes Sm90BwdParams (FlashBwdParams + five tensor maps), every other FlashBwdParams.
     Workspaces (binding.cpp's mha_bwd): dsum and lse_log2 always, the zeroed float32 dQ accumulator unless
-    dq_separate, the zeroed float32 dK/dV accumulators when num_splits > 1."""
+    dq_separate, the zeroed float32 dK/dV accumulators when num_splits > 1 (``dkdv_slabs`` of them each: one per
+    split when deterministic)."""
 
     splits: BwdSplits
     preprocess: Launch
@@ -776,15 +779,23 @@ class BwdPlan:
     convert_dkdv: Launch | None  # a split launch only
     sm90: Sm90BwdTraits | None = None
 
+    deterministic: bool = False
+
     @property
     def launches(self) -> tuple[Launch, ...]:
         return tuple(x for x in (self.preprocess, self.dkdv, self.dq, self.convert_dq, self.convert_dkdv) if x)
+
+    @property
+    def dkdv_slabs(self) -> int:
+        return 0 if self.splits.num_splits == 1 else self.splits.num_splits if self.deterministic else 1
 
 
 def bwd_plan(s: BwdShape, dev: Device) -> BwdPlan:
     """run_flash_bwd with the FlashBwdParams that mha_bwd fills (flash_bwd_set_splits on this device)."""
     if s.head_dim not in BWD_CONFIGS:
         raise ValueError(f"head_dim must be 64 or 128, got {s.head_dim}")
+    if s.deterministic and BWD_HOPPER <= s.force_tile <= BWD_HOPPER_SHARED_DQ:  # binding.cpp refuses it
+        raise ValueError("deterministic=True, but the Hopper backward was forced: its dQ is summed in no fixed order")
     sp = bwd_set_splits(s, dev)
     if sp.hopper and not dev.sm90:  # run_flash_bwd: cudaErrorInvalidDeviceFunction (the launcher checks it first)
         raise ValueError("the Hopper backward needs a compute capability 9.0 GPU and sm_90a code")
@@ -816,7 +827,7 @@ def bwd_plan(s: BwdShape, dev: Device) -> BwdPlan:
                                                       BWD_CONV_THREADS, 0),
         convert_dkdv=Launch(conv_dkdv, (_cdiv(kv_rows * chunks, BWD_CONV_THREADS), 1, 1), BWD_CONV_THREADS, 0)
         if sp.num_splits > 1 else None,
-        sm90=sm90)
+        sm90=sm90, deterministic=s.deterministic)
 
 
 def bwd_kernels() -> list[str]:

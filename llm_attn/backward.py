@@ -10,6 +10,12 @@ given) and calls ``llm_attn::flash_bwd``, which recomputes the attention probabi
 - anywhere else: ``llm_attn.reference.attention_backward`` (float32 math, float64 for float64 inputs), so the
   reference path stays differentiable on CPU.
 
+Deterministic (``flash_attn_func(deterministic=True)``, or ``torch.use_deterministic_algorithms(True)`` when the
+backward runs: what a patched model gets): the kernels' same bits on every run (FlashBwdParams::deterministic in
+kernels/flash.h: dQ by the separate dQ kernel, a split launch's dK/dV partials in per-split slabs summed in order;
+on compute capability 9.0 the portable kernel instead of the Hopper one). The reference path is deterministic
+anyway.
+
 Both ops have fake implementations, so ``torch.compile`` traces forward and backward without graph breaks.
 ``llm_attn.ops`` imports it and calls ``register_autograd`` on its forward op.
 """
@@ -40,13 +46,14 @@ def _reference_bwd(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal):
 @torch.library.custom_op("llm_attn::flash_bwd", mutates_args=())
 def _flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, dlse: torch.Tensor | None, seqused_k: torch.Tensor | None, scale: float,
-               causal: bool, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               causal: bool, use_kernel: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]:
     # Default implementation (any device): the PyTorch reference backward.
     return _reference_bwd(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal)
 
 
 @_flash_bwd.register_kernel("cuda")
-def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use_kernel):
+def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use_kernel, deterministic=False):
     if not use_kernel:
         return _reference_bwd(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
@@ -60,8 +67,9 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
         raise NotImplementedError(
             f"this {kernel_build()} build has no backward kernel: rebuild it (README, 'Building the kernel') or use "
             "path='reference'.")
+    # deterministic only when asked: an extension built before it existed still runs the default backward.
     ext.mha_bwd(dout, q, k, v, out, lse.contiguous(), dlse, work[0], work[1], work[2], seqused_k, float(scale),
-                bool(causal))
+                bool(causal), *((True,) if deterministic else ()))
     for g, w in zip(grads, work):
         if g is not w:
             g.copy_(w)
@@ -69,24 +77,26 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
 
 
 @_flash_bwd.register_fake
-def _flash_bwd_fake(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use_kernel):
+def _flash_bwd_fake(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use_kernel, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, seqused_k, scale, causal, use_kernel = inputs
+    q, k, v, seqused_k, scale, causal, use_kernel, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seqused_k)
     ctx.scale, ctx.causal, ctx.use_kernel = scale, causal, use_kernel
+    ctx.deterministic = bool(rest[0]) if rest else False  # the forward op's deterministic argument
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, seqused_k = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, grad_lse, seqused_k, ctx.scale, ctx.causal,
-                            ctx.use_kernel)
-    return dq, dk, dv, None, None, None, None
+                            ctx.use_kernel, deterministic)
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def register_autograd(flash_fwd) -> None:

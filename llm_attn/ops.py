@@ -61,13 +61,15 @@ def _reference_impl(q, k, v, seqused_k, scale, causal):
 
 @torch.library.custom_op("llm_attn::flash_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
-               scale: float, causal: bool, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, causal: bool, use_kernel: bool,
+               deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic: for the backward only (llm_attn.backward); the forward is deterministic anyway.
     # Default implementation (any device): the tiled PyTorch reference.
     return _reference_impl(q, k, v, seqused_k, scale, causal)
 
 
 @_flash_fwd.register_kernel("cuda")
-def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel):
+def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel, deterministic=False):
     if not use_kernel:
         return _reference_impl(q, k, v, seqused_k, scale, causal)
     return _kernel_impl(q, k, v, seqused_k, scale, causal)
@@ -81,7 +83,7 @@ def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
 
 
 @_flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, seqused_k, scale, causal, use_kernel):
+def _flash_fwd_fake(q, k, v, seqused_k, scale, causal, use_kernel, deterministic=False):
     return _empty_outputs(q)
 
 
@@ -158,7 +160,7 @@ torch.library.register_autograd("llm_attn::flash_fwd_quant", _no_quant_backward)
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, return_lse: bool = False,
                     seqused_k: torch.Tensor | None = None, path: Path = "auto", *, backend: Backend | None = None,
-                    precision: str = "native"):
+                    precision: str = "native", deterministic: bool = False):
     """FlashAttention forward.
 
     Args:
@@ -187,6 +189,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
            (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in both builds (AOT, NVRTC);
            the reference path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
            ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
+
+        deterministic: a backward that gives the same bits on every run (no float32 atomics: dQ by its own kernel,
+           split dK/dV partials summed in a fixed order; on compute capability 9.0 the portable backward kernel
+           instead of the Hopper one, slower: kernels/NOTES.md). Also on whenever
+           ``torch.use_deterministic_algorithms(True)`` is in force when the backward runs (so a patched model
+           follows it). The forward is deterministic either way.
 
     Returns:
         out (batch, num_heads, q_len, head_dim) in q's dtype (stored as (batch, q_len, num_heads, head_dim), so
@@ -217,7 +225,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         else:
             out, lse = _reference_impl(q, k, v, seqused_k, scale, causal)
     else:
-        out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel)
+        out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel, bool(deterministic))
     return (out, lse) if return_lse else out
 
 

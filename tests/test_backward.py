@@ -186,3 +186,34 @@ def test_patched_training_with_dropout_is_refused_or_falls_back():
     with patched(model, backend="reference", on_unsupported="fallback") as report:
         model(ids, labels=ids).loss.backward()
         assert report.num_native_calls == 0 and report.num_fallback_calls == 2, str(report)
+
+
+def test_deterministic_reaches_the_backward_op():
+    """flash_attn_func(deterministic=True), or torch.use_deterministic_algorithms(True) when the backward runs (what
+    a patched model follows), ask llm_attn::flash_bwd for the deterministic kernels; neither: the default ones. The
+    reference path ignores it (deterministic anyway): the same gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    asked = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.llm_attn.flash_bwd.default:
+                asked.append(bool(args[11]) if len(args) > 11 else bool((kwargs or {}).get("deterministic", False)))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _inputs(1, 4, 2, 6, 9, 8, seed=5)
+    grads = []
+    prev = torch.are_deterministic_algorithms_enabled()
+    try:
+        for det, flag in ((False, False), (True, False), (False, True)):
+            torch.use_deterministic_algorithms(flag)
+            for t in (q, k, v):
+                t.grad = None
+            with Record():
+                flash_attn_func(q, k, v, causal=True, deterministic=det).sum().backward()
+            grads.append([t.grad.clone() for t in (q, k, v)])
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert asked == [False, True, True]
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g, strict=True))

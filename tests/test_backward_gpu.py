@@ -462,3 +462,93 @@ def test_nvrtc_backward_under_autograd_and_graphs():
                 assert torch.equal(g, r)
     finally:
         _ext.set_backend(prev)
+
+
+# -- deterministic=True -------------------------------------------------------------------------------------------
+def run_raw_det(ext, q, k, v, dout, causal, out_lse=None):
+    """mha_bwd(deterministic=True) into NaN-poisoned gradients (the forward's out/lse given, or computed once)."""
+    b, hq, sq, d = q.shape
+    scale = 1 / math.sqrt(d)
+    if out_lse is None:
+        out = torch.empty(b, sq, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+        ext.mha_fwd(q, k, v, out, lse, None, scale, causal)
+        out_lse = (out, lse)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    ext.mha_bwd(dout, q, k, v, *out_lse, None, *grads, None, scale, causal, True)
+    return grads, out_lse
+
+
+@pytest.mark.parametrize("tile,splits", [("auto", 0), ("auto", 3), ("narrow", 0), ("portable", 5)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,heads,sq,sk", [(128, "gqa", 2048, 2048), (64, "mha", 300, 1000), (128, "mqa", 1000, 129)])
+def test_deterministic_backward_repeats_bit_for_bit(cuda_ext, tile, splits, causal, d, heads, sq, sk):
+    """deterministic=True: the same dq, dk, dv bits over 20 reruns on the same inputs, whatever the split (the
+    automatic one splits the 2048-token causal grid; 3 and 5 forced), and within the float64 bound. On a compute
+    capability 9.0 GPU 'auto' runs the portable kernel then (the Hopper one's dQ has no fixed order)."""
+    from llm_attn.backward import force_bwd_splits, force_bwd_tile
+
+    if tile == "narrow" and d != 128:
+        pytest.skip("head_dim 64's narrow tile is its tile")
+    hq, hkv = HEADS[heads]
+    q, k, v, dout = _qkv(1, hq, hkv, sq, sk, d, torch.bfloat16, zlib.crc32(repr((tile, splits, causal, d, sq)).encode()))
+    with force_bwd_tile(tile), force_bwd_splits(splits):
+        first, out_lse = run_raw_det(cuda_ext, q, k, v, dout, causal)
+        for _ in range(19):
+            again, _ = run_raw_det(cuda_ext, q, k, v, dout, causal, out_lse)
+            for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
+                assert torch.equal(a, b), f"{name} changed between runs by {(a.float() - b.float()).abs().max():.3e}"
+    check_grads(first, q, k, v, dout, causal)
+
+
+def test_deterministic_through_flash_attn_func_and_torch_flag(cuda_ext):
+    """flash_attn_func(deterministic=True) and torch.use_deterministic_algorithms(True) (what a patched model
+    follows) both give the raw deterministic backward's bits, run after run."""
+    q, k, v, dout = _qkv(1, 32, 8, 1024, 1024, 128, torch.bfloat16, 21)
+    raw, _ = run_raw_det(cuda_ext, q, k, v, dout, True)
+    torch.cuda.synchronize()
+
+    def grads(**kw):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flash_attn_func(*leaves, causal=True, **kw).backward(dout)
+        return [t.grad for t in leaves]
+
+    for _ in range(3):
+        for g, r in zip(grads(deterministic=True), raw, strict=True):
+            assert torch.equal(g, r)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for g, r in zip(grads(), raw, strict=True):
+            assert torch.equal(g, r)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
+def test_deterministic_refuses_the_forced_hopper_backward(cuda_ext):
+    """The Hopper kernel cannot honour deterministic=True: forced, it is refused in one line (never silently
+    nondeterministic); 'auto' falls back to the portable kernel (test above)."""
+    from llm_attn.backward import force_bwd_tile
+
+    if not cuda_ext.sm90_available():
+        pytest.skip("the Hopper backward needs a compute capability 9.0 GPU and sm_90a code")
+    q, k, v, dout = _qkv(1, 4, 4, 64, 64, 64, torch.float16, 22)
+    for tile in ("hopper", "hopper_own_dq", "hopper_shared_dq"):
+        with force_bwd_tile(tile), pytest.raises(RuntimeError, match="deterministic=True, but the Hopper backward "
+                                                                     "was forced"):
+            run_raw_det(cuda_ext, q, k, v, dout, False)
+
+
+@pytest.mark.parametrize("splits", [0, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_is_the_same_on_both_builds(splits, causal):
+    """deterministic=True sums nothing by atomics, so the NVRTC build gives the AOT build's bits exactly."""
+    aot, nvrtc = _both_builds()
+    q, k, v, dout = _qkv(2, 16, 4, 777, 1500, 128, torch.float16, 23 + splits + causal)
+    got = {}
+    for name, ext in (("aot", aot), ("nvrtc", nvrtc)):
+        with _forced_in(ext, "auto", splits):
+            got[name], _ = run_raw_det(ext, q, k, v, dout, causal)
+    torch.cuda.synchronize()
+    for name, a, n in zip(("dq", "dk", "dv"), got["aot"], got["nvrtc"], strict=True):
+        assert torch.equal(a, n), f"{name}: the builds differ by {(a.float() - n.float()).abs().max().item():.3e}"

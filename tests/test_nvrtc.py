@@ -279,7 +279,7 @@ def test_params_struct_layout_matches_cpp(tmp_path):
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to check the struct offsets with")
-    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 368]
+    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376]
     src = ('#include <cstddef>\n#include "flash.h"\n#include "flash_fp8.h"\n#include "flash_int8.h"\n'
            + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
     (tmp_path / "cuda_runtime.h").write_text("#pragma once\nenum cudaError_t { cudaSuccess = 0 };\n"
@@ -830,8 +830,13 @@ BWD_HOST_LINES = (
     ("tma_host.h", "const cuuint32_t box[4] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows), 1, 1};"),
     ("binding.cpp", "if (!p.dq_separate) { dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32); "
                     "p.dq_accum = dq_accum.data_ptr<float>(); } at::Tensor dk_accum, dv_accum; if (p.num_splits > 1) "
-                    "{ dk_accum = at::zeros({batch, num_kv_heads, seqlen_k, head_dim}, f32); dv_accum = at::zeros("
-                    "{batch, num_kv_heads, seqlen_k, head_dim}, f32);"),
+                    "{ // deterministic: one slab per split const int64_t slabs = deterministic ? p.num_splits : 1; "
+                    "dk_accum = at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32); dv_accum = "
+                    "at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32);"),
+    ("binding.cpp", "CHECK_BWD(!deterministic || g_bwd_tile < llm_attn::kBwdHopper || g_bwd_tile > "
+                    "llm_attn::kBwdHopperSharedDq, \"deterministic=True, but the Hopper backward was forced "
+                    "(force_bwd_tile('hopper...')): its dQ is summed \" \"in no fixed order; force 'auto', "
+                    "'portable', 'narrow' or 'portable_separate_dq'\"); p.deterministic = deterministic;"),
     ("binding.cpp", "const char* v = std::getenv(\"LLM_ATTN_BWD_SPLITS\"); return v != nullptr && std::atoi(v) > 0 ? "
                     "std::atoi(v) : 0;"),
     ("binding.cpp", "if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortableSeparateDq) return -1;"),
@@ -879,7 +884,7 @@ def test_backward_launches_mirror_the_cpp_host_code():
 def test_backward_splits_are_the_cpp(tmp_path):
     """bwd_set_splits against kernels/flash_bwd.cu's flash_bwd_set_splits itself: the host C++ compiler builds it
     (stand-in CUDA headers, the device queries answering what each case says) and runs it on every (device, shape,
-    forced tile, forced split) case below; every field it sets must be the mirror's."""
+    forced tile, forced split, deterministic) case below; every field it sets must be the mirror's."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to run flash_bwd_set_splits with")
@@ -903,13 +908,13 @@ def test_backward_splits_are_the_cpp(tmp_path):
         cudaError_t run_flash_bwd_sm90_(FlashBwdParams&, cudaStream_t) { return cudaSuccess; }
         }
         int main() {
-            int b, hq, hkv, sq, sk, d, causal, sms, smem, sm90, splits, tile;
-            while (std::scanf("%d %d %d %d %d %d %d %d %d %d %d %d", &b, &hq, &hkv, &sq, &sk, &d, &causal, &sms, &smem,
-                              &sm90, &splits, &tile) == 12) {
+            int b, hq, hkv, sq, sk, d, causal, sms, smem, sm90, splits, tile, det;
+            while (std::scanf("%d %d %d %d %d %d %d %d %d %d %d %d %d", &b, &hq, &hkv, &sq, &sk, &d, &causal, &sms,
+                              &smem, &sm90, &splits, &tile, &det) == 13) {
                 g_smem = smem, g_sm90 = sm90;
                 llm_attn::FlashBwdParams p{};
                 p.batch = b, p.num_heads = hq, p.num_kv_heads = hkv, p.seqlen_q = sq, p.seqlen_k = sk, p.head_dim = d;
-                p.causal = causal;
+                p.causal = causal, p.deterministic = det;
                 llm_attn::flash_bwd_set_splits(p, sms, splits, tile);
                 std::printf("%d %d %d %d %d %d\\n", p.hopper, p.narrow, p.num_splits, p.iters_per_split, p.dq_shared,
                             p.dq_separate);
@@ -920,11 +925,12 @@ def test_backward_splits_are_the_cpp(tmp_path):
     r = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{tmp_path}", f"-I{os.path.join(ROOT, 'kernels')}",
                         str(tmp_path / "run.cpp"), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    cases = [(_plan.BwdShape(b, hq, hkv, sq, sk, d, causal, force_splits=splits, force_tile=tile), dev)
-             for ((b, hq, hkv), (sq, sk), d, causal), dev, splits, tile in itertools.product(
-                 BWD_SHAPES, BWD_DEVICES, (0, 1, 3), range(len(_plan.BWD_TILE_IDS)))]
+    cases = [(_plan.BwdShape(b, hq, hkv, sq, sk, d, causal, False, splits, tile, det), dev)
+             for ((b, hq, hkv), (sq, sk), d, causal), dev, splits, tile, det in itertools.product(
+                 BWD_SHAPES, BWD_DEVICES, (0, 1, 3), range(len(_plan.BWD_TILE_IDS)), (False, True))]
     lines = "".join(f"{s.batch} {s.num_heads} {s.num_kv_heads} {s.seqlen_q} {s.seqlen_k} {s.head_dim} {int(s.causal)} "
-                    f"{dev.num_sms} {dev.smem_per_block_optin} {int(dev.sm90)} {s.force_splits} {s.force_tile}\n"
+                    f"{dev.num_sms} {dev.smem_per_block_optin} {int(dev.sm90)} {s.force_splits} {s.force_tile} "
+                    f"{int(s.deterministic)}\n"
                     for s, dev in cases)
     run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -945,10 +951,10 @@ def test_every_planned_backward_kernel_is_compiled():
     compile tests above check, fits the device's shared memory and the grid's limits; and every one is reached."""
     known = set(_plan.bwd_kernels()) | set(_plan.bwd_sm90_kernels())
     seen = set()
-    for ((b, hq, hkv), (sq, sk), d, causal), dev, bf16, splits, tile in itertools.product(
-            BWD_SHAPES, BWD_DEVICES, (False, True), (0, 3), range(len(_plan.BWD_TILE_IDS))):
-        s = _plan.BwdShape(b, hq, hkv, sq, sk, d, causal, bf16, splits, tile)
-        if _plan.BWD_HOPPER <= tile <= _plan.BWD_HOPPER_SHARED_DQ and not dev.sm90:
+    for ((b, hq, hkv), (sq, sk), d, causal), dev, bf16, splits, tile, det in itertools.product(
+            BWD_SHAPES, BWD_DEVICES, (False, True), (0, 3), range(len(_plan.BWD_TILE_IDS)), (False, True)):
+        s = _plan.BwdShape(b, hq, hkv, sq, sk, d, causal, bf16, splits, tile, det)
+        if _plan.BWD_HOPPER <= tile <= _plan.BWD_HOPPER_SHARED_DQ and (not dev.sm90 or det):
             with pytest.raises(ValueError):
                 _plan.bwd_plan(s, dev)
             continue
@@ -961,6 +967,8 @@ def test_every_planned_backward_kernel_is_compiled():
         assert (p.sm90 is not None) == p.splits.hopper == ("sm90::" in p.dkdv.kernel)
         assert (p.dq is None) == (p.convert_dq is not None)
         assert (p.convert_dkdv is not None) == (p.splits.num_splits > 1)
+        if det:  # no atomics anywhere: dQ by its own kernel, dK/dV stored (per split) and summed in order
+            assert p.sm90 is None and p.dq is not None and p.dkdv_slabs in (0, p.splits.num_splits)
     assert seen == known, known - seen
 
 
@@ -1028,9 +1036,10 @@ def test_backward_entry_points_are_the_bindings(monkeypatch):
         assert nvrtc._bwd_tile_from_env() == 0
 
 
-@pytest.mark.parametrize("tile,splits,want_sm90", [("auto", 0, True), ("portable", 3, False),
-                                                   ("portable_separate_dq", 1, False)])
-def test_mha_bwd_fills_what_the_binding_fills(monkeypatch, tile, splits, want_sm90):
+@pytest.mark.parametrize("tile,splits,det,want_sm90", [("auto", 0, False, True), ("portable", 3, False, False),
+                                                       ("portable_separate_dq", 1, False, False),
+                                                       ("auto", 3, True, False), ("narrow", 0, True, False)])
+def test_mha_bwd_fills_what_the_binding_fills(monkeypatch, tile, splits, det, want_sm90):
     """_nvrtc.mha_bwd without a GPU (the device, the launches and the tensor maps stood in for, CPU tensors past the
     checks): FlashBwdParams as binding.cpp's mha_bwd fills it (set_shared_params, the gradient strides, the split
     fields), the workspaces (dsum, lse_log2, the zeroed accumulators, each 256-byte aligned inside one allocation),
@@ -1065,12 +1074,12 @@ def test_mha_bwd_fills_what_the_binding_fills(monkeypatch, tile, splits, want_sm
     used = torch.tensor([300, 5], dtype=torch.int32)
     prev = (nvrtc.set_bwd_tile(_plan.BWD_TILE_IDS[tile]), nvrtc.set_bwd_splits(splits))
     try:
-        nvrtc.mha_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, used, 0.125, True)
+        nvrtc.mha_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, used, 0.125, True, det)
     finally:
         nvrtc.set_bwd_tile(prev[0])
         nvrtc.set_bwd_splits(prev[1])
         nvrtc._bwd_plan_for.cache_clear()
-    plan = _plan.bwd_plan(_plan.BwdShape(b, hq, hkv, sq, sk, d, True, True, splits, _plan.BWD_TILE_IDS[tile]),
+    plan = _plan.bwd_plan(_plan.BwdShape(b, hq, hkv, sq, sk, d, True, True, splits, _plan.BWD_TILE_IDS[tile], det),
                           H100_SM90)
     assert [lc for lc, _ in launched] == list(plan.launches) and (plan.sm90 is not None) == want_sm90
     ps = [x.p if isinstance(x, _nvrtc_sm90.Sm90BwdParams) else x for _, x in launched]
@@ -1094,8 +1103,9 @@ def test_mha_bwd_fills_what_the_binding_fills(monkeypatch, tile, splits, want_sm
     assert (not p.dq_accum) == sp.dq_separate and (not p.dk_accum) == (not p.dv_accum) == (sp.num_splits == 1)
     for ptr in (p.dq_accum, p.dk_accum, p.dv_accum):
         assert ptr is None or (ptr - p.dsum) % 256 == 0 and ptr - p.lse_log2 >= 4 * rows
-    if p.dk_accum:
-        assert p.dv_accum - p.dk_accum == 4 * b * hkv * sk * d
+    assert p.deterministic == det and (not det or (p.dq_separate and not p.hopper))
+    if p.dk_accum:  # one slab, or (deterministic) one per split
+        assert p.dv_accum - p.dk_accum == 4 * b * hkv * sk * d * (sp.num_splits if det else 1)
     if want_sm90:
         sm = launched[1][1]
         assert [bytes(getattr(sm, f)) for f in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_dq")] == \
