@@ -420,9 +420,10 @@ class NvmlMeter(Meter):
         return {**out, "energy_j": joules}
 
     def _burst(self, again, window_s: float, period_s: float) -> dict | None:
-        """Run ``again`` back to back until ``burst_done`` and read their average power from the counter's updates inside the
-        burst: ``{"n", "duration_s", "power_w", "energy_j" (per repeat), "window_periods"}``, or None (recorded) when
-        fewer than three well-timed updates were seen inside it (the caller reads the timed window instead)."""
+        """Run ``again`` back to back until ``burst_done`` and read their average power from the counter's updates
+        inside the burst: ``{"n", "duration_s", "power_w", "energy_j" (per repeat), "window_periods"}``, or None
+        (recorded) when fewer than three well-timed updates were seen inside it (the caller reads the timed window
+        instead)."""
         n, b0 = 0, time.perf_counter()
         try:
             while not burst_done(n, (now := time.perf_counter()) - b0, period_s, self._timed_since(b0, now)):
