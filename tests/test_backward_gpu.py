@@ -405,10 +405,16 @@ def test_nvrtc_backward_is_the_aot_backward(tile, splits, dtype, causal, d, head
     hq, hkv = HEADS[heads]
     q, k, v, dout = _qkv(2, hq, hkv, sq, sk, d, DTYPES[dtype], zlib.crc32(repr((tile, splits, dtype, causal, d,
                                                                                heads, sq, sk)).encode()))
+    scale = 1 / math.sqrt(d)
+    out = torch.empty(2, sq, hq, d, dtype=q.dtype, device="cuda").transpose(1, 2)
+    lse = torch.empty(2, hq, sq, dtype=torch.float32, device="cuda")
+    aot.mha_fwd(q, k, v, out, lse, None, scale, causal)  # one forward: the backwards start from the same bits
     got = {}
     for name, ext in (("aot", aot), ("nvrtc", nvrtc)):
         with _forced_in(ext, tile, splits):
-            got[name] = run_raw(ext, q, k, v, dout, causal)
+            grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+            ext.mha_bwd(dout, q, k, v, out, lse, None, *grads, None, scale, causal)
+            got[name] = grads
             got[name + "_splits"] = ext.bwd_splits(2, hq, hkv, sq, sk, d, causal,
                                                     torch.cuda.get_device_properties(0).multi_processor_count)
     torch.cuda.synchronize()
@@ -545,10 +551,10 @@ def test_deterministic_backward_is_the_same_on_both_builds(splits, causal):
     """deterministic=True sums nothing by atomics, so the NVRTC build gives the AOT build's bits exactly."""
     aot, nvrtc = _both_builds()
     q, k, v, dout = _qkv(2, 16, 4, 777, 1500, 128, torch.float16, 23 + splits + causal)
-    got = {}
+    got, out_lse = {}, None
     for name, ext in (("aot", aot), ("nvrtc", nvrtc)):
         with _forced_in(ext, "auto", splits):
-            got[name], _ = run_raw_det(ext, q, k, v, dout, causal)
+            got[name], out_lse = run_raw_det(ext, q, k, v, dout, causal, out_lse)  # the AOT forward's out/lse
     torch.cuda.synchronize()
     for name, a, n in zip(("dq", "dk", "dv"), got["aot"], got["nvrtc"], strict=True):
         assert torch.equal(a, n), f"{name}: the builds differ by {(a.float() - n.float()).abs().max().item():.3e}"
