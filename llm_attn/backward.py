@@ -23,6 +23,7 @@ Both ops have fake implementations, so ``torch.compile`` traces forward and back
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -89,11 +90,16 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic = bool(rest[0]) if rest else False  # the forward op's deterministic argument
 
 
+# LLM_ATTN_BWD_DETERMINISTIC=1: every backward deterministic, as if flash_attn_func(deterministic=True) (kernel A/B
+# runs of one build compare the two: experiments/kernel_ab.py --phase bwd --variant det:LLM_ATTN_BWD_DETERMINISTIC=1).
+_DETERMINISTIC_ENV = os.environ.get("LLM_ATTN_BWD_DETERMINISTIC", "") == "1"
+
+
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, seqused_k = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+    deterministic = ctx.deterministic or _DETERMINISTIC_ENV or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, grad_lse, seqused_k, ctx.scale, ctx.causal,
                             ctx.use_kernel, deterministic)
     return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)

@@ -109,4 +109,15 @@ for dtype, kernel, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
     torch.cuda.synchronize()
     assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
 ext.set_bwd_tile(0)
+# The deterministic backward (not with --hopper: it never runs the Hopper kernel): the separate dQ kernel and the
+# split dK/dV slabs with their ordered conversion, automatic and 3-way split.
+for dtype, splits, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
+        (torch.float16, torch.bfloat16), (0, 3) if "--hopper" not in sys.argv else (), BWD_SHAPES):
+    ext.set_bwd_splits(splits)
+    q, k, v, out, lse, su = forward(dtype, b, hq, hkv, sq, sk, d, causal, used)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal, True)
+    torch.cuda.synchronize()
+    assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
+ext.set_bwd_splits(0)
 print("sanitize shapes done")
