@@ -227,8 +227,10 @@ def llm_attn_attention_forward(module, query, key, value, attention_mask, dropou
     sdpa_attention_forward: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) un-repeated, returns ((B, Sq, Hq, D),
     None)."""
     runtime = getattr(module, RUNTIME_ATTR, None) or _default_runtime()
-    fp8 = fp8_kv_of(key)
-    if fp8 is not None:  # the FP8 KV cache: read directly where the call is a decode on llm_attn, else via the copy
+    # The FP8 KV cache: read directly where the call is a decode on llm_attn, else via the copy. Not while dynamo
+    # traces (an attribute lookup on a traced tensor breaks the graph; the cache returns real copies then).
+    fp8 = None if _is_compiling() else fp8_kv_of(key)
+    if fp8 is not None:
         out = _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is_causal, scaling, kwargs)
         if out is not None:
             return out, None

@@ -101,9 +101,11 @@ class _Fp8Storage:
         return k, v
 
     def _attention_reads_fp8(self) -> bool:
-        """Whether the model this cache serves runs llm_attn's attention function now (which reads placeholders)."""
+        """Whether the model this cache serves runs llm_attn's attention function now (which reads placeholders).
+        Never while torch.compile traces: the traced attention cannot look for the FP8 view, so it gets the copy."""
         config = getattr(self, "attn_config", None)
-        return config is not None and getattr(config, "_attn_implementation", None) == "llm_attn"
+        return (config is not None and getattr(config, "_attn_implementation", None) == "llm_attn"
+                and not torch.compiler.is_compiling())
 
     def fp8(self) -> ref.Fp8KV:
         """The raw FP8 data and scales (the storage itself, not a copy) and the number of valid tokens."""
