@@ -457,8 +457,9 @@ void check_rows_f32(const at::Tensor& t, const char* name, const at::Tensor& q) 
 }
 
 // Gradients of flash attention into preallocated dq (q's shape), dk, dv (k's shape). lse: the forward's output;
-// dlse: optional gradient of it. deterministic: the same bits on every run (FlashBwdParams::deterministic). Allocates the float32 dQ accumulator and the per-row workspaces from torch's
-// caching allocator; launches on the current stream; no synchronisation.
+// dlse: optional gradient of it. deterministic: the same bits on every run (FlashBwdParams::deterministic).
+// Allocates the float32 dQ accumulator and the per-row workspaces from torch's caching allocator; launches on the
+// current stream; no synchronisation.
 void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::Tensor& dq,
              at::Tensor& dk, at::Tensor& dv, const std::optional<at::Tensor>& seqused_k, double scale, bool causal,

@@ -270,9 +270,9 @@ def test_sm90_params_layout_matches_cpp(struct):
 
 def test_params_struct_layout_matches_cpp(tmp_path):
     """Offsets of every field of FlashFwdParams, FlashFwdFp8Params, FlashFwdInt8Params and FlashBwdParams, checked by
-    the host C++ compiler on kernels/flash.h, flash_fp8.h and flash_int8.h (NVRTC has no offsetof; every NVRTC program checks the
-    sizes). The structs hold no CUDA type, so a small cuda_runtime.h stands in for the toolkit's (the pip headers
-    lack its host parts)."""
+    the host C++ compiler on kernels/flash.h, flash_fp8.h and flash_int8.h (NVRTC has no offsetof; every NVRTC
+    program checks the sizes). The structs hold no CUDA type, so a small cuda_runtime.h stands in for the toolkit's
+    (the pip headers lack its host parts)."""
     nvrtc = _nvrtc_or_skip()
     from llm_attn import _cuda_abi
 
@@ -814,8 +814,8 @@ BWD_HOST_LINES = (
                              "Traits::kThreads, Traits::kSmemBytes, stream>>>(params);"),
     ("flash_bwd_launch.cuh", "err = params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream) : "
                              "launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream); } if (err != cudaSuccess || "
-                             "!params.dq_separate) return err; return launch_flash_bwd_dq<T, kHeadDim, kCausal>(params, "
-                             "stream);"),
+                             "!params.dq_separate) return err; return launch_flash_bwd_dq<T, kHeadDim, kCausal>("
+                             "params, stream);"),
     ("flash_bwd_sm90_launch.cuh", "using BwdConfig = Sm90BwdTraits<kHeadDim, 2>;"),
     ("flash_bwd_sm90_launch.cuh", "make_qkv_maps<T>(p, kHeadDim, Traits::kBlockM, Traits::kBlockN, &sp.tma_q, "
                                   "&sp.tma_k, &sp.tma_v) && make_tensor_map<T>(&sp.tma_do, p.dout, kHeadDim, "
