@@ -77,7 +77,7 @@ def test_stacked_points_and_same_run_ttft(tmp_path, fixture_rows):
 
 def test_low_precision_note():
     fp8 = low_precision_note(registry.get("llm_attn_fp8").info())
-    assert fp8 and fp8.startswith("low precision: FP8 (e4m3)") and fp8.endswith("accuracy: see correctness")
+    assert fp8 and fp8.startswith("low precision: FP8 prefill attention") and fp8.endswith("accuracy: see correctness")
     assert low_precision_note(registry.get("llm_attn").info()) is None
     assert low_precision_note(registry.get("sdpa").info()) is None
     assert low_precision_note(None) is None
@@ -101,8 +101,11 @@ def test_stacked_plot_from_a_cpu_sweep(tmp_path, capsys):
     out.parent.mkdir(parents=True)
     assert ttft.main(["--device", "cpu", "--impl", "sdpa", "llm_attn_fp8", "--seq", "16", "48", "--measure", "ttft",
                       "breakdown", "--repeats", "1", "--warmup", "1", "--no-progress", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "low precision: FP8 (e4m3)" in text  # the fp8 row's note in the summary table
+    capsys.readouterr()
+    # the fp8 rows' table note, from what each row recorded (the compact summary table may cut the notes cell)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    fp8_notes = [low_precision_note(r.get("impl_info")) for r in rows if r["impl"] == "llm_attn_fp8"]
+    assert fp8_notes and all(n and n.startswith("low precision: FP8 prefill attention") for n in fp8_notes), fp8_notes
     write_report([tmp_path / "results"], tmp_path / "report")
     png = tmp_path / "report" / "ttft_stacked.png"
     assert png.read_bytes()[:8] == PNG
