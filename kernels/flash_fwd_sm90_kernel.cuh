@@ -271,7 +271,7 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
         release(&sm.empty_k[stage]);
         float alpha[1][2];
         const bool rescale = softmax(key0, alpha);
-        wgmma_wait<0>();
+        wgmma_wait_after<0>(st.row_sum[0][0], st.row_sum[0][1]);  // P V of the previous tile ran under the softmax
         fence_regs(o_flat);
         release(&sm.empty_v[prev]);
         if (rescale) st.rescale_o(alpha);

@@ -148,6 +148,19 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// wgmma_wait<N> that ptxas cannot schedule before `a` and `b` exist. A plain wait has no operands, and ptxas (CUDA 13)
+// hoists it to the top of its basic block, above independent ALU work: the wait for P V of tile j-1 moved above tile
+// j's whole softmax, so a consumer sat out its own P V before starting the exp2s (kernels/NOTES.md, H8). The first
+// wait is predicated on a test of a and b that holds for every value, NaN included (equ: equal or unordered), so it
+// depends on them; the second, plain, keeps ptxas's view that every accumulator read follows a wait (alone, the
+// predicated one makes it serialise the wgmmas, C7514) and stays behind the first.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_after(float a, float b) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.equ.f32 p, %0, %0;\n setp.equ.and.f32 p, %1, %1, p;\n"
+        " @p wgmma.wait_group.sync.aligned %2;\n}\n" ::"f"(a), "f"(b), "n"(N) : "memory");
+    wgmma_wait<N>();
+}
 // Keeps the compiler from moving accumulator reads/writes across an asynchronous wgmma (the registers are in use by
 // the tensor cores until wgmma_wait).
 template <int N>
