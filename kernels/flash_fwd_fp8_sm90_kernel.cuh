@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     const Fp8Smem<Traits> sm(smem_raw);
-    const BlockInfo b = BlockInfo::make<Traits, kCausal>(params.f.p);
+    const BlockInfo b = BlockInfo::make<Traits, kCausal, /*kHeadMajor=*/true>(params.f.p);
     const int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbar_init(sm.bar_q, 1);

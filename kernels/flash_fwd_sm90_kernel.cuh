@@ -98,12 +98,19 @@ struct BlockInfo {
     int causal_offset;  // row i sees keys j <= i + causal_offset
     int n_blocks;       // key tiles to visit: [0, n_blocks)
 
-    template <typename Traits, bool kCausal>
+    // Causal: heads in x and row blocks counting down in y, so each wave takes the longest remaining blocks.
+    // kHeadMajor (the FP8 kernel; kernels/NOTES.md H10): the blocks a wave runs together are one head's (one KV
+    // head's, under GQA), longest first, so they stream the same keys through L2 instead of every KV head's at once.
+    template <typename Traits, bool kCausal, bool kHeadMajor = false>
     __device__ __forceinline__ static BlockInfo make(const FlashFwdParams& p) {
         BlockInfo b;
-        // Causal: heads in x and row blocks counting down in y, so each wave takes the longest remaining blocks.
         b.m_block = kCausal ? gridDim.y - 1 - blockIdx.y : blockIdx.x;
         b.head = kCausal ? blockIdx.x : blockIdx.y;
+        if (kCausal && kHeadMajor) {  // the same grid read in launch order head by head, each longest first
+            const int lin = blockIdx.y * gridDim.x + blockIdx.x;
+            b.head = lin / gridDim.y;
+            b.m_block = gridDim.y - 1 - lin % gridDim.y;
+        }
         b.batch = blockIdx.z;
         b.kv_head = b.head / (p.num_heads / p.num_kv_heads);
         b.kv_len = p.seqused_k ? max(0, min(p.seqused_k[b.batch], p.seqlen_k)) : p.seqlen_k;
