@@ -2,6 +2,10 @@
 
     python experiments/decode_splits.py --out $OUT/decode_splits.json
     python experiments/decode_splits.py --batch 1 16 --kv 8192 --configs Deep --out /tmp/d.json   # a subset
+    python experiments/decode_splits.py --impl ours-fp8kv --batch 1 --kv 8192 32768 131072 --out /tmp/f.json
+
+`--impl ours-fp8kv` sweeps the FP8-cache decode kernel (issue 38; kernels/flash_decode_fp8kv_kernel.cuh) the same
+way: split counts only (it picks its own tile configs), GB/s of the e4m3 bytes and scales it reads.
 
 For B in {1,4,8,16} x KV in {512,2048,8192,32768} (q_len 1, 32 query / 8 KV heads, head_dim 128, bf16 by default) it
 times, in CUDA graphs of back-to-back calls over rotating inputs (the harness's kernel_bench helpers), our decode
@@ -88,8 +92,11 @@ def main(argv=None) -> int:
     p.add_argument("--kv", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     p.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16"])
     p.add_argument("--q-len", type=int, default=1, help="query rows per sequence (1..4 keep one m16 row tile)")
-    p.add_argument("--configs", nargs="+", default=["Deep", "Deep4", "Shallow"],
-                   help="forced DecodeConfig entries to sweep (kernels/generate_kernels.py's DECODE_TRAITS)")
+    p.add_argument("--impl", choices=["ours", "ours-fp8kv"], default="ours",
+                   help="ours: the decode kernel on the fp16/bf16 K/V; ours-fp8kv: the FP8-cache decode kernel")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="forced DecodeConfig entries to sweep (kernels/generate_kernels.py's DECODE_TRAITS; default "
+                        "Deep Deep4 Shallow; ours-fp8kv: auto only, its kernel has configs of its own)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every candidate)")
     p.add_argument("--per-round", type=int, default=3, help="graph replays timed per candidate and round")
     p.add_argument("--seed", type=int, default=0)
@@ -103,9 +110,11 @@ def main(argv=None) -> int:
     from llm_attn.harness.kernel_bench import DTYPES, _graphed, _inputs, make_fn, time_cuda
     from llm_attn.ops import force_decode
 
+    if args.configs is None:
+        args.configs = ["auto"] if args.impl == "ours-fp8kv" else ["Deep", "Deep4", "Shallow"]
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    bad = [c for c in args.configs if c not in _plan.DECODE_CONFIG_IDS]
+    bad = [c for c in args.configs if c != "auto" and c not in _plan.DECODE_CONFIG_IDS]
     if bad:
         p.error(f"unknown configs {bad}; known: {sorted(_plan.DECODE_CONFIG_IDS)}")
     ext = get_ext()
@@ -141,6 +150,9 @@ def _shape(torch, ext, args, rng, dtype, dt, b, kv, num_sms, _inputs, make_fn, t
     data = _inputs(b, HEADS, KV_HEADS, sq, kv, HEAD_DIM, dtype, sets)
     kv_bytes = 2 * b * KV_HEADS * kv * HEAD_DIM * elem
     n_tiles = math.ceil(kv / 64)
+    # What our kernel reads: the FP8 cache's bytes and its float32 scales (one K and one V per 64-token block).
+    ours_bytes = (2 * b * KV_HEADS * kv * HEAD_DIM + 2 * 4 * b * KV_HEADS * n_tiles if args.impl == "ours-fp8kv"
+                  else kv_bytes)
     pairs = b * KV_HEADS
     heuristic = int(ext.num_splits(b, HEADS, KV_HEADS, sq, kv, HEAD_DIM, num_sms))
     pred_s, pred_us = predicted_splits(b, KV_HEADS, kv, num_sms)
@@ -148,7 +160,7 @@ def _shape(torch, ext, args, rng, dtype, dt, b, kv, num_sms, _inputs, make_fn, t
     # Reference output (SDPA flash) and the graph size from the automatic choice's time.
     ref_fn, _ = make_fn("flash", *data[0], False)
     ref = ref_fn().float()
-    auto_fns = [make_fn("ours", q, k, v, False)[0] for q, k, v in data]
+    auto_fns = [make_fn(args.impl, q, k, v, False)[0] for q, k, v in data]
     est = min(time_cuda(auto_fns, 2, 3))
     calls = max(1, min(20, int(2.0 / max(est, 1e-3))))
 
@@ -160,7 +172,7 @@ def _shape(torch, ext, args, rng, dtype, dt, b, kv, num_sms, _inputs, make_fn, t
     for c in cands:
         try:
             if c["kind"] == "ours":
-                fns = [make_fn("ours", q, k, v, False)[0] for q, k, v in data]
+                fns = [make_fn(args.impl, q, k, v, False)[0] for q, k, v in data]
                 with force_decode(c["splits"], c["config"]):
                     out = fns[0]()
                     c["max_abs_diff"] = (out.float() - ref).abs().max().item()
@@ -184,7 +196,7 @@ def _shape(torch, ext, args, rng, dtype, dt, b, kv, num_sms, _inputs, make_fn, t
         c.pop("replay", None)
         if c.get("samples_ms"):
             c["ms"] = statistics.median(c["samples_ms"])
-            c["gbps"] = kv_bytes / c["ms"] / 1e6
+            c["gbps"] = (ours_bytes if c["kind"] == "ours" else kv_bytes) / c["ms"] / 1e6
     ours = [c for c in cands if c["kind"] == "ours" and "gbps" in c and c["max_abs_diff"] < 2e-2]
     wrong = [(c["config"], c["splits"], c["max_abs_diff"]) for c in cands
              if c["kind"] == "ours" and c.get("max_abs_diff", 0) >= 2e-2]
@@ -193,7 +205,7 @@ def _shape(torch, ext, args, rng, dtype, dt, b, kv, num_sms, _inputs, make_fn, t
     auto = next((c for c in cands if c["kind"] == "ours" and c["config"] == "auto"), {})
     deep_pred = next((c for c in cands if c.get("config") == "Deep" and c.get("splits") == pred_s), {})
     by_kind = {c["kind"]: c for c in cands if c["kind"] != "ours"}
-    return dict(dtype=dt, batch=b, kv_len=kv, q_len=sq, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    return dict(impl=args.impl, dtype=dt, batch=b, kv_len=kv, q_len=sq, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                 n_tiles=n_tiles, sets=sets, calls_per_graph=calls, heuristic_splits=heuristic,
                 predicted_splits=pred_s, predicted_us=pred_us,
                 best=dict(config=best.get("config"), splits=best.get("splits"), gbps=best.get("gbps"), ms=best.get("ms")),
@@ -225,7 +237,8 @@ def _print_row(r):
 
 
 def _print_tables(results, configs):
-    print("\nGB/s of K+V read once (median of the interleaved samples); best = fastest forced (config/splits); "
+    print("\nGB/s of the K/V bytes read once (ours-fp8kv: its e4m3 bytes and scales; cuDNN, flash: fp16/bf16) "
+          "(median of the interleaved samples); best = fastest forced (config/splits); "
           "x/cuDNN = GB/s ratio (>1 = faster than cuDNN)")
     print(f"{'dtype':5} {'B':>3} {'KV':>6} | {'best':>11} {'GB/s':>6} | {'heur':>4} {'GB/s':>6} | {'pred':>4} "
           f"{'GB/s':>6} | {'cuDNN':>6} {'flash':>6} | {'best/cuDNN':>10} {'heur/cuDNN':>10}")

@@ -9,7 +9,8 @@ and P, the output's dtype), and (b) the original unquantised K/V: the FP8 cache'
 outlier-shaped K (a few channels 10-50x). Shapes: head_dim 64 and 128, fp16 and bf16, MHA/GQA/MQA (1 to 32 rows per
 block: both row tiles), odd cache lengths (1 .. 2049 keys around the 64-key tile), q_len 1-4 causal, batch 3 with
 different lengths (seqused_k), forced KV splits (the fused combine), a static cache with junk past its length, and
-a CUDA graph. Printed with -s: the cosines.
+a CUDA graph, and (in a child process) many graphs over forced split counts replayed after one another. Printed
+with -s: the cosines.
 
     python -m pytest -s tests/test_kv_cache_fp8_gpu.py
     compute-sanitizer --tool memcheck python -m pytest -x tests/test_kv_cache_fp8_gpu.py -k grid
@@ -226,6 +227,61 @@ def test_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ops.decode_fp8_kv(q, kv, seqused_k=used))
+
+
+# The pattern under which `experiments/decode_splits.py --impl ours-fp8kv` stopped with an illegal memory access on
+# the H100 (kernels/NOTES.md, "FP8-cache decode: the split count"): per forced split count, 12 caches quantised
+# anew, one CUDA graph of 20 calls rotating over them (causal=False), every graph replayed again after all were
+# captured. In a child process, so that a fault cannot poison this process's CUDA context.
+_GRAPHS_CHILD = r"""
+import sys, torch
+from llm_attn import ops
+from llm_attn.models.kv_cache import Fp8DynamicLayer
+n, sets = 8192, 12
+torch.manual_seed(0)
+data = [(torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16),
+         torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16),
+         torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)) for _ in range(sets)]
+graphs = []
+for splits in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+    caches = []
+    for q, k, v in data:
+        layer = Fp8DynamicLayer()
+        with torch.inference_mode():
+            layer.update(k, v)
+        caches.append((q, layer.fp8()))
+    with ops.force_decode(splits):
+        want = [ops.decode_fp8_kv(q, kv, causal=False) for q, kv in caches]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(20):
+                ops.decode_fp8_kv(*caches[i % sets], causal=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [ops.decode_fp8_kv(*caches[i % sets], causal=False) for i in range(20)]
+    graphs.append((splits, graph, outs, want, caches))
+for rnd in range(2):
+    for splits, graph, outs, want, _ in graphs:
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, o in enumerate(outs):
+            if not torch.equal(o, want[i % sets]):
+                print(f"splits {splits}, call {i}, replay {rnd}: output differs from the eager call", file=sys.stderr)
+                sys.exit(3)
+print("ok")
+"""
+
+
+def test_graphs_of_many_caches_and_split_counts_replay_cleanly():
+    import subprocess
+    import sys
+
+    _ext()
+    r = subprocess.run([sys.executable, "-c", _GRAPHS_CHILD], capture_output=True, text=True, timeout=600)
+    tail = (r.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"exit {r.returncode}: {tail}"
 
 
 def test_bad_input_is_one_line_never_a_crash():
