@@ -119,6 +119,9 @@ def main(argv=None):
                    help="host mode: back-to-back calls timed per path and shape (default 300)")
     p.add_argument("--rounds", dest="host_rounds", type=positive_int, default=15,
                    help="host mode: interleaved rounds, every path once per round in a shuffled order (default 15)")
+    p.add_argument("--user-timing", action="store_true",
+                   help="host mode: also time each path as a user's script does, in a fresh process: --calls calls "
+                        "with no warm-up and wall time to a final sync (cold), then again (warm)")
     p.add_argument("--kinds", nargs="+", choices=list(ACCURACY_KINDS), default=list(ACCURACY_KINDS),
                    help="accuracy: input kinds (default: all)")
     p.add_argument("--rows", type=positive_int, default=ACCURACY_ROWS,
@@ -211,7 +214,12 @@ def _host_mode(p, args, f, argv) -> int:
     import torch  # noqa: PLC0415
 
     from llm_attn.envinfo import environment  # noqa: PLC0415
-    from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost  # noqa: PLC0415
+    from llm_attn.harness.hostcost import (  # noqa: PLC0415
+        HostShape,
+        host_cost_table,
+        measure_host_cost,
+        user_timing_table,
+    )
     from llm_attn.harness.kernel_bench import DTYPES  # noqa: PLC0415
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -229,7 +237,7 @@ def _host_mode(p, args, f, argv) -> int:
     written = 0
     for dt in args.dtypes:
         rows = measure_host_cost(device, DTYPES[dt], shapes=tuple(shapes), calls=args.repeats_host,
-                                 warmup=args.warmup, rounds=args.host_rounds)
+                                 warmup=args.warmup, rounds=args.host_rounds, user_timing=args.user_timing)
         for row in rows:
             row.update(mode="host", env=env, command=command)
             if f:
@@ -243,6 +251,11 @@ def _host_mode(p, args, f, argv) -> int:
               f"{args.repeats_host} back-to-back calls (no sync inside); in brackets: torch SDPA's µs / this path's "
               f"(>1 = this path costs the host less) [95 % paired interval]")
         print(host_cost_table(rows))
+        if args.user_timing:
+            print(f"\n{dt} on {device}, as a user's script times it (a fresh process per path and shape, "
+                  f"{args.repeats_host} calls under inference_mode, wall time to a final sync; cold: the process's "
+                  f"first calls, warm: the next {args.repeats_host})")
+            print(user_timing_table(rows))
     print(f"\n{written} rows appended to {args.out}" if f else
           "\nrows not saved: add --out FILE.jsonl to keep them (one JSON line per path and shape)")
     return 0

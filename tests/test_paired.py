@@ -275,6 +275,23 @@ def test_host_cost_runs_every_path_and_the_patch_path_is_native():
     assert re.search(r"\(\d+\.\d+x \[\d+\.\d+, \d+\.\d+\] (no difference|faster|slower)\)", table)
 
 
+def test_user_timing_runs_each_path_in_a_fresh_process_and_reports_failures():
+    """Issue 38 item 5: the host benchmark and a user's timing disagreed; user_timed times a path as such a script
+    does (fresh process, no warm-up, wall time to a sync), cold and warm, and a child that fails is a reason in the
+    row, not an exception."""
+    from llm_attn.harness.hostcost import HostShape, measure_host_cost, user_timed, user_timing_table
+
+    shape = HostShape("decode kv 64", 1, 4, 2, 1, 64, 64)
+    rows = measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=2, warmup=0, rounds=1, user_timing=True)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["user_cold_us"] > 0 and r["user_warm_us"] > 0, r
+    table = user_timing_table(rows)
+    assert "user script: cold wall µs/call" in table and "llm_attn.flash_attn_func" in table
+    bad = user_timed("no such path", shape, "cpu", torch.float32, calls=1)
+    assert set(bad) == {"user_timing_why"} and "KeyError" in bad["user_timing_why"]
+
+
 def test_python_gc_is_off_while_timing_and_restored_after():
     """A garbage collection inside one implementation's timed prefill would read as a kernel difference."""
     import contextlib

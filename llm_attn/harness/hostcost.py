@@ -16,6 +16,13 @@ paired bootstrap interval over the rounds (harness/stats.py). The paths:
 
 On a GPU the N calls only enqueue kernels (N = 300 stays far below the launch queue's depth, so the host never
 waits for the device); on the CPU every call also computes, so CPU numbers are not host costs.
+
+``user_timing=True`` (``bench --mode host --user-timing``) also times each path the way a user's script does (issue
+38 item 5: such a timing and this benchmark disagreed): in a fresh process, N back-to-back calls under
+``torch.inference_mode()`` with no warm-up, wall time up to a final synchronize ("cold": every first-call cost of
+the process is in it: lazy module loading, plan caches, pools), then N more the same way ("warm": wall time, so the
+device's time counts wherever it exceeds the host's). Against the enqueue-only number above, cold - warm is what
+the first calls cost, and warm - enqueue what waiting for the device costs.
 """
 
 from __future__ import annotations
@@ -86,37 +93,19 @@ def _attention_module(shape: HostShape, device, dtype):
 
 def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
                       shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP,
-                      rounds: int = ROUNDS, seed: int = 0) -> list[dict]:
+                      rounds: int = ROUNDS, seed: int = 0, user_timing: bool = False) -> list[dict]:
     """One dict per (shape, path): ``{"shape", "path", "us_per_call" (median over rounds), "samples_us" (one per
     round, interleaved), "vs_torch_sdpa" (median(torch SDPA) / median(path) with its paired interval: > 1 = the
     path costs the host less, ``stats.paired_ratio_interval``), ...}``; a path that cannot run here gets
-    ``us_per_call: None`` and why."""
+    ``us_per_call: None`` and why. ``user_timing``: also ``user_cold_us`` / ``user_warm_us`` (``user_timed``)."""
     from llm_attn.harness.stats import paired_ratio_interval  # noqa: PLC0415
-    from llm_attn.ops import flash_attn_func  # noqa: PLC0415
-    from llm_attn.patches.hf_attention_interface import llm_attn_attention_forward  # noqa: PLC0415
 
     device = torch.device(device)
     order = random.Random(seed)
     out = []
     with torch.inference_mode():
         for shape in shapes:
-            g = torch.Generator(device="cpu").manual_seed(0)
-            q = torch.randn(shape.batch, shape.heads, shape.q_len, shape.head_dim, generator=g).to(device, dtype)
-            k = torch.randn(shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim, generator=g).to(device, dtype)
-            v = torch.randn_like(k)
-            causal = shape.q_len > 1
-            model, module, report = _attention_module(shape, device, dtype)
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
-
-            scale = shape.head_dim ** -0.5
-            args = (module, q, k, v)
-            paths = {
-                "llm_attn.flash_attn_func": lambda a=args, c=causal: flash_attn_func(*a[1:], causal=c),
-                "llm_attn via the patch": lambda a=args, s=scale: llm_attn_attention_forward(*a, None, scaling=s),
-                "sdpa (transformers)": lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
-                "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c,
-                                                                                      enable_gqa=True),
-            }
+            model, module, report, paths = _paths(shape, device, dtype)
             rows = {name: {"shape": shape.name, "path": name, "calls": calls, "rounds": rounds,
                            "device": str(device), "dtype": str(dtype).replace("torch.", ""), **vars(shape),
                            "samples_us": []} for name in paths}
@@ -141,8 +130,99 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                     row["attention_calls"] = {"impl": report.num_native_calls,
                                               "stock_fallback": report.num_fallback_calls}
                 out.append(row)
-            del model, module, args, paths
+            del model, module, paths
+    if user_timing:
+        for row in out:
+            row.update(user_timed(row["path"], HostShape(*(row[f] for f in HostShape.__dataclass_fields__)), device,
+                                  dtype, calls))
     return out
+
+
+def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
+    """The four paths' zero-argument callables for one shape (inputs made here), with the patched model they use
+    and its patch report."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+    from llm_attn.ops import flash_attn_func  # noqa: PLC0415
+    from llm_attn.patches.hf_attention_interface import llm_attn_attention_forward  # noqa: PLC0415
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(shape.batch, shape.heads, shape.q_len, shape.head_dim, generator=g).to(device, dtype)
+    k = torch.randn(shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim, generator=g).to(device, dtype)
+    v = torch.randn_like(k)
+    causal = shape.q_len > 1
+    model, module, report = _attention_module(shape, device, dtype)
+    scale = shape.head_dim ** -0.5
+    args = (module, q, k, v)
+    paths = {
+        "llm_attn.flash_attn_func": lambda a=args, c=causal: flash_attn_func(*a[1:], causal=c),
+        "llm_attn via the patch": lambda a=args, s=scale: llm_attn_attention_forward(*a, None, scaling=s),
+        "sdpa (transformers)": lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
+        "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c, enable_gqa=True),
+    }
+    return model, module, report, paths
+
+
+# A user's script, run in a fresh process per (path, shape): the paths' objects are built first, then the timed
+# calls are the process's first calls of that path.
+_USER_CHILD = r"""
+import json, sys, time, torch
+from llm_attn.harness.hostcost import HostShape, _paths
+spec = json.loads(sys.argv[1])
+device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+with torch.inference_mode():
+    _, _, _, paths = _paths(HostShape(*spec["shape"]), device, dtype)
+    fn, walls = paths[spec["path"]], []
+    sync()
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for _ in range(spec["calls"]):
+            fn()
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e6 / spec["calls"])
+print(json.dumps({"user_cold_us": walls[0], "user_warm_us": walls[1]}))
+"""
+
+
+def user_timed(path: str, shape: HostShape, device: str | torch.device, dtype: torch.dtype, calls: int = CALLS,
+               timeout: float = 600.0) -> dict:
+    """``{"user_cold_us", "user_warm_us"}`` of one path and shape timed as a user's script does (module docstring),
+    or ``{"user_timing_why": ...}`` when the child process failed."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    spec = {"path": path, "shape": [getattr(shape, f) for f in HostShape.__dataclass_fields__],
+            "device": str(device), "dtype": str(dtype).replace("torch.", ""), "calls": calls}
+    try:
+        r = subprocess.run([sys.executable, "-c", _USER_CHILD, json.dumps(spec)], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"user_timing_why": f"timed out after {timeout:.0f} s"}
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"user_timing_why": f"exit {r.returncode}: {tail[:200]}"}
+    return json.loads(lines[-1])
+
+
+def user_timing_table(rows: list[dict], tablefmt: str = "github") -> str:
+    """Per path and shape: enqueue-only µs per call (the benchmark's), and the user-script wall µs per call cold
+    and warm (``user_timed``); '-' where not measured, the reason where the child failed."""
+    from tabulate import tabulate  # noqa: PLC0415
+
+    table = []
+    for r in rows:
+        if "user_cold_us" in r:
+            cold, warm = f"{r['user_cold_us']:.1f}", f"{r['user_warm_us']:.1f}"
+        else:
+            cold, warm = r.get("user_timing_why", "-"), ""
+        enq = "-" if r.get("us_per_call") is None else f"{r['us_per_call']:.1f}"
+        table.append([r["shape"], r["path"], enq, cold, warm])
+    return tabulate(table, headers=["shape", "path", "enqueue µs/call (warmed, no sync)",
+                                    "user script: cold wall µs/call", "warm wall µs/call"],
+                    tablefmt=tablefmt, disable_numparse=True)
 
 
 def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
