@@ -122,6 +122,9 @@ def main(argv=None):
     p.add_argument("--user-timing", action="store_true",
                    help="host mode: also time each path as a user's script does, in a fresh process: --calls calls "
                         "with no warm-up and wall time to a final sync (cold), then again (warm)")
+    p.add_argument("--user-processes", type=positive_int, default=5,
+                   help="host mode with --user-timing: fresh processes per path and shape, interleaved in shuffled "
+                        "rounds (default 5); the table gives their median [min, max]")
     p.add_argument("--kinds", nargs="+", choices=list(ACCURACY_KINDS), default=list(ACCURACY_KINDS),
                    help="accuracy: input kinds (default: all)")
     p.add_argument("--rows", type=positive_int, default=ACCURACY_ROWS,
@@ -237,7 +240,8 @@ def _host_mode(p, args, f, argv) -> int:
     written = 0
     for dt in args.dtypes:
         rows = measure_host_cost(device, DTYPES[dt], shapes=tuple(shapes), calls=args.repeats_host,
-                                 warmup=args.warmup, rounds=args.host_rounds, user_timing=args.user_timing)
+                                 warmup=args.warmup, rounds=args.host_rounds, user_timing=args.user_timing,
+                                 user_processes=args.user_processes)
         for row in rows:
             row.update(mode="host", env=env, command=command)
             if f:
@@ -252,9 +256,10 @@ def _host_mode(p, args, f, argv) -> int:
               f"(>1 = this path costs the host less) [95 % paired interval]")
         print(host_cost_table(rows))
         if args.user_timing:
-            print(f"\n{dt} on {device}, as a user's script times it (a fresh process per path and shape, "
-                  f"{args.repeats_host} calls under inference_mode, wall time to a final sync; cold: the process's "
-                  f"first calls, warm: the next {args.repeats_host})")
+            print(f"\n{dt} on {device}, as a user's script times it ({args.user_processes} fresh processes per "
+                  f"path and shape, interleaved; in each, {args.repeats_host} calls under inference_mode, wall time "
+                  f"to a final sync; cold: the process's first calls, warm: the next {args.repeats_host}); median "
+                  f"[min, max] over the processes, and torch SDPA's warm µs / this path's [95 % paired interval]")
             print(user_timing_table(rows))
     print(f"\n{written} rows appended to {args.out}" if f else
           "\nrows not saved: add --out FILE.jsonl to keep them (one JSON line per path and shape)")

@@ -282,12 +282,21 @@ def test_user_timing_runs_each_path_in_a_fresh_process_and_reports_failures():
     from llm_attn.harness.hostcost import HostShape, measure_host_cost, user_timed, user_timing_table
 
     shape = HostShape("decode kv 64", 1, 4, 2, 1, 64, 64)
-    rows = measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=2, warmup=0, rounds=1, user_timing=True)
+    rows = measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=2, warmup=0, rounds=1, user_timing=True,
+                             user_processes=2)
     assert len(rows) == 4
     for r in rows:
+        assert len(r["user_cold_samples_us"]) == len(r["user_warm_samples_us"]) == 2, r
         assert r["user_cold_us"] > 0 and r["user_warm_us"] > 0, r
+        assert min(r["user_warm_samples_us"]) <= r["user_warm_us"] <= max(r["user_warm_samples_us"])
+        iv = r.get("user_warm_vs_torch_sdpa")
+        assert (iv is None) == (r["path"] == "torch SDPA") and (iv is None or iv["n"] == 2), r
     table = user_timing_table(rows)
     assert "user script: cold wall µs/call" in table and "llm_attn.flash_attn_func" in table
+    assert "warm: torch SDPA / this path" in table and re.search(r"\d+\.\dx? \[\d+\.\d+, \d+\.\d+\]", table)
+    with pytest.raises(ValueError, match="user_processes"):
+        measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=1, warmup=0, rounds=1, user_timing=True,
+                          user_processes=0)
     bad = user_timed("no such path", shape, "cpu", torch.float32, calls=1)
     assert set(bad) == {"user_timing_why"} and "KeyError" in bad["user_timing_why"]
 

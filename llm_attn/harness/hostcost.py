@@ -21,8 +21,12 @@ waits for the device); on the CPU every call also computes, so CPU numbers are n
 38 item 5: such a timing and this benchmark disagreed): in a fresh process, N back-to-back calls under
 ``torch.inference_mode()`` with no warm-up, wall time up to a final synchronize ("cold": every first-call cost of
 the process is in it: lazy module loading, plan caches, pools), then N more the same way ("warm": wall time, so the
-device's time counts wherever it exceeds the host's). Against the enqueue-only number above, cold - warm is what
-the first calls cost, and warm - enqueue what waiting for the device costs.
+device's time counts wherever it exceeds the host's). One process is one sample, and one sample misleads (a fresh
+process meets whatever the machine is doing then), so each (path, shape) runs in ``user_processes`` processes
+(default 5), interleaved: every round starts one process per (path, shape) in a shuffled order. The row keeps every
+process's numbers, their medians, and the warm wall time's paired ratio to torch SDPA's over the rounds. Against the
+enqueue-only number above, cold - warm is what the first calls cost, and warm - enqueue what waiting for the device
+costs.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 CALLS = 300
 WARMUP = 20
 ROUNDS = 15
+USER_PROCESSES = 5
 
 
 @dataclass(frozen=True)
@@ -93,13 +98,17 @@ def _attention_module(shape: HostShape, device, dtype):
 
 def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
                       shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP,
-                      rounds: int = ROUNDS, seed: int = 0, user_timing: bool = False) -> list[dict]:
+                      rounds: int = ROUNDS, seed: int = 0, user_timing: bool = False,
+                      user_processes: int = USER_PROCESSES) -> list[dict]:
     """One dict per (shape, path): ``{"shape", "path", "us_per_call" (median over rounds), "samples_us" (one per
     round, interleaved), "vs_torch_sdpa" (median(torch SDPA) / median(path) with its paired interval: > 1 = the
     path costs the host less, ``stats.paired_ratio_interval``), ...}``; a path that cannot run here gets
-    ``us_per_call: None`` and why. ``user_timing``: also ``user_cold_us`` / ``user_warm_us`` (``user_timed``)."""
+    ``us_per_call: None`` and why. ``user_timing``: also ``user_cold_us`` / ``user_warm_us`` (medians over
+    ``user_processes`` fresh processes, ``_user_timing_rounds``)."""
     from llm_attn.harness.stats import paired_ratio_interval  # noqa: PLC0415
 
+    if user_timing and user_processes < 1:
+        raise ValueError(f"user_processes must be >= 1, got {user_processes}")
     device = torch.device(device)
     order = random.Random(seed)
     out = []
@@ -132,10 +141,43 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                 out.append(row)
             del model, module, paths
     if user_timing:
-        for row in out:
-            row.update(user_timed(row["path"], HostShape(*(row[f] for f in HostShape.__dataclass_fields__)), device,
-                                  dtype, calls))
+        _user_timing_rounds(out, device, dtype, calls, user_processes, order)
     return out
+
+
+def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: int, order: random.Random) -> None:
+    """``processes`` rounds, each timing every row's (path, shape) once in a fresh process (``user_timed``), in a
+    shuffled order; then per row the samples (``user_cold_samples_us``, ``user_warm_samples_us``), their medians
+    (``user_cold_us``, ``user_warm_us``) and ``user_warm_vs_torch_sdpa``: torch SDPA's warm wall time over this
+    path's, paired by round. A failed child ends that row's timing with its reason (``user_timing_why``)."""
+    from llm_attn.harness.stats import paired_ratio_interval  # noqa: PLC0415
+
+    live = list(range(len(rows)))
+    for r in rows:
+        r["user_cold_samples_us"], r["user_warm_samples_us"] = [], []
+    for _ in range(processes):
+        order.shuffle(live)
+        for i in list(live):
+            r = rows[i]
+            got = user_timed(r["path"], HostShape(*(r[f] for f in HostShape.__dataclass_fields__)), device, dtype,
+                             calls)
+            if "user_timing_why" in got:
+                r["user_timing_why"] = got["user_timing_why"]
+                live.remove(i)
+                continue
+            r["user_cold_samples_us"].append(got["user_cold_us"])
+            r["user_warm_samples_us"].append(got["user_warm_us"])
+    ref = {r["shape"]: r for r in rows if r["path"] == "torch SDPA" and "user_timing_why" not in r}
+    for r in rows:
+        if "user_timing_why" in r:
+            r.pop("user_cold_samples_us"), r.pop("user_warm_samples_us")
+            continue
+        r["user_cold_us"] = float(np.median(r["user_cold_samples_us"]))
+        r["user_warm_us"] = float(np.median(r["user_warm_samples_us"]))
+        base = ref.get(r["shape"])
+        if base is not None and r is not base:
+            r["user_warm_vs_torch_sdpa"] = paired_ratio_interval(base["user_warm_samples_us"],
+                                                                 r["user_warm_samples_us"])
 
 
 def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
@@ -209,19 +251,30 @@ def user_timed(path: str, shape: HostShape, device: str | torch.device, dtype: t
 
 def user_timing_table(rows: list[dict], tablefmt: str = "github") -> str:
     """Per path and shape: enqueue-only µs per call (the benchmark's), and the user-script wall µs per call cold
-    and warm (``user_timed``); '-' where not measured, the reason where the child failed."""
+    and warm (``user_timed``: median [min, max] over the processes), with the warm time's ratio to torch SDPA's
+    (> 1 = this path costs the user less); '-' where not measured, the reason where a child failed."""
     from tabulate import tabulate  # noqa: PLC0415
+
+    from llm_attn.harness.stats import format_ratio_interval  # noqa: PLC0415
+
+    def spread(r, key):
+        samples = r.get(f"{key}_samples_us") or [r[f"{key}_us"]]
+        text = f"{r[f'{key}_us']:.1f}"
+        return text + (f" [{min(samples):.1f}, {max(samples):.1f}]" if len(samples) > 1 else "")
 
     table = []
     for r in rows:
         if "user_cold_us" in r:
-            cold, warm = f"{r['user_cold_us']:.1f}", f"{r['user_warm_us']:.1f}"
+            cold, warm = spread(r, "user_cold"), spread(r, "user_warm")
+            iv = r.get("user_warm_vs_torch_sdpa")
+            vs = format_ratio_interval(iv) if iv else ("1.00x" if r["path"] == "torch SDPA" else "-")
         else:
-            cold, warm = r.get("user_timing_why", "-"), ""
+            cold, warm, vs = r.get("user_timing_why", "-"), "", ""
         enq = "-" if r.get("us_per_call") is None else f"{r['us_per_call']:.1f}"
-        table.append([r["shape"], r["path"], enq, cold, warm])
+        table.append([r["shape"], r["path"], enq, cold, warm, vs])
     return tabulate(table, headers=["shape", "path", "enqueue µs/call (warmed, no sync)",
-                                    "user script: cold wall µs/call", "warm wall µs/call"],
+                                    "user script: cold wall µs/call", "warm wall µs/call",
+                                    "warm: torch SDPA / this path"],
                     tablefmt=tablefmt, disable_numparse=True)
 
 
