@@ -7,7 +7,9 @@ TMA/mbarrier/warp-specialised pipelines); `--backward` only the backward's.
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --backward
 `--fp8` (`--int8`) runs only the FP8 (INT8) forward's launches (its pre-pass and its TMA/mbarrier/wgmma pipeline: memcheck, racecheck,
 synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks; FP8 with each key tile it has
-(128, 192: llm_attn/_kernel_table.py FP8_BLOCK_N).
+(128, 192: llm_attn/_kernel_table.py FP8_BLOCK_N). `--fp8kv` runs only the decode kernel over the FP8 KV cache
+(llm_attn.ops.decode_fp8_kv: e4m3 bytes to shared memory, the split combine): tails, GQA/MQA, q_len > 1, seqused_k,
+a static cache's unused capacity, each split count forced.
 """
 import itertools
 import math
@@ -33,7 +35,7 @@ tiles = (1, 2, 3, 4) if ext.sm90_available() else (1, 2, 3)
 runs += [(torch.bfloat16, (1, 8, 2, 300, 1000, d, c, None), t) for t in tiles for d in (64, 128) for c in (0, 1)]
 if ext.sm90_available():
     runs += [(torch.float16, (2, 8, 2, 129, 700, d, c, [700, 333]), 4) for d in (64, 128) for c in (0, 1)]
-if "--backward" in sys.argv or "--fp8" in sys.argv or "--int8" in sys.argv:
+if "--backward" in sys.argv or "--fp8" in sys.argv or "--int8" in sys.argv or "--fp8kv" in sys.argv:
     runs = []
 if "--hopper" in sys.argv:
     if not ext.sm90_available():
@@ -61,6 +63,34 @@ FP8_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (2, 8, 2, 300, 700, 128, True, [700, 5]),
     (1, 4, 1, 200, 577, 128, True, [577]),      # the 192-key tile's tail: 1 key past 3 tiles
 ]
+FP8KV_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused)
+    (1, 8, 2, 1, 17, 17, 64, None),
+    (2, 4, 1, 3, 129, 129, 128, None),
+    (1, 32, 8, 1, 4097, 4097, 128, None),       # split-KV
+    (2, 8, 8, 1, 700, 1024, 128, [700, 5]),     # static capacity past the length, per-batch lengths
+    (2, 32, 8, 4, 333, 333, 64, [333, 64]),     # 4 query heads per KV head x 4 rows: 16 of the 32 rows a block holds
+]
+if "--fp8kv" in sys.argv:
+    from llm_attn import ops
+    from llm_attn.models.kv_cache import Fp8StaticLayer
+
+    if not ops.fp8_kv_kernel_available(ext):
+        sys.exit("--fp8kv: this build has no FP8-cache decode kernel")
+    for dtype, (b, hq, hkv, sq, n, cap, d, used), splits in itertools.product(
+            (torch.float16, torch.bfloat16), FP8KV_SHAPES, (0, 1, 3, 16)):
+        layer = Fp8StaticLayer(max_cache_len=cap)
+        with torch.inference_mode():
+            layer.update(torch.randn(b, hkv, n, d, device="cuda", dtype=dtype),
+                         torch.randn(b, hkv, n, d, device="cuda", dtype=dtype))
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+        su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
+        with ops.force_decode(splits=splits):
+            out = ops.decode_fp8_kv(q, layer.fp8(), causal=True, seqused_k=su, path="kernel")
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+    print("sanitize shapes done (fp8kv)")
+    sys.exit(0)
+
 for lowp in ("fp8", "int8"):
     if f"--{lowp}" not in sys.argv:
         continue
