@@ -1,9 +1,10 @@
 """What the NVRTC launchers pass to the kernels, and the CUDA driver API they go through: the ctypes mirrors of
 ``llm_attn::FlashFwdParams`` (kernels/flash.h), ``FlashFwdFp8Params`` (kernels/flash_fp8.h), ``FlashFwdInt8Params``
-(kernels/flash_int8.h) and the backward's ``FlashBwdParams`` (kernels/flash.h) (every program NVRTC compiles
-static_asserts their sizes; tests/test_nvrtc.py checks every offset with the host C++ compiler) and cuda-python's
-driver module with one error check. Shared by ``llm_attn._nvrtc`` (the launchers) and ``llm_attn._nvrtc_sm90`` (the
-Hopper kernels' parameters and tensor maps), below both.
+(kernels/flash_int8.h), the backward's ``FlashBwdParams`` (kernels/flash.h) and the FP8-cache decode's
+``FlashDecodeFp8KvParams`` (kernels/flash_decode_fp8kv.h) (every program NVRTC compiles static_asserts their sizes;
+tests/test_nvrtc.py checks every offset with the host C++ compiler) and cuda-python's driver module with one error
+check. Shared by ``llm_attn._nvrtc`` (the launchers) and ``llm_attn._nvrtc_sm90`` (the Hopper kernels' parameters and
+tensor maps), below both.
 """
 
 from __future__ import annotations
@@ -77,9 +78,20 @@ class FlashBwdParams(ctypes.Structure):
     ]
 
 
-# (C++ name, mirror) of every by-value parameter struct of kernels/ (flash.h, flash_fp8.h, flash_int8.h).
+class FlashDecodeFp8KvParams(ctypes.Structure):
+    """Mirror of llm_attn::FlashDecodeFp8KvParams (kernels/flash_decode_fp8kv.h): FlashFwdParams (K/V strides in
+    bytes), then the per-64-token-block scales of K and V and their batch and head strides (in floats)."""
+
+    _fields_ = [("base", FlashFwdParams), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+                ("ks_batch_stride", ctypes.c_int64), ("ks_head_stride", ctypes.c_int64),
+                ("vs_batch_stride", ctypes.c_int64), ("vs_head_stride", ctypes.c_int64)]
+
+
+# (C++ name, mirror) of every by-value parameter struct of kernels/ (flash.h, flash_fp8.h, flash_int8.h,
+# flash_decode_fp8kv.h); _nvrtc._KERNEL_HEADERS names them by their index here.
 STRUCTS = (("llm_attn::FlashFwdParams", FlashFwdParams), ("llm_attn::FlashFwdFp8Params", FlashFwdFp8Params),
-           ("llm_attn::FlashFwdInt8Params", FlashFwdInt8Params), ("llm_attn::FlashBwdParams", FlashBwdParams))
+           ("llm_attn::FlashFwdInt8Params", FlashFwdInt8Params), ("llm_attn::FlashBwdParams", FlashBwdParams),
+           ("llm_attn::FlashDecodeFp8KvParams", FlashDecodeFp8KvParams))
 
 
 @functools.lru_cache(maxsize=1)

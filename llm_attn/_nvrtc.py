@@ -29,6 +29,11 @@ for the device's arch or, on compute capability 9.0, the Hopper one for sm_90a w
 Sm90BwdParams, then the dQ and dK/dV conversions), ``set_bwd_splits`` / ``set_bwd_tile`` / ``bwd_splits``
 (``llm_attn.backward.force_bwd_splits`` / ``force_bwd_tile``; LLM_ATTN_BWD_SPLITS / LLM_ATTN_BWD_TILE as the
 extension reads them).
+
+And the decode over the FP8 KV cache, as the extension has it: ``mha_decode_fp8kv`` (binding.cpp's checks and
+messages, flash_decode_fp8kv_num_splits' split count with ``set_decode_splits`` forcing it, mha_fwd's split workspace
+and decode counter pool, run_flash_decode_fp8kv's one launch through ``llm_attn._plan.decode_fp8kv_plan``; the kernel
+for the device's arch, sm_80 and up: it needs no FP8 hardware) and ``decode_fp8kv_max_rows``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import ctypes
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -48,7 +54,9 @@ from pathlib import Path
 import torch
 
 from llm_attn import _cuda_abi, _plan, kernel_contract
-from llm_attn._cuda_abi import FlashBwdParams, FlashFwdFp8Params, FlashFwdInt8Params, FlashFwdParams
+from llm_attn._cuda_abi import (FlashBwdParams, FlashDecodeFp8KvParams, FlashFwdFp8Params, FlashFwdInt8Params,
+                                FlashFwdParams)
+from llm_attn.kernel_contract import _shape
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
 
@@ -186,6 +194,7 @@ _KERNEL_HEADERS = (
     ("flash_fwd_fp8_sm90_kernel<", "flash_fwd_fp8_sm90_kernel.cuh", (0, 1), "Fp8Sm90Params"),
     ("llm_attn::int8fwd::int8_", "flash_fwd_int8_quant.cuh", (2,), None),
     ("flash_fwd_int8_kernel<", "flash_fwd_int8_kernel.cuh", (2,), None),
+    ("flash_decode_fp8kv_kernel<", "flash_decode_fp8kv_kernel.cuh", (4,), None),
 )
 
 
@@ -882,6 +891,136 @@ def mha_fwd_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: t
         for launch in _plan.int8_launches(shape, p.fp8_pv):
             _launch(index, launch, p, stream)
     del workspace
+    return out, lse
+
+
+# -- the decode over the FP8 KV cache: binding.cpp's mha_decode_fp8kv, decode_fp8kv_max_rows ------------------------
+# c10's names of the dtypes, as binding.cpp's messages print a tensor's scalar_type().
+_SCALAR_TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
+                      torch.float64: "Double", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short",
+                      torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool",
+                      torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2"}
+_FP8KV_DATA_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # e4m3, or its bits
+_FP8KV_SCALE_BLOCK = 64  # tokens per K/V scale: the kernel's key tile (DecodeFp8KvTraits::kBlockN)
+
+
+def _scalar_type(t: torch.Tensor) -> str:
+    return _SCALAR_TYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+
+
+def _fp8kv_data_problem(t: torch.Tensor, name: str, q: torch.Tensor) -> str | None:
+    """binding.cpp's check_fp8kv_data."""
+    if not (t.is_cuda and t.device == q.device):
+        return f"{name} must be a CUDA tensor on q's device"
+    if t.dtype not in _FP8KV_DATA_DTYPES:
+        return f"{name} must be float8_e4m3fn (or its uint8 bits), got {_scalar_type(t)}"
+    if t.dim() != 4:
+        return f"{name} must be 4-D (batch, kv_heads, tokens, head_dim), got {t.dim()}-D"
+    st = t.stride()
+    if st[3] != 1:
+        return f"{name} must be contiguous in head_dim"
+    if any(st[d] % 16 and t.shape[d] != 1 for d in range(3)):
+        return f"{name} strides must be multiples of 16 bytes, got {_shape(st)}"
+    if t.data_ptr() % 16:
+        return f"{name} must be 16-byte aligned"
+    return None
+
+
+def decode_fp8kv_problem(q, k_data, v_data, k_scale, v_scale, seqused_k, scale: float) -> str | None:
+    """What binding.cpp's mha_decode_fp8kv refuses, in its words and order (without its "llm_attn.mha_decode_fp8kv: "
+    prefix), or None."""
+    if q.dtype not in kernel_contract.KERNEL_DTYPES:
+        return f"q must be float16 or bfloat16, got {_scalar_type(q)}"
+    if not (q.is_cuda and q.dim() == 4):
+        return "q must be a 4-D CUDA tensor (batch, heads, q_len, head_dim)"
+    st = q.stride()
+    if st[3] != 1:
+        return "q must be contiguous in head_dim"
+    if any(st[d] % 8 and q.shape[d] != 1 for d in range(3)):
+        return f"q strides must be multiples of 8 elements, got {_shape(st)}"
+    if q.data_ptr() % 16:
+        return "q must be 16-byte aligned"
+    for t, name in ((k_data, "k_data"), (v_data, "v_data")):
+        problem = _fp8kv_data_problem(t, name, q)
+        if problem:
+            return problem
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k_data.shape[1], k_data.shape[2]
+    if head_dim not in (64, 128):
+        return f"head_dim must be 64 or 128, got {head_dim}"
+    if k_data.shape != v_data.shape:
+        return f"k_data {_shape(k_data.shape)} and v_data {_shape(v_data.shape)} must have the same shape"
+    if k_data.shape[0] != batch or k_data.shape[3] != head_dim:
+        return f"k_data/v_data {_shape(k_data.shape)} do not match q {_shape(q.shape)}"
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})"
+    if min(batch, num_heads, seqlen_q, seqlen_k) <= 0:
+        return f"empty input: q {_shape(q.shape)}, k_data {_shape(k_data.shape)}"
+    rows = num_heads // num_kv_heads * seqlen_q
+    if rows > _plan.DECODE_MAX_ROWS:
+        return (f"(query heads per kv head) x q_len must be <= {_plan.DECODE_MAX_ROWS} for the decode kernel, got "
+                f"{rows} (longer queries read the cache's dequantised copy)")
+    if seqlen_k >= kernel_contract.KERNEL_MAX_SEQ_LEN:
+        return "sequence too long"
+    if num_kv_heads > 65535 or batch > 65535:  # the grid's y and z
+        return "at most 65535 kv heads and batch 65535"
+    for t, name, data in ((k_scale, "k_scale", k_data), (v_scale, "v_scale", v_data)):  # check_fp8kv_scale
+        blocks = -(-data.shape[2] // _FP8KV_SCALE_BLOCK)
+        if not (t.is_cuda and t.device == q.device and t.dtype == torch.float32 and t.dim() == 3
+                and tuple(t.shape[:2]) == tuple(data.shape[:2]) and t.shape[2] >= blocks and t.stride(2) == 1):
+            return (f"{name} must be float32 (batch, kv_heads, >= {blocks} blocks) on q's device with adjacent "
+                    f"blocks, got {_scalar_type(t)} {_shape(t.shape)}")
+    if not (math.isfinite(scale) and scale >= 0):  # binding.cpp formats the number with %g
+        return f"scale must be finite and >= 0, got {scale:g}"
+    if seqused_k is not None and not (seqused_k.is_cuda and seqused_k.device == q.device
+                                      and seqused_k.dtype == torch.int32 and seqused_k.dim() == 1
+                                      and seqused_k.shape[0] == batch and seqused_k.is_contiguous()):
+        return "seqused_k must be a contiguous int32 tensor of shape (batch,) on q's device"
+    return None
+
+
+def decode_fp8kv_max_rows() -> int:
+    """The largest (query heads per KV head) x q_len the FP8-cache decode kernel takes (kDecodeMaxRows)."""
+    return _plan.DECODE_MAX_ROWS
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_fp8kv_plan_for(index: int, shape: _plan.Shape) -> _plan.Plan:
+    """The FP8-cache decode's plan per (device, shape, forced split): nothing to choose again on a later layer."""
+    return _plan.decode_fp8kv_plan(shape, device_info(index)[1])
+
+
+def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_scale: torch.Tensor,
+                     v_scale: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
+                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over the FP8 (e4m3) KV cache, dequantised in registers: binding.cpp's mha_decode_fp8kv, with
+    its checks and messages (decode_fp8kv_problem), its split count (flash_decode_fp8kv_num_splits: the decode rule,
+    set_decode_splits forcing it), the split workspace of mha_fwd (float32 partials from torch's caching allocator,
+    the arrival counters from the decode counter pool, else zeroed in the same allocation) and its one launch
+    (_plan.decode_fp8kv_plan), on the current stream, without synchronisation. Returns (out (B, Hq, Sq, D) in
+    (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without K's smoothing shift)."""
+    scale = float(scale)
+    problem = decode_fp8kv_problem(q, k_data, v_data, k_scale, v_scale, seqused_k, scale)
+    if problem:
+        raise RuntimeError("llm_attn.mha_decode_fp8kv: " + problem)
+    out, lse = _empty_outputs(q)
+    with _device_of(q) as (index, stream):
+        b, hq, sq, d = q.shape
+        shape = _plan.Shape(b, hq, k_data.shape[1], sq, k_data.shape[2], d, bool(causal), q.dtype == torch.bfloat16,
+                            decode_splits=_decode_splits)
+        plan = _decode_fp8kv_plan_for(index, shape)
+        fp = FlashDecodeFp8KvParams()
+        p = fp.base  # a view of fp's memory: what is set on it is fp's
+        _set_shapes(p, q, k_data, v_data, out, scale, causal)  # the k/v strides: bytes = elements
+        _set_pointers(p, q, k_data, v_data, out, lse, seqused_k)
+        p.tile, p.num_splits = _plan.TILE_AUTO, plan.num_splits
+        fp.k_scale, fp.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        fp.ks_batch_stride, fp.ks_head_stride = k_scale.stride()[:2]
+        fp.vs_batch_stride, fp.vs_head_stride = v_scale.stride()[:2]
+        workspace = _workspace(p, plan, q, k_data, index, stream)
+        for launch in plan.launches:
+            _launch(index, launch, fp, stream)
+    del workspace  # it lived until the launch was queued; the allocator orders its reuse by stream
     return out, lse
 
 

@@ -9,7 +9,8 @@ code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits`` (kernel
 (kernels/flash_fwd_launch.cuh), ``run_flash_decode_`` / ``launch_decode`` (kernels/flash_decode_launch.cuh), the
 smem formulas of ``FwdTraits`` / ``DecodeTraits``, and the Hopper kernel's choice and launch: ``use_sm90``
 (kernels/flash_fwd.cu), ``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh,
-flash_fwd_sm90_kernel.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+flash_fwd_sm90_kernel.cuh), and the FP8-cache decode's (``decode_fp8kv_plan``: kernels/flash_decode_fp8kv.cu,
+flash_decode_fp8kv_launch.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
 tests/test_nvrtc.py compiles every instantiation listed here and checks the Hopper choice against the C++ lines it
 mirrors. Pure Python: importable without CUDA.
 """
@@ -348,6 +349,72 @@ def sm90_kernels() -> list[str]:
                 if d == 64:
                     names.append(sm90_kernel_name(bf16, Sm90Traits(64, consumers=3), causal))
     return names
+
+
+# -- the decode over the FP8 KV cache -------------------------------------------------------------------------------
+# binding.cpp's mha_decode_fp8kv: the split count is flash_decode_fp8kv_num_splits (kernels/flash_decode_fp8kv.cu:
+# the fp16 decode kernel's rule, a forced count included; the decode config override does not apply), the launch
+# run_flash_decode_fp8kv_ / launch_decode_fp8kv (flash_decode_fp8kv_launch.cuh): one config per row count
+# (DecodeFp8KvConfig<D>, the generated table), grid (splits, KV heads, batch). tests/test_nvrtc.py runs the C++ split
+# rule itself against decode_fp8kv_num_splits and reads the traits' constants back from the C++.
+DECODE_FP8KV_CONFIGS = {name: (mt, st) for name, mt, st in _table.DECODE_FP8KV_TRAITS}  # name -> (m_tiles, stages)
+
+
+@dataclass(frozen=True)
+class DecodeFp8KvTraits:
+    """DecodeFp8KvTraits<kHeadDim, kMTiles, kStages> (kernels/flash_decode_fp8kv_kernel.cuh): 4 warps x 16 keys of
+    each 64-key tile (the cache's scale block), 16 m_tiles rows, stages e4m3 K/V tiles."""
+
+    head_dim: int
+    m_tiles: int
+    stages: int
+
+    threads = 128
+    block_n = 64
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: fp16 Q + the scales (128) + max(stages x (K + V) bytes, merge buffer)
+        rows, d = 16 * self.m_tiles, self.head_dim
+        return rows * d * 2 + 128 + max(2 * self.stages * self.block_n * d, 4 * rows * d * 4)
+
+    def cpp(self) -> str:
+        return f"llm_attn::DecodeFp8KvTraits<{self.head_dim}, {self.m_tiles}, {self.stages}>"
+
+
+def decode_fp8kv_kernel_name(is_bf16: bool, traits: DecodeFp8KvTraits) -> str:
+    return f"llm_attn::flash_decode_fp8kv_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}>"
+
+
+def decode_fp8kv_num_splits(s: Shape, num_sms: int) -> int:
+    """flash_decode_fp8kv_num_splits: flash_fwd_num_splits (the decode rule, ``decode_splits`` forcing it) where the
+    decode kernel takes the rows, else 1."""
+    return num_splits(s, num_sms) if use_decode_kernel(s) else 1
+
+
+def decode_fp8kv_traits(s: Shape) -> DecodeFp8KvTraits:
+    """run_flash_decode_fp8kv_: two m16 row tiles (TwoTiles) for 17-32 rows, else one (OneTile), on every device."""
+    rows = s.num_heads // s.num_kv_heads * s.seqlen_q
+    return DecodeFp8KvTraits(s.head_dim, *DECODE_FP8KV_CONFIGS["TwoTiles" if rows > 16 else "OneTile"])
+
+
+def decode_fp8kv_plan(s: Shape, dev: Device) -> Plan:
+    """run_flash_decode_fp8kv with the split count binding.cpp computes: one launch, the fused combine in it (its
+    split counters must be zero when it splits)."""
+    if s.head_dim not in CONFIGS or not use_decode_kernel(s):  # run_flash_decode_fp8kv: cudaErrorInvalidValue
+        raise ValueError(f"the FP8-cache decode kernel takes head_dim 64 or 128 and at most {DECODE_MAX_ROWS} rows "
+                         f"per block, got head_dim {s.head_dim}, {s.num_heads // s.num_kv_heads * s.seqlen_q} rows")
+    splits = decode_fp8kv_num_splits(s, dev.num_sms)
+    t = decode_fp8kv_traits(s)
+    return Plan(splits, True, (Launch(decode_fp8kv_kernel_name(s.is_bf16, t), (splits, s.num_kv_heads, s.batch),
+                                      t.threads, t.smem_bytes),))
+
+
+def decode_fp8kv_kernels() -> list[str]:
+    """Every FP8-cache decode instantiation the AOT build compiles (flash_decode_fp8kv_hdim{D}_{dtype}.cu through
+    run_flash_decode_fp8kv_): per (head_dim, dtype) each config of DecodeFp8KvConfig<D>."""
+    return [decode_fp8kv_kernel_name(tag == "bf16", DecodeFp8KvTraits(d, mt, st))
+            for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "decode_fp8kv"
+            for mt, st in DECODE_FP8KV_CONFIGS.values()]
 
 
 # -- the low-precision forwards ------------------------------------------------------------------------------------

@@ -482,9 +482,9 @@ def _fp8_kv_storage_problem(kv, kvref) -> str | None:
 
 
 def fp8_kv_kernel_available(ext=None) -> bool:
-    """Whether the kernel build here has the FP8-cache decode kernel (the AOT build from the commit that added it;
-    the NVRTC build has none yet). Any CUDA GPU of the build's archs runs it: it needs no FP8 hardware (the e4m3
-    bytes are converted with integer operations, kernels/flash_decode_fp8kv_kernel.cuh)."""
+    """Whether the kernel build here has the FP8-cache decode kernel: the NVRTC build, and an AOT build from the
+    commit that added it on. Any CUDA GPU of the build's archs (sm_80 and up) runs it: it needs no FP8 hardware (the
+    e4m3 bytes are converted with integer operations, kernels/flash_decode_fp8kv_kernel.cuh)."""
     try:
         ext = ext or _current_ext()
     except KernelNotBuiltError:
@@ -534,9 +534,9 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
                                       seqused_k=seqused_k, rounding=rounding)
     ext = _current_ext()  # raises KernelNotBuiltError with build instructions
     if not hasattr(ext, "mha_decode_fp8kv"):
-        raise KernelNotBuiltError(f"this {kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv): "
-                                  f"rebuild the extension (python -m pip install --no-build-isolation -e .), or read "
-                                  f"the cache's dequantised copy")
+        raise KernelNotBuiltError(f"this {kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv): an "
+                                  f"extension built before it: rebuild it (python -m pip install --no-build-isolation "
+                                  f"-e .), or LLM_ATTN_BUILD=nvrtc, or read the cache's dequantised copy")
     n = kv.length
     out, lse = ext.mha_decode_fp8kv(_readable(q), kv.k_data[:, :, :n], kv.v_data[:, :, :n], kv.k_scale, kv.v_scale,
                                     seqused_k, scale, bool(causal))

@@ -1,6 +1,8 @@
 """GPU tests of the decode kernel over the FP8 (e4m3) KV cache (kernels/flash_decode_fp8kv_kernel.cuh, reached through
 ``llm_attn.ops.decode_fp8_kv`` and the patched attention); skipped, with the reason, without CUDA or without a
-build that has the kernel (the AOT extension; the NVRTC build has none yet).
+build that has the kernel. Every test runs once per kernel build (the AOT extension, NVRTC: conftest.py's
+``cuda_ext``); ``LLM_ATTN_BUILD=nvrtc`` (or ``LLM_ATTN_BACKEND=nvrtc``) runs the NVRTC one only, and
+``test_nvrtc_is_the_aot_kernel`` compares the two builds on the same inputs.
 
 Each case: fresh random inputs, the cache quantised by the cache's own code (``Fp8DynamicLayer``), the output
 allocated from memory poisoned with NaN (the caching allocator hands the freed block back), the result compared with
@@ -13,12 +15,14 @@ a CUDA graph, and (in a child process) many graphs over forced split counts repl
 with -s: the cosines.
 
     python -m pytest -s tests/test_kv_cache_fp8_gpu.py
+    LLM_ATTN_BUILD=nvrtc python -m pytest tests/test_kv_cache_fp8_gpu.py
     compute-sanitizer --tool memcheck python -m pytest -x tests/test_kv_cache_fp8_gpu.py -k grid
 """
 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import pytest
@@ -34,16 +38,19 @@ HEADS = {"mha": (8, 8), "gqa": (32, 8), "mqa": (32, 1)}  # rows per block: 1, 4,
 LENGTHS = [1, 17, 63, 64, 65, 127, 129, 1000, 2049]
 
 
-def _ext():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    try:
-        ext = ops._current_ext()
-    except ops.KernelNotBuiltError as e:
-        pytest.skip(f"no kernel build: {str(e).splitlines()[0]}")
-    if not hasattr(ext, "mha_decode_fp8kv"):
-        pytest.skip(f"the {ops.kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv)")
-    return ext
+@pytest.fixture
+def ext(cuda_ext, request):
+    """The kernel build this test runs on (conftest.py's ``cuda_ext``: once per build, that build selected for
+    ``llm_attn.ops`` too); skipped, with the reason, where the build lacks the kernel (an extension built before it)
+    or LLM_ATTN_BUILD names the other build."""
+    build = request.node.callspec.params["cuda_ext"]
+    only = os.environ.get("LLM_ATTN_BUILD", "").strip().lower()
+    if only in ("aot", "nvrtc") and only != build:
+        pytest.skip(f"LLM_ATTN_BUILD={only} selects the other build")
+    if not hasattr(cuda_ext, "mha_decode_fp8kv"):
+        pytest.skip(f"the {build} build has no FP8-cache decode kernel (mha_decode_fp8kv): an extension built before "
+                    f"it")
+    return cuda_ext
 
 
 def _inputs(b, hq, hkv, sq, n, d, dtype, seed, outliers=True, spread=1.0):
@@ -136,8 +143,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("dtype,d,heads,n,sq", _cases())
-def test_decode_over_the_fp8_cache_grid(dtype, d, heads, n, sq):
-    _ext()
+def test_decode_over_the_fp8_cache_grid(ext, dtype, d, heads, n, sq):
     hq, hkv = HEADS[heads]
     seed = zlib.crc32(repr((dtype, d, heads, n, sq)).encode())
     q, k, v, kv = _inputs(2, hq, hkv, sq, n, d, DTYPES[dtype], seed)
@@ -148,10 +154,9 @@ def test_decode_over_the_fp8_cache_grid(dtype, d, heads, n, sq):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("d", [64, 128])
-def test_batch_with_different_lengths_and_forced_splits(dtype, d):
+def test_batch_with_different_lengths_and_forced_splits(ext, dtype, d):
     """Batch 3 over one cache of 1500 slots, each row using its own length (seqused_k: 1500, 777, 0), decode and
     q_len 3 causal; KV splits automatic and forced to 1, 2, 7 (the fused combine of the last block)."""
-    _ext()
     q, k, v, kv = _inputs(3, 32, 8, 1, 1500, d, DTYPES[dtype], 7)
     used = torch.tensor([1500, 777, 0], device="cuda")
     for splits in (0, 1, 2, 7):
@@ -161,10 +166,9 @@ def test_batch_with_different_lengths_and_forced_splits(dtype, d):
             _check(q3, k, v, kv, causal=True, used=used, label=f"q_len 3, splits {splits}")
 
 
-def test_static_cache_junk_past_the_length_is_never_read():
+def test_static_cache_junk_past_the_length_is_never_read(ext):
     """A view of the first n slots of a larger buffer whose other slots hold e4m3 junk (NaN bytes included): the
     kernel reads n keys only, whatever the junk."""
-    _ext()
     q, k, v, kv = _inputs(1, 32, 8, 1, 300, 128, torch.bfloat16, 11)
     cap = 512
     kd = torch.full((1, 8, cap, 128), 0x7F, dtype=torch.uint8, device="cuda").view(ref.STORAGE_DTYPE)  # NaN bytes
@@ -178,10 +182,9 @@ def test_static_cache_junk_past_the_length_is_never_read():
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_outlier_keys_cosine_against_float64(d):
+def test_outlier_keys_cosine_against_float64(ext, d):
     """The issue's kernel-level target: decode over the FP8 cache of outlier-shaped K (Llama 3 8B's 32/8 heads,
     4096 keys) has cosine >= 0.999 against float64 attention over the unquantised bf16 K/V."""
-    _ext()
     q, k, v, kv = _inputs(1, 32, 8, 1, 4096, d, torch.bfloat16, 3)
     out, _ = _run(q, kv)
     want, _ = _float64(q, k, v, False, torch.full((1,), 4096, device="cuda"))
@@ -193,12 +196,11 @@ def test_outlier_keys_cosine_against_float64(d):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_outlier_spread_costs_accuracy(d):
+def test_outlier_spread_costs_accuracy(ext, d):
     """Outlier channels that also spread 10x around their bias (not only biased): smoothing removes the bias, not
     the spread, and e4m3's ~2.6 % relative rounding of those large values becomes score error. Measured on the CPU
     reference: cosine 0.996-0.998 at 64-4096 keys (0.9992-0.9993 with bias-only outliers). A bound that catches a
     broken kernel (and says what the format costs here), not the issue's 0.999."""
-    _ext()
     q, k, v, kv = _inputs(1, 32, 8, 1, 4096, d, torch.bfloat16, 3, spread=10.0)
     out, _ = _run(q, kv)
     want, _ = _float64(q, k, v, False, torch.full((1,), 4096, device="cuda"))
@@ -207,8 +209,7 @@ def test_outlier_spread_costs_accuracy(d):
     assert cos >= 0.99
 
 
-def test_cuda_graph_capture_and_replay():
-    _ext()
+def test_cuda_graph_capture_and_replay(ext):
     q, k, v, kv = _inputs(2, 32, 8, 1, 3000, 128, torch.float16, 5)
     used = torch.tensor([3000, 2000], dtype=torch.int32, device="cuda")
     eager = ops.decode_fp8_kv(q, kv, seqused_k=used)
@@ -274,18 +275,18 @@ print("ok")
 """
 
 
-def test_graphs_of_many_caches_and_split_counts_replay_cleanly():
+def test_graphs_of_many_caches_and_split_counts_replay_cleanly(ext, request):
     import subprocess
     import sys
 
-    _ext()
-    r = subprocess.run([sys.executable, "-c", _GRAPHS_CHILD], capture_output=True, text=True, timeout=600)
+    build = request.node.callspec.params["cuda_ext"]  # the child runs the same build (LLM_ATTN_BUILD wins if set)
+    env = {**os.environ, "LLM_ATTN_BUILD": build, "LLM_ATTN_BACKEND": build}
+    r = subprocess.run([sys.executable, "-c", _GRAPHS_CHILD], capture_output=True, text=True, timeout=600, env=env)
     tail = (r.stderr.strip().splitlines() or ["(no stderr)"])[-1]
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"exit {r.returncode}: {tail}"
 
 
-def test_bad_input_is_one_line_never_a_crash():
-    ext = _ext()
+def test_bad_input_is_one_line_never_a_crash(ext):
     q, k, v, kv = _inputs(1, 8, 2, 1, 100, 64, torch.float16, 1)
     for bad, match in (((q.float(), kv), "float16 or bfloat16"),
                        ((torch.randn(1, 8, 20, 64, device="cuda", dtype=torch.float16), kv), "> 32"),
@@ -307,10 +308,67 @@ def test_bad_input_is_one_line_never_a_crash():
         assert "llm_attn.mha_decode_fp8kv" in str(e.value)
 
 
-def test_tiny_model_decode_reads_the_bytes_on_the_gpu():
+def _build(name: str):
+    """The module of build `name` with the FP8-cache decode kernel, or skip saying why it is missing (a failure where
+    LLM_ATTN_REQUIRE_BACKENDS names it)."""
+    from llm_attn import _ext
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    status = _ext.backend_status()[name]
+    required = {b.strip() for b in os.environ.get("LLM_ATTN_REQUIRE_BACKENDS", "").split(",") if b.strip()}
+    if status != "available":
+        if name in required:
+            pytest.fail(f"the {name} build is required but not available: {status}")
+        pytest.skip(f"needs the {name} build: {status}")
+    mod = _ext._load(name)[0]
+    if not hasattr(mod, "mha_decode_fp8kv"):
+        pytest.skip(f"the {name} build has no FP8-cache decode kernel (mha_decode_fp8kv): an extension built before it")
+    return mod
+
+
+@pytest.mark.parametrize("splits", [0, 1, 7])
+@pytest.mark.parametrize("heads,sq", [("gqa", 1), ("mqa", 1), ("gqa", 3)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_nvrtc_is_the_aot_kernel(splits, heads, sq, d):
+    """The NVRTC build runs the AOT build's FP8-cache decode: the same kernel source, config, split count (automatic
+    and forced) and launch on the same inputs, so the outputs agree to the last bits the two compilers may round
+    differently (the forward's NVRTC/AOT outputs were bit-identical on the H200); both refuse bad input with the
+    same words."""
+    aot, nvrtc = _build("aot"), _build("nvrtc")
+    hq, hkv = HEADS[heads]
+    q, _, _, kv = _inputs(3, hq, hkv, sq, 1500, d, torch.bfloat16, zlib.crc32(repr((splits, heads, sq, d)).encode()))
+    n = kv.length
+    used = torch.tensor([1500, 777, 0], dtype=torch.int32, device="cuda")
+    args = (q, kv.k_data[:, :, :n], kv.v_data[:, :, :n], kv.k_scale, kv.v_scale, used, 1 / math.sqrt(d), sq > 1)
+    got = {}
+    for name, mod in (("aot", aot), ("nvrtc", nvrtc)):
+        prev = mod.set_decode_splits(splits)
+        try:
+            got[name] = mod.mha_decode_fp8kv(*args)
+        finally:
+            mod.set_decode_splits(prev)
+    torch.cuda.synchronize()
+    (out_a, lse_a), (out_n, lse_n) = got["aot"], got["nvrtc"]
+    assert out_n.stride() == out_a.stride() and not out_n.isnan().any()
+    torch.testing.assert_close(out_n, out_a, rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(lse_n, lse_a, rtol=1e-5, atol=1e-5)
+    for i, value in ((0, q.float()), (1, kv.k_scale), (3, kv.k_scale[:, :, :1]), (2, kv.v_data[:, :, :n - 1]),
+                     (6, float("nan")), (6, -1.0), (5, torch.zeros(2, dtype=torch.int32, device="cuda")),
+                     (0, q[..., :48].contiguous()), (0, torch.randn(3, hq, 40, d, device="cuda").to(q.dtype))):
+        bad = list(args)
+        bad[i] = value
+        said = []
+        for mod in (aot, nvrtc):
+            with pytest.raises(RuntimeError) as e:
+                mod.mha_decode_fp8kv(*bad)
+            said.append(str(e.value).splitlines()[0])
+        assert said[0] == said[1] and said[0].startswith("llm_attn.mha_decode_fp8kv: "), said
+
+
+def test_tiny_model_decode_reads_the_bytes_on_the_gpu(ext):
     """The tiny Llama on the GPU (fp16), patched: generate() on the FP8 cache runs every decode step's attention on
     the kernel (the report says so) and gives stock sdpa's tokens on the same cache (its dequantised copy)."""
-    _ext()
     from llm_attn import patch_model, unpatch_model
     from llm_attn.models import load_model
     from llm_attn.models.kv_cache import Fp8DynamicCache, Fp8StaticCache
@@ -339,3 +397,4 @@ def test_tiny_model_decode_reads_the_bytes_on_the_gpu():
             unpatch_model(model)
         assert (logits.float() - want_logits.float()).abs().max() < 0.05
         assert (got == want).float().mean() >= 0.9
+

@@ -80,6 +80,7 @@ COMPILE_TESTS = {
     "test_every_instantiation_compiles_without_local_memory": (lambda arch: _plan.all_kernels(), True),
     "test_backward_kernels_compile_without_local_memory": (lambda arch: BWD_KERNELS, True),
     "test_int8_instantiations_compile_without_local_memory": (_plan.int8_kernels, True),
+    "test_fp8kv_decode_instantiations_compile_without_local_memory": (lambda arch: _plan.decode_fp8kv_kernels(), True),
     "test_hopper_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.sm90_kernels(), False),
     "test_fp8_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.fp8_kernels(), False),
     "test_hopper_backward_compiles_for_sm90a_without_local_memory": (lambda arch: _plan.bwd_sm90_kernels(), False),
@@ -183,6 +184,26 @@ def test_int8_instantiations_compile_without_local_memory(arch, request):
     assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8kv_decode_instantiations_compile_without_local_memory(arch, request):
+    """The decode kernel over the FP8 KV cache on every arch it runs on (the device's own: it needs no FP8 hardware):
+    per (head_dim, dtype) both configs of DecodeFp8KvConfig<D> (one and two m16 row tiles), in programs that
+    static_assert the FlashDecodeFp8KvParams mirror: no stack, no spills (registers: kernels/NOTES.md "The FP8-cache
+    decode through NVRTC")."""
+    cpu_check_here(request, "every-arch NVRTC compile")
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.decode_fp8kv_kernels()
+    assert len(kernels) == 8  # 2 head dims x 2 dtypes x (OneTile, TwoTiles)
+    src = nvrtc.program_source(kernels)
+    assert '#include "flash_decode_fp8kv_kernel.cuh"' in src and "FlashDecodeFp8KvParams" in src
+    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
+    lowered, log = compiled(request, arch)
+    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
+    regs = nvrtc.register_report(log)
+    assert all(100 < regs[lowered[k]][0] <= 255 for k in kernels), {k: regs[lowered[k]] for k in kernels}
+
+
 def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every Hopper kernel instantiation the AOT build has (flash_fwd_sm90_*.cu through sm90::launch), compiled by
     NVRTC for sm_90a in programs that also static_assert the Sm90Params mirror: no stack, no spills, and the
@@ -269,19 +290,19 @@ def test_sm90_params_layout_matches_cpp(struct):
 
 
 def test_params_struct_layout_matches_cpp(tmp_path):
-    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params, FlashFwdInt8Params and FlashBwdParams, checked by
-    the host C++ compiler on kernels/flash.h, flash_fp8.h and flash_int8.h (NVRTC has no offsetof; every NVRTC
-    program checks the sizes). The structs hold no CUDA type, so a small cuda_runtime.h stands in for the toolkit's
-    (the pip headers lack its host parts)."""
+    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params, FlashFwdInt8Params, FlashBwdParams and
+    FlashDecodeFp8KvParams, checked by the host C++ compiler on kernels/flash.h, flash_fp8.h, flash_int8.h and
+    flash_decode_fp8kv.h (NVRTC has no offsetof; every NVRTC program checks the sizes). The structs hold no CUDA
+    type, so a small cuda_runtime.h stands in for the toolkit's (the pip headers lack its host parts)."""
     nvrtc = _nvrtc_or_skip()
     from llm_attn import _cuda_abi
 
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to check the struct offsets with")
-    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376]
+    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376, 264]
     src = ('#include <cstddef>\n#include "flash.h"\n#include "flash_fp8.h"\n#include "flash_int8.h"\n'
-           + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
+           '#include "flash_decode_fp8kv.h"\n' + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
     (tmp_path / "cuda_runtime.h").write_text("#pragma once\nenum cudaError_t { cudaSuccess = 0 };\n"
                                              "typedef struct CUstream_st* cudaStream_t;\n"
                                              "#define __host__\n#define __device__\n")
@@ -790,6 +811,311 @@ def test_quant_entry_points_are_the_bindings(monkeypatch):
             fn(q.float(), q.float(), q.float(), None, 0.125, True)
     if not torch.cuda.is_available():
         assert not nvrtc.fp8_available() and not nvrtc.int8_available() and not nvrtc.int8_pv_fp8()
+
+
+# -- the decode over the FP8 KV cache ----------------------------------------------------------------------------
+# The C++ host code _plan's decode_fp8kv_plan and _nvrtc.mha_decode_fp8kv mirror (binding.cpp's mha_decode_fp8kv,
+# flash_decode_fp8kv.cu, flash_decode_fp8kv_launch.cuh): a change there fails here until they follow.
+FP8KV_HOST_LINES = (
+    ("flash_decode_fp8kv.cu", "return use_decode_kernel(p.base) ? flash_fwd_num_splits(p.base, num_sms) : 1;"),
+    ("flash_decode_fp8kv_launch.cuh", "dim3 grid(params.base.num_splits, params.base.num_kv_heads, params.base.batch); "
+                                      "flash_decode_fp8kv_kernel<T, Traits><<<grid, Traits::kThreads, smem, stream>>>("
+                                      "params);"),
+    ("flash_decode_fp8kv_launch.cuh", "return rows > 16 ? launch_decode_fp8kv<T, typename Config::TwoTiles>(params, "
+                                      "stream) : launch_decode_fp8kv<T, typename Config::OneTile>(params, stream);"),
+    ("binding.cpp", "p.tile = llm_attn::kTileAuto;"),
+    ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);"),
+    ("binding.cpp", "const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads; int* pooled = "
+                    "pooled_counters(q.get_device(), stream, n_counters); workspace = at::empty({rows * (p.head_dim + "
+                    "1) + (pooled ? 0 : n_counters)}, q.options().dtype(at::kFloat));"),
+    ("binding.cpp", "at::Tensor out = at::empty({batch, seqlen_q, num_heads, head_dim}, q.options()).transpose(1, 2);"),
+)
+
+
+def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
+    """decode_fp8kv_plan follows the C++ host code (FP8KV_HOST_LINES): the decode rule's split count (a forced count
+    clamped to the 64-key tiles; the forced decode config ignored), one row tile up to 16 rows and two above, the
+    grid (splits, KV heads, batch); whatever it launches is compiled above and fits every device's shared memory."""
+    for name, line in FP8KV_HOST_LINES:
+        assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py / _nvrtc.py"
+    # Llama 3 8B decode on an H100: 8 (batch x KV head) blocks, 16 splits, one m16 row tile of 4 stages (68 KB).
+    s = _plan.Shape(1, 32, 8, 1, 32768, 128, True, True)
+    p = _plan.decode_fp8kv_plan(s, H100)
+    assert (p.num_splits, p.decode, len(p.launches)) == (16, True, 1)
+    launch = p.launches[0]
+    assert launch.kernel == ("llm_attn::flash_decode_fp8kv_kernel<__nv_bfloat16, "
+                             "llm_attn::DecodeFp8KvTraits<128, 1, 4>>")
+    assert (launch.grid, launch.threads, launch.smem) == ((16, 8, 1), 128, 16 * 128 * 2 + 128 + 2 * 4 * 64 * 128)
+    # The fp16 kernel's split count at every shape (flash_fwd_num_splits), whatever the tile or decode config.
+    for (b, hq, hkv), sq, sk, dev in itertools.product(((1, 32, 8), (4, 32, 8), (16, 32, 8), (1, 8, 8), (2, 32, 1)),
+                                                       (1, 2, 4), (1, 100, 1000, 8192), (H100, RTX4060TI, ORIN)):
+        shape = _plan.Shape(b, hq, hkv, sq, sk, 64, False, False, _plan.TILE_LARGE, 0, 3)
+        if hq // hkv * sq > _plan.DECODE_MAX_ROWS:
+            with pytest.raises(ValueError, match="at most 32 rows"):
+                _plan.decode_fp8kv_plan(shape, dev)
+            continue
+        assert _plan.decode_fp8kv_plan(shape, dev).num_splits == _plan.num_splits(shape, dev.num_sms)
+    # MQA (32 rows): two row tiles, 3 stages, 72 KB (the merge buffer); 16 rows still one.
+    assert _plan.decode_fp8kv_plan(_plan.Shape(1, 32, 1, 1, 4096, 128), H100).launches[0].kernel.endswith(
+        "DecodeFp8KvTraits<128, 2, 3>>")
+    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 1, 4)
+    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 5, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 2, 3)
+    # A forced split count (force_decode(splits=)) is clamped to the 64-key tiles.
+    for forced, want in ((1, 1), (7, 7), (500, 16)):
+        p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=1000, decode_splits=forced), H100)
+        assert p.num_splits == want and p.launches[0].grid == (want, 8, 1)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        _plan.decode_fp8kv_plan(dataclasses.replace(s, head_dim=96), H100)
+    known, seen = set(_plan.decode_fp8kv_kernels()), set()
+    for (b, hq, hkv), sq, d, bf16, dev in itertools.product(((1, 32, 8), (3, 8, 8), (1, 32, 1), (2, 16, 2)),
+                                                            (1, 2, 3), (64, 128), (False, True),
+                                                            (H100, RTX4060TI, ORIN)):
+        if hq // hkv * sq > _plan.DECODE_MAX_ROWS:
+            continue
+        for launch in _plan.decode_fp8kv_plan(_plan.Shape(b, hq, hkv, sq, 777, d, True, bf16), dev).launches:
+            assert launch.kernel in known and launch.smem <= dev.smem_per_block_optin
+            assert min(launch.grid) > 0 and launch.grid[1] <= 65535 and launch.grid[2] <= 65535
+            seen.add(launch.kernel)
+    assert seen == known, known - seen
+
+
+def test_fp8kv_decode_splits_are_the_cpp(tmp_path):
+    """decode_fp8kv_num_splits against kernels/flash_decode_fp8kv.cu's flash_decode_fp8kv_num_splits itself (with
+    flash_fwd.cu's rule it calls): the host C++ compiler builds both (stand-in CUDA headers, the kernels' launches
+    stubbed) and runs them on every (shape, SM count, forced split count) case below."""
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to run flash_decode_fp8kv_num_splits with")
+    (tmp_path / "cuda_runtime.h").write_text(textwrap.dedent("""
+        #pragma once
+        enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidDeviceFunction = 98 };
+        enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                              cudaDevAttrMaxSharedMemoryPerMultiprocessor, cudaDevAttrComputeCapabilityMajor,
+                              cudaDevAttrComputeCapabilityMinor };
+        typedef struct CUstream_st* cudaStream_t;
+        inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+        inline cudaError_t cudaDeviceGetAttribute(int*, cudaDeviceAttr, int) { return cudaErrorInvalidValue; }
+        #define __host__
+        #define __device__
+    """))
+    (tmp_path / "cuda_bf16.h").write_text("#pragma once\nstruct __nv_bfloat16 {};\n")
+    (tmp_path / "cuda_fp16.h").write_text("#pragma once\nstruct half {};\n")
+    (tmp_path / "run.cpp").write_text(textwrap.dedent("""
+        #include "flash_fwd.cu"
+        #include "flash_decode_fp8kv.cu"
+        #include <cstdio>
+        namespace llm_attn {
+        template <typename T, int D, bool C>
+        cudaError_t run_flash_fwd_(FlashFwdParams&, cudaStream_t) { return cudaSuccess; }
+        template <typename T, int D>
+        cudaError_t run_flash_decode_(FlashFwdParams&, cudaStream_t) { return cudaSuccess; }
+        template <typename T, int D, bool C>
+        cudaError_t run_flash_fwd_sm90_(FlashFwdParams&, cudaStream_t) { return cudaSuccess; }
+        template <typename T, int D, bool C>
+        bool flash_fwd_sm90_built_() { return false; }
+        template <typename T, int D>
+        cudaError_t run_flash_decode_fp8kv_(FlashDecodeFp8KvParams&, cudaStream_t) { return cudaSuccess; }
+        }
+        int main() {
+            int b, hq, hkv, sq, sk, d, sms, forced;
+            while (std::scanf("%d %d %d %d %d %d %d %d", &b, &hq, &hkv, &sq, &sk, &d, &sms, &forced) == 8) {
+                llm_attn::flash_decode_force_splits(forced);
+                llm_attn::FlashDecodeFp8KvParams fp{};
+                llm_attn::FlashFwdParams& p = fp.base;
+                p.batch = b, p.num_heads = hq, p.num_kv_heads = hkv, p.seqlen_q = sq, p.seqlen_k = sk, p.head_dim = d;
+                p.tile = llm_attn::kTileAuto;
+                std::printf("%d\\n", llm_attn::flash_decode_fp8kv_num_splits(fp, sms));
+            }
+        }
+    """))
+    exe = tmp_path / "run"
+    r = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{tmp_path}", f"-I{os.path.join(ROOT, 'kernels')}",
+                        str(tmp_path / "run.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cases = [(_plan.Shape(b, hq, hkv, sq, sk, d, decode_splits=forced), sms)
+             for (b, hq, hkv), sq, sk, d, sms, forced in itertools.product(
+                 ((1, 32, 8), (2, 32, 8), (4, 32, 8), (8, 32, 8), (16, 32, 8), (64, 32, 8), (1, 8, 8), (3, 32, 1),
+                  (5, 16, 2), (1, 64, 1)),
+                 (1, 2, 4, 5), (1, 63, 64, 65, 300, 1000, 1023, 1024, 2049, 8192, 131072), (64, 128),
+                 (16, 34, 108, 132, 144), (0, 1, 2, 7, 500))]
+    lines = "".join(f"{s.batch} {s.num_heads} {s.num_kv_heads} {s.seqlen_q} {s.seqlen_k} {s.head_dim} {sms} "
+                    f"{s.decode_splits}\n" for s, sms in cases)
+    run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = run.stdout.split()
+    assert len(got) == len(cases)
+    bad = [(s, sms, g, _plan.decode_fp8kv_num_splits(s, sms)) for (s, sms), g in zip(cases, got)
+           if int(g) != _plan.decode_fp8kv_num_splits(s, sms)]
+    assert not bad, f"{len(bad)} of {len(cases)} cases differ (shape, SMs, C++, Python), e.g. {bad[:3]}"
+    assert {int(g) for g in got} >= {1, 2, 7, 16, 128}  # the rule's branches were all reached
+
+
+def test_fp8kv_decode_constants_match_cpp():
+    """The numbers decode_fp8kv_plan uses are the header's: every DecodeFp8KvTraits' shared memory, threads and key
+    tile, and kDecodeMaxRows, read back from a probe kernel's PTX (NVRTC)."""
+    _nvrtc_or_skip()
+    from llm_attn import _nvrtc, _nvrtc_sm90
+
+    want = {"llm_attn::kDecodeMaxRows": _plan.DECODE_MAX_ROWS}
+    for d, (mt, st) in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS.values()):
+        t = _plan.DecodeFp8KvTraits(d, mt, st)
+        want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                 f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": 16 * t.m_tiles}
+    for d, cfg in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS):
+        want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kStages"] = _plan.DECODE_FP8KV_CONFIGS[cfg][1]
+        want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kMTiles"] = _plan.DECODE_FP8KV_CONFIGS[cfg][0]
+    exprs = list(want)
+    src = ('#include "flash_decode_fp8kv_kernel.cuh"\n'
+           'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
+           + "".join(f"    out[{i}] = static_cast<unsigned long long>({e});\n" for i, e in enumerate(exprs)) + "}\n")
+    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx("sm_80", src, "llm_attn_fp8kv_constants_probe.cu"))
+    got = {e: values.get(i) for i, e in enumerate(exprs)}
+    assert got == want, {e: (got[e], want[e]) for e in exprs if got[e] != want[e]}
+
+
+def _top_level_args(text: str) -> list[str]:
+    """The comma-separated arguments of a C++ call's argument text (commas inside parentheses, braces and string
+    literals do not split)."""
+    args, depth, cur, quoted = [], 0, "", False
+    for i, ch in enumerate(text):
+        if quoted:
+            quoted = not (ch == '"' and text[i - 1] != "\\")
+        elif ch == '"':
+            quoted = True
+        elif ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return args + [cur.strip()]
+
+
+def _fp8kv_binding_messages() -> set[str]:
+    """binding.cpp's CHECK_FP8KV input checks (not the launch's), each message as its text with every argument that
+    is not a string literal as NUL (adjacent literals joined)."""
+    src = (Path(ROOT) / "kernels" / "binding.cpp").read_text()
+    messages = set()
+    for m in re.finditer(r"(?<!define )CHECK_FP8KV\(", src):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(src[i], 0)
+            i += 1
+        cond, *parts = _top_level_args(src[m.end():i - 1])
+        if "err" in cond:
+            continue
+        text = ""
+        for part in parts:
+            literals = re.fullmatch(r'(?:"(?:[^"\\]|\\.)*"\s*)+', part)
+            text += "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', part)) if literals else "\0"
+        messages.add(text)
+    return messages
+
+
+def _returned_messages(fn) -> set[str]:
+    """The strings a Python function returns, as _fp8kv_binding_messages writes them (a formatted value: NUL)."""
+    import ast
+    import inspect
+
+    out = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+        v = node.value if isinstance(node, ast.Return) else None
+        if isinstance(v, ast.JoinedStr):
+            out.add("".join(x.value if isinstance(x, ast.Constant) else "\0" for x in v.values))
+        elif isinstance(v, ast.Constant) and isinstance(v.value, str):
+            out.add(v.value)
+    return out
+
+
+def test_fp8kv_decode_entry_is_the_binding():
+    """_nvrtc has the extension's FP8-cache decode functions (so llm_attn.ops.decode_fp8_kv runs either build through
+    one path, and fp8_kv_kernel_available says so): mha_decode_fp8kv refuses bad input with binding.cpp's words
+    (every message its checks can return is one of binding.cpp's CHECK_FP8KV texts, and every CHECK_FP8KV text is
+    one of them), before any GPU work."""
+    nvrtc = _nvrtc_or_skip()
+    from llm_attn import ops
+
+    binding = _kernels_text("binding.cpp")
+    for name in ("mha_decode_fp8kv", "decode_fp8kv_max_rows"):
+        assert f'm.def("{name}"' in binding and callable(getattr(nvrtc, name)), name
+    assert nvrtc.decode_fp8kv_max_rows() == ops.FP8_KV_MAX_ROWS == _plan.DECODE_MAX_ROWS
+    assert ops.fp8_kv_kernel_available(nvrtc)
+    q = torch.zeros(1, 8, 1, 64, dtype=torch.float16)
+    kd = torch.zeros(1, 2, 100, 64, dtype=torch.uint8)
+    ks = torch.ones(1, 2, 2)
+    with pytest.raises(RuntimeError, match=r"^llm_attn.mha_decode_fp8kv: q must be a 4-D CUDA tensor \(batch, heads, "
+                                           r"q_len, head_dim\)$"):
+        nvrtc.mha_decode_fp8kv(q, kd, kd, ks, ks, None, 0.125, True)
+    # c10's dtype names, as the binding prints them
+    with pytest.raises(RuntimeError, match="^llm_attn.mha_decode_fp8kv: q must be float16 or bfloat16, got Float$"):
+        nvrtc.mha_decode_fp8kv(q.float(), kd, kd, ks, ks, None, 0.125, True)
+    returned = _returned_messages(nvrtc.decode_fp8kv_problem) | _returned_messages(nvrtc._fp8kv_data_problem)
+    cpp = _fp8kv_binding_messages()
+    assert len(cpp) >= 20 and "\0 must be a CUDA tensor on q's device" in cpp, cpp
+    assert returned == cpp, {"only here": returned - cpp, "only in binding.cpp": cpp - returned}
+
+
+@pytest.mark.parametrize("pooled,forced", [(True, 0), (False, 0), (True, 3), (False, 1)])
+def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forced):
+    """_nvrtc.mha_decode_fp8kv without a GPU (the device, the counter pool and the launch stood in for, CPU tensors
+    past the checks): FlashDecodeFp8KvParams as binding.cpp's mha_decode_fp8kv fills it (set_shared_params with the
+    byte strides of the e4m3 K/V, the scales and their strides, the automatic tile, the split count), the split
+    workspace (partials, and the counters from the pool or zeroed after them), the outputs' layout, one launch."""
+    nvrtc = _nvrtc_or_skip()
+    from llm_attn import _cuda_abi
+
+    index, counters = 0, 0x10000
+    monkeypatch.setattr(nvrtc, "decode_fp8kv_problem", lambda *a: None)
+    monkeypatch.setattr(nvrtc, "_device_of", lambda q: contextlib.nullcontext((index, 1234)))
+    monkeypatch.setattr(nvrtc, "device_info", lambda i: ("sm_90", H100))
+    monkeypatch.setattr(nvrtc, "_pooled_counters", lambda i, stream, n: counters if pooled else None)
+    nvrtc._decode_fp8kv_plan_for.cache_clear()
+    launched = []
+
+    def launch(i, lc, params, stream):
+        assert (i, stream) == (index, 1234) and isinstance(params, _cuda_abi.FlashDecodeFp8KvParams)
+        launched.append((lc, type(params).from_buffer_copy(params)))
+
+    monkeypatch.setattr(nvrtc, "_launch", launch)
+    b, hq, hkv, sq, cap, n, d = 3, 32, 8, 1, 1536, 1500, 128
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16).transpose(1, 2)
+    kd = torch.zeros(b, hkv, cap, d, dtype=torch.float8_e4m3fn)[:, :, :n]  # a view of the cache's first n slots
+    vd = torch.zeros(b, hkv, cap, d, dtype=torch.uint8)[:, :, :n]
+    ks, vs = torch.ones(b, hkv, cap // 64), torch.ones(b, hkv, 32)[:, :, :24]
+    used = torch.tensor([1500, 777, 0], dtype=torch.int32)
+    prev = nvrtc.set_decode_splits(forced)
+    try:
+        out, lse = nvrtc.mha_decode_fp8kv(q, kd, vd, ks, vs, used, 0.125, True)
+    finally:
+        nvrtc.set_decode_splits(prev)
+        nvrtc._decode_fp8kv_plan_for.cache_clear()
+    plan = _plan.decode_fp8kv_plan(_plan.Shape(b, hq, hkv, sq, n, d, True, True, decode_splits=forced), H100)
+    assert [lc for lc, _ in launched] == list(plan.launches) and len(launched) == 1
+    assert plan.num_splits == (forced or 5)  # 132 SMs // 24 blocks
+    fp = launched[0][1]
+    p = fp.base
+    assert out.shape == q.shape and out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    for name, t in (("q", q), ("k", kd), ("v", vd), ("o", out)):
+        assert (getattr(p, f"{name}_batch_stride"), getattr(p, f"{name}_head_stride"),
+                getattr(p, f"{name}_row_stride")) == t.stride()[:3], name
+    for name, t in (("q", q), ("k", kd), ("v", vd), ("o", out), ("lse", lse), ("seqused_k", used)):
+        assert getattr(p, name) == t.data_ptr(), name
+    assert (p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim) == (b, hq, hkv, sq, n, d)
+    assert p.scale == 0.125 and p.scale_log2 == ctypes.c_float(0.125 * 1.4426950408889634).value
+    assert p.causal and p.is_bf16 and p.tile == _plan.TILE_AUTO and p.num_splits == plan.num_splits
+    assert (fp.k_scale, fp.v_scale) == (ks.data_ptr(), vs.data_ptr())
+    assert (fp.ks_batch_stride, fp.ks_head_stride, fp.vs_batch_stride, fp.vs_head_stride) == (*ks.stride()[:2],
+                                                                                              *vs.stride()[:2])
+    if plan.num_splits == 1:
+        assert not p.o_accum and not p.lse_accum and not p.split_counters
+        return
+    rows = plan.num_splits * b * hq * sq
+    assert p.lse_accum - p.o_accum == 4 * rows * d
+    assert p.split_counters == (counters if pooled else p.lse_accum + 4 * rows)
 
 
 # -- the backward's plan --------------------------------------------------------------------------------------------

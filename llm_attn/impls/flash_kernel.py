@@ -63,7 +63,7 @@ def fp8_kv_reader(impl: str, variant: str):
     """How llm_attn reads the FP8 KV cache directly on this variant: (read, how) or None (read the dequantised copy).
     ``read(q, kv, causal, scale, seqused_k)`` returns (B, Hq, Sq, D), or None for a call with more rows than the
     decode kernel holds (a prefill over the cache: the copy). 'cuda': the FP8-cache decode kernel, where the build
-    has it (the AOT build; the NVRTC build has none yet: the copy); 'reference': its blockwise PyTorch reference
+    has it (the AOT and the NVRTC build; an extension built before it: the copy); 'reference': its blockwise PyTorch reference
     (``kv_cache_reference.decode_attention``), the same calls on CPU. Other registry entries have none."""
     if impl != "llm_attn" or variant not in ("cuda", "reference"):
         return None
