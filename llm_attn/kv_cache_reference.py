@@ -131,9 +131,16 @@ class Fp8KV:
     length: int
     block: int = BLOCK
     trusted: bool = False
+    used: torch.Tensor | None = None  # int32 (B,) on the device: tokens [0, used[b]) valid, the rest of ``length`` not
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the valid tokens, (B, H, length, D) in ``dtype``."""
+        """K and V of the valid tokens, (B, H, length, D) in ``dtype``. A view with ``used`` (a device-position
+        cache's decode step) has no exact copy of ``length`` tokens: ValueError."""
+        if self.used is not None:
+            raise ValueError("this FP8 cache view holds its valid length on the device (Fp8StaticCache with "
+                             "device_position=True): only llm_attn's decode kernel reads it; a call that needs the "
+                             "dequantised copy (stock attention, a forced or compiled path) needs "
+                             "device_position=False")
         n, nb = self.length, n_blocks(self.length)
         k = dequantize(self.k_data[:, :, :n], self.k_scale[:, :, :nb], self.k_shift, dtype)
         return k, dequantize(self.v_data[:, :, :n], self.v_scale[:, :, :nb], None, dtype)

@@ -525,6 +525,8 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not math.isfinite(scale) or scale < 0:
         raise ValueError(f"scale must be finite and >= 0, got {scale}")
+    if seqused_k is None:
+        seqused_k = kv.used  # a device-position cache's used length (None: all kv.length tokens)
     if seqused_k is not None and (seqused_k.dtype != torch.int32 or tuple(seqused_k.shape) != (q.shape[0],)
                                   or seqused_k.device != q.device):
         raise ValueError("seqused_k must be an int32 tensor of shape (batch,) on q's device")

@@ -239,6 +239,107 @@ def test_static_cache_decode_never_reads_the_unused_slots(tiny):
     assert (ls - ld).abs().max() < 1e-4
 
 
+# -- device_position: decode steps on the device alone (CUDA-graph capturable), the host path's bytes -----------------
+class _ReadsFp8:
+    _attn_implementation = "llm_attn"  # what update asks: the attention function reads the FP8 bytes itself
+
+
+def _device_layer(capacity: int, reads: bool = True):
+    from llm_attn.models.kv_cache import Fp8StaticLayer
+
+    layer = Fp8StaticLayer(max_cache_len=capacity, device_position=True)
+    layer.attn_config = _ReadsFp8() if reads else None
+    return layer
+
+
+@pytest.mark.parametrize("prefill", [1, 37, 64, 127])
+def test_device_position_steps_store_the_host_paths_bytes(prefill):
+    """After a host prefill, one-token updates on the device alone (slot and block from cumulative_length, the open
+    block re-quantised from its 64-slot buffer, K's shift while block 0 is open) store exactly what the host path
+    stores for the same tokens, across block 0's end and later blocks; each step returns placeholders of the whole
+    capacity whose view carries the used length as a device tensor."""
+    gen = torch.Generator().manual_seed(prefill)
+    n = 200
+    k = (torch.randn(2, 2, n, 16, generator=gen) + torch.linspace(-20, 20, 16)).half()
+    v = torch.randn(2, 2, n, 16, generator=gen).half()
+    host, dev = _feed([prefill] + [1] * (n - prefill), k, v), _device_layer(230)
+    with torch.inference_mode():
+        dev.update(k[:, :, :prefill], v[:, :, :prefill])
+        for t in range(prefill, n):
+            kk, vv = dev.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+            view = ref.fp8_kv_of(kk)
+            assert ref.is_placeholder(kk) and kk.shape[2] == 230 == view.length
+            assert view.used.dtype == torch.int32 and view.used.tolist() == [t + 1, t + 1]
+        assert dev._on_device and dev.get_mask_sizes(1) == (230, 0)
+        assert dev.fp8().length == n  # reads the position back (one sync): the host's length and tail follow
+        assert not dev._on_device and torch.equal(dev.k_tail, host.k_tail)
+        _assert_same_storage(host, dev)
+
+
+def test_device_position_rewinds_and_hands_every_other_call_to_the_host_path():
+    """restore_position refills the open block's buffers in place (a captured graph replays from there); a
+    multi-token update, stock attention and beam reordering go through the host path after reading the position
+    back; going past the capacity on the device is an IndexError at that read, not a write out of bounds."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 120, 8, generator=gen), torch.randn(1, 2, 120, 8, generator=gen)
+    layer = _device_layer(100)
+    with torch.inference_mode():
+        layer.update(k[:, :, :50], v[:, :, :50])
+        state, pos = layer.position_state(), layer.cumulative_length.clone()
+        for t in range(50, 70):
+            layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.fp8()
+        first = [x.clone() for x in _stored(layer)]
+        layer.restore_position(state)
+        layer.cumulative_length.copy_(pos)
+        assert layer._on_device
+        for t in range(50, 70):
+            layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.fp8()
+        for x, y in zip(first, _stored(layer), strict=True):
+            assert torch.equal(x, y)
+        kk, _ = layer.update(k[:, :, 70:72], v[:, :, 70:72])  # two tokens: the host path, after the read-back
+        assert kk.shape[2] == 72 and layer.length == 72 and ref.fp8_kv_of(kk).used is None
+        layer.attn_config = None  # stock attention: the copy, host path
+        kk, _ = layer.update(k[:, :, 72:73], v[:, :, 72:73])
+        assert not ref.is_placeholder(kk) and kk.shape[2] == 73 and layer.get_mask_sizes(1) == (74, 0)
+        layer.attn_config = _ReadsFp8()
+        for t in range(73, 110):  # 10 past the capacity of 100
+            layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        with pytest.raises(IndexError, match="went 10 past"):
+            layer.fp8()
+    with pytest.raises(ValueError, match="device_position"):
+        ref.Fp8KV(layer.k_data, layer.k_scale, layer.k_shift, layer.v_data, layer.v_scale, 100,
+                  used=torch.tensor([90], dtype=torch.int32)).dequantized()
+
+
+def test_device_position_decode_through_the_patched_model(tiny):
+    """The tiny model patched with llm_attn on a device-position static cache: every decode step reads the bytes
+    (the blockwise reference on CPU) over the capacity with the device length, and gives the host path's logits."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.kv_cache_reference import FP8_READ_REFERENCE
+
+    ids, steps = _ids(tiny, 2, 70, seed=21), 12
+    report = patch_model(tiny)
+    try:
+        got = []
+        for device_position in (False, True):
+            cache = Fp8StaticCache(config=tiny.config, max_cache_len=100, device_position=device_position)
+            _prefill(tiny, ids, cache)
+            report.reset_counters()
+            cur, logits = ids[:, -1:], []
+            for _ in range(steps):
+                out = _prefill(tiny, cur, cache)
+                logits.append(out[:, -1])
+                cur = out[:, -1:].argmax(-1)
+            assert report.kv_cache_reads == {FP8_READ_REFERENCE: steps * tiny.config.num_hidden_layers}
+            got.append(torch.stack(logits, 1))
+            assert int(cache.get_seq_length()) == 70 + steps
+    finally:
+        unpatch_model(tiny)
+    assert (got[0] - got[1]).abs().max() < 1e-4
+
+
 def test_cache_implementation_cannot_be_registered_in_transformers_5_17(tiny):
     """generate() takes a fixed tuple of cache names: an FP8 cache goes in as past_key_values= (the docstring of
     llm_attn.models.kv_cache). If this starts to pass, transformers has grown a registry: use it."""

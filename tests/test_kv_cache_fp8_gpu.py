@@ -398,3 +398,25 @@ def test_tiny_model_decode_reads_the_bytes_on_the_gpu(ext):
         assert (logits.float() - want_logits.float()).abs().max() < 0.05
         assert (got == want).float().mean() >= 0.9
 
+
+def test_static_fp8_decode_is_captured_in_a_cuda_graph(ext):
+    """Issue 38: the harness's graph decode on the FP8 static cache (device_position): llm_attn's decode steps are
+    captured and replayed (after the warm-up steps and the capture, each run rewinds the cache on the device), reading
+    the bytes on the kernel, and give the eager loop's tokens; stock attention on the FP8 cache says it cannot be
+    captured (GraphCaptureUnsupported), never replays a host-sized copy."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.harness.measure import GraphCaptureUnsupported, measure_decode_static
+    from llm_attn.models import load_model
+
+    model, _ = load_model("tiny:fp16", device="cuda", dtype=torch.float16, attn_implementation="sdpa")
+    ids = torch.randint(0, model.config.vocab_size, (2, 100), generator=torch.Generator().manual_seed(3)).cuda()
+    with pytest.raises(GraphCaptureUnsupported, match="FP8 KV cache"):
+        measure_decode_static(model, ids, new_tokens=8, runs=1, use_graph=True, kv_cache="fp8")
+    report = patch_model(model)
+    try:
+        graph = measure_decode_static(model, ids, new_tokens=40, runs=2, use_graph=True, kv_cache="fp8")
+        assert graph["mode"] == "cuda_graph" and report.kv_cache_reads[ref.FP8_READ_KERNEL] > 0, str(report)
+        eager = measure_decode_static(model, ids, new_tokens=40, runs=1, use_graph=False, kv_cache="fp8")
+    finally:
+        unpatch_model(model)
+    assert graph["tokens"] == eager["tokens"], (graph["tokens"], eager["tokens"])

@@ -24,8 +24,15 @@ Not supported (transformers 5.17): ``cache_implementation="fp8"``. Its ``generat
 (``GenerationConfig.validate``, ``ALL_CACHE_IMPLEMENTATIONS``) and builds each cache by name in
 ``_prepare_cache_for_generation``, with no registry; pass the cache as ``past_key_values=`` instead. Models with
 sliding-window or linear-attention layers are refused (full attention only, as transformers' ``QuantizedCache``).
-The static variant keeps its write position on the host, so it is not ``torch.compile``-able or capturable in a
-CUDA graph yet (``is_compileable`` is False, and generate does not try).
+The static variant keeps its write position on the host by default, so it is not ``torch.compile``-able
+(``is_compileable`` is False, and generate does not try). ``Fp8StaticCache(..., device_position=True)`` makes its
+decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph decode does): a one-token update
+read by llm_attn's attention function then runs on the device alone. It writes the token into the open block's
+float32 originals (a fixed 64-slot buffer) at the position held in ``cumulative_length``, re-quantises that block
+from them (K's shift too while block 0 is open), and returns placeholders of the whole capacity with the used length
+as a device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host
+path's, bit for bit. Every other call (a prefill, stock attention, ``crop``-free host work) first reads the position
+back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read raises IndexError.
 """
 
 from __future__ import annotations
@@ -85,19 +92,23 @@ class _Fp8Storage:
         view = self.fp8()
         n = self._returned_tokens()
         if self._attention_reads_fp8():
-            if getattr(self, "_zero", None) is None or self._zero.device != self.k_data.device:
-                self._zero = torch.zeros((), dtype=self.dtype, device=self.k_data.device)
-            shape = (self.k_data.shape[0], self.k_data.shape[1], n, self.k_data.shape[3])
-            k, v = self._zero.expand(shape), self._zero.expand(shape)
-            for t in (k, v):
-                setattr(t, ref.FP8_KV_ATTR, view)
-                setattr(t, ref.FP8_PLACEHOLDER_ATTR, True)
-            return k, v
+            return self._placeholders(n, view)
         nb = ref.n_blocks(n)
         k = ref.dequantize(self.k_data[:, :, :n], self.k_scale[:, :, :nb], self.k_shift, self.dtype)
         v = ref.dequantize(self.v_data[:, :, :n], self.v_scale[:, :, :nb], None, self.dtype)
         setattr(k, ref.FP8_KV_ATTR, view)
         setattr(v, ref.FP8_KV_ATTR, view)
+        return k, v
+
+    def _placeholders(self, n: int, view: ref.Fp8KV) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``n`` tokens that hold no values (a zero-stride view of one zero), tagged with ``view``."""
+        if getattr(self, "_zero", None) is None or self._zero.device != self.k_data.device:
+            self._zero = torch.zeros((), dtype=self.dtype, device=self.k_data.device)
+        shape = (self.k_data.shape[0], self.k_data.shape[1], n, self.k_data.shape[3])
+        k, v = self._zero.expand(shape), self._zero.expand(shape)
+        for t in (k, v):
+            setattr(t, ref.FP8_KV_ATTR, view)
+            setattr(t, ref.FP8_PLACEHOLDER_ATTR, True)
         return k, v
 
     def _attention_reads_fp8(self) -> bool:
@@ -109,8 +120,11 @@ class _Fp8Storage:
 
     def fp8(self) -> ref.Fp8KV:
         """The raw FP8 data and scales (the storage itself, not a copy) and the number of valid tokens."""
-        return ref.Fp8KV(self.k_data, self.k_scale, self.k_shift, self.v_data, self.v_scale, self.length,
-                         trusted=True)
+        return self._fp8_view(self.length)
+
+    def _fp8_view(self, length: int, used: torch.Tensor | None = None) -> ref.Fp8KV:
+        return ref.Fp8KV(self.k_data, self.k_scale, self.k_shift, self.v_data, self.v_scale, length,
+                         trusted=True, used=used)
 
     def _index_batch(self, fn) -> None:
         for name in _BATCHED:
@@ -203,23 +217,96 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
 
     is_compileable = False  # the write position is a host int (the open block's place): not traceable yet
 
+    def __init__(self, max_cache_len: int, device_position: bool = False, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.device_position = device_position
+        self._on_device = False  # the device-side state (cumulative_length, the open buffers) is ahead of the host's
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._init_storage(key_states, value_states, capacity=self.max_cache_len)
+        # device_position writes whole 64-token blocks: the storage rounds the capacity up to a block
+        capacity = ref.n_blocks(self.max_cache_len) * ref.BLOCK if self.device_position else self.max_cache_len
+        self._init_storage(key_states, value_states, capacity=capacity)
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim = self.v_head_dim = key_states.shape[-1]
         self.cumulative_length = self.cumulative_length.to(self.device)
+        if self.device_position:
+            b, h, d = self.batch_size, self.num_heads, self.k_head_dim
+            self._k_open = torch.zeros((b, h, ref.BLOCK, d), dtype=torch.float32, device=self.device)
+            self._v_open = torch.zeros_like(self._k_open)
+            self._slots = torch.arange(ref.BLOCK, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[2]
+        if self._device_step(new):
+            return self._update_on_device(key_states, value_states)
+        self._sync_position()
         if self.length + new > self.max_cache_len:
             raise IndexError(f"Fp8StaticCache holds {self.max_cache_len} tokens: {self.length} cached + {new} new "
                              f"do not fit")
         self._write_open(*self._open_tokens(key_states, value_states))
         self.cumulative_length.add_(new)
         return self._dequantized()
+
+    # -- device_position: the decode step on the device alone -----------------------------------------------------
+    def _device_step(self, query_length: int) -> bool:
+        return (self.device_position and self.is_initialized and query_length == 1
+                and self._attention_reads_fp8())
+
+    def _update_on_device(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One token written and its block re-quantised with no host value (module docstring): the host path's
+        arithmetic (``_write_open``, ``kv_cache_reference.quantize``), on the 64-slot block with the slots past the
+        token masked."""
+        if not self._on_device:  # the open block's originals: from the host tail into the fixed buffers
+            self._k_open.zero_()
+            self._v_open.zero_()
+            self._k_open[:, :, :self.k_tail.shape[2]] = self.k_tail
+            self._v_open[:, :, :self.v_tail.shape[2]] = self.v_tail
+            self._on_device = True
+        last_block = ref.n_blocks(self.max_cache_len) - 1
+        pos = self.cumulative_length
+        slot = (pos % ref.BLOCK).view(1)
+        block = torch.clamp(pos // ref.BLOCK, max=last_block)
+        self._k_open.index_copy_(2, slot, key_states.to(torch.float32))
+        self._v_open.index_copy_(2, slot, value_states.to(torch.float32))
+        valid = (self._slots <= slot).view(1, 1, ref.BLOCK, 1)
+        median = torch.where(valid, self._k_open, float("nan")).nanmedian(dim=2).values  # as smoothing_shift
+        self.k_shift.copy_(torch.where(block == 0, median, self.k_shift))  # block 0 open: K's shift follows it
+        rows = block * ref.BLOCK + self._slots
+        for x, data, scale in ((self._k_open - self.k_shift.unsqueeze(2), self.k_data, self.k_scale),
+                               (self._v_open, self.v_data, self.v_scale)):
+            x = torch.where(valid, x, 0.0)
+            sc = ref.block_scales(x)
+            q = (x * (1.0 / sc).unsqueeze(-1)).clamp_(-ref.E4M3_MAX, ref.E4M3_MAX).to(ref.STORAGE_DTYPE)
+            data.view(torch.uint8).index_copy_(2, rows, q.view(torch.uint8))  # no float8 index_copy on CPU
+            scale.index_copy_(2, block.view(1), sc)
+        self.cumulative_length.add_(1)
+        used = torch.clamp(self.cumulative_length, max=self.max_cache_len).to(torch.int32)
+        used = used.view(1).expand(self.k_data.shape[0]).contiguous()
+        return self._placeholders(self.max_cache_len, self._fp8_view(self.max_cache_len, used))
+
+    def _sync_position(self) -> None:
+        """Bring the host's length and tail up to the device's (one sync), after device steps."""
+        if not self._on_device:
+            return
+        n = int(self.cumulative_length.item())
+        if n > self.max_cache_len:
+            raise IndexError(f"Fp8StaticCache holds {self.max_cache_len} tokens: device-side decode steps went "
+                             f"{n - self.max_cache_len} past it (those were not stored)")
+        t = n % ref.BLOCK
+        self.k_tail, self.v_tail = self._k_open[:, :, :t].clone(), self._v_open[:, :, :t].clone()
+        self.length = n
+        self._on_device = False
+
+    def fp8(self) -> ref.Fp8KV:
+        self._sync_position()
+        return super().fp8()
+
+    def _index_batch(self, fn) -> None:  # beam search, offload: on the host's state (the next device step refills)
+        self._sync_position()
+        super()._index_batch(fn)
 
     def _store(self, start: int, full: int, kq, ks, vq, vs) -> None:
         self.k_data[:, :, start:start + kq.shape[2]] = kq
@@ -231,6 +318,9 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self._device_step(query_length):
+            return self.max_cache_len, 0  # what the device step returns: the capacity, the used length on the device
+        self._sync_position()
         cached = self.length if self.is_initialized else 0
         return cached + query_length, 0  # as DynamicLayer: what update will return
 
@@ -239,12 +329,22 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         ``cumulative_length``): the host-side length, K's shift and the open block's float32 originals. The stored
         bytes need no copy: the next write re-quantises the open block from the tail, and slots past the length
         are masked."""
+        self._sync_position()
         return self.length, self.k_shift.clone(), self.k_tail.clone(), self.v_tail.clone()
 
     def restore_position(self, state: tuple) -> None:
+        """The caller restores ``cumulative_length`` (as for ``StaticLayer``). With ``device_position`` the open
+        block's buffers are refilled in place, so a CUDA graph of device steps replays from here."""
         self.length, shift, k_tail, v_tail = state
         self.k_shift.copy_(shift)
         self.k_tail, self.v_tail = k_tail.clone(), v_tail.clone()
+        self._on_device = False
+        if self.device_position and self.is_initialized:
+            self._k_open.zero_()
+            self._v_open.zero_()
+            self._k_open[:, :, :k_tail.shape[2]] = k_tail
+            self._v_open[:, :, :v_tail.shape[2]] = v_tail
+            self._on_device = True
 
     def reset(self) -> None:
         if self.is_initialized:
@@ -254,6 +354,7 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
                 t.fill_(1.0)
             self.k_tail, self.v_tail = self.k_tail[:, :, :0], self.v_tail[:, :, :0]
             self.length = 0
+            self._on_device = False
         self.cumulative_length.zero_()
 
 
@@ -290,9 +391,12 @@ class Fp8DynamicCache(_Fp8CacheMixin, Cache):
 
 
 class Fp8StaticCache(_Fp8CacheMixin, Cache):
-    """A static cache of ``max_cache_len`` tokens per layer (as ``StaticCache``) that stores K/V in FP8."""
+    """A static cache of ``max_cache_len`` tokens per layer (as ``StaticCache``) that stores K/V in FP8.
+    ``device_position``: decode steps read by llm_attn's attention run on the device alone, capturable in a CUDA
+    graph (module docstring)."""
 
-    def __init__(self, config, max_cache_len: int):
+    def __init__(self, config, max_cache_len: int, device_position: bool = False):
         n = _full_attention_layers(config, "Fp8StaticCache")
-        super().__init__(layers=[Fp8StaticLayer(max_cache_len=max_cache_len) for _ in range(n)])
+        super().__init__(layers=[Fp8StaticLayer(max_cache_len=max_cache_len, device_position=device_position)
+                                 for _ in range(n)])
         self._serve(config)
