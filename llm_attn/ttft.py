@@ -174,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             fail(parser, f"--prefill-chunk {args.prefill_chunk}: must be a positive number of tokens")
         if args.tp is not None or (args.seq and "dataset" in args.seq):
             parser.error("--prefill-chunk is not supported with --tp or --seq dataset yet")
-    if args.kv_cache != "fp16" and (args.tp is not None or args.context is not None or
-                                    (args.seq and "dataset" in args.seq)):
-        parser.error(f"--kv-cache {args.kv_cache} is not supported with --tp, --context or --seq dataset yet")
+    if args.kv_cache != "fp16" and (args.tp is not None or (args.seq and "dataset" in args.seq)):
+        parser.error(f"--kv-cache {args.kv_cache} is not supported with --tp or --seq dataset yet")
     if args.tp is not None:  # tensor parallel: its own launcher and measurement (llm_attn.harness.tp)
         from llm_attn.harness import tp  # noqa: PLC0415
 

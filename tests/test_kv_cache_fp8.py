@@ -340,6 +340,33 @@ def test_device_position_decode_through_the_patched_model(tiny):
     assert (got[0] - got[1]).abs().max() < 1e-4
 
 
+def test_extend_by_repeating_fills_the_context_with_the_prompts_tokens():
+    """The harness's --context on the FP8 static cache: positions 70..250 hold the first 70 tokens again (their
+    stored values re-quantised in new blocks: within e4m3's rounding), block 0 and K's shift stay as they were, and
+    the position moves; outside [cached, capacity] it is a ValueError."""
+    from llm_attn.models.kv_cache import Fp8StaticLayer
+
+    gen = torch.Generator().manual_seed(9)
+    k = torch.randn(1, 2, 70, 16, generator=gen) + torch.linspace(-20, 20, 16)
+    v = torch.randn(1, 2, 70, 16, generator=gen)
+    layer = Fp8StaticLayer(max_cache_len=260)
+    with torch.inference_mode():
+        layer.update(k, v)
+        block0, shift = layer.k_data[:, :, :64].clone(), layer.k_shift.clone()
+        before_k, before_v = layer.fp8().dequantized()
+        with pytest.raises(ValueError, match="between the 70 cached tokens and the capacity 260"):
+            layer.extend_by_repeating(261)
+        layer.extend_by_repeating(250, chunk=50)
+        assert layer.length == 250 and int(layer.cumulative_length) == 250
+        assert torch.equal(layer.k_data[:, :, :64].view(torch.uint8), block0.view(torch.uint8))
+        assert torch.equal(layer.k_shift, shift)
+        after_k, after_v = layer.fp8().dequantized()
+    idx = torch.arange(250) % 70
+    for got, want in ((after_k - shift.unsqueeze(2), before_k - shift.unsqueeze(2)), (after_v, before_v)):
+        err = (got - want[:, :, idx]).abs().max()
+        assert err <= 2 * 2.0 ** -4 * want.abs().max(), err
+
+
 def test_cache_implementation_cannot_be_registered_in_transformers_5_17(tiny):
     """generate() takes a fixed tuple of cache names: an FP8 cache goes in as past_key_values= (the docstring of
     llm_attn.models.kv_cache). If this starts to pass, transformers has grown a registry: use it."""

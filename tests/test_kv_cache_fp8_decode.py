@@ -186,14 +186,26 @@ def test_kv_cache_flag_rows_carry_the_cache_and_how_it_was_read(tmp_path, capsys
         assert any("read directly by the blockwise reference" in n for n in notes[f"llm_attn {m}"]), notes
 
 
-def test_kv_cache_flag_with_tp_or_context_is_one_line(tmp_path):
+def test_kv_cache_flag_with_tp_is_one_line_and_with_context_runs(tmp_path, capsys):
+    """--kv-cache fp8 --context: decode_graph over a cache filled to the context by repeating the prompt's tokens
+    (re-quantised); --tp with it is refused in one line."""
     import subprocess
     import sys
 
+    from llm_attn import ttft
+    from llm_attn.harness.results import iter_rows
+
     r = subprocess.run([sys.executable, "-m", "llm_attn.ttft", "--device", "cpu", "--model", "tiny", "--kv-cache",
-                        "fp8", "--context", "4096", "--out", str(tmp_path / "x.jsonl")],
+                        "fp8", "--tp", "2", "--out", str(tmp_path / "x.jsonl")],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "--kv-cache fp8 is not supported with --tp, --context" in r.stderr
+    assert r.returncode == 2 and "--kv-cache fp8 is not supported with --tp" in r.stderr, r.stderr
+    out = tmp_path / "ctx.jsonl"
+    assert ttft.main(["--device", "cpu", "--model", "tiny", "--impl", "llm_attn", "--seq", "40", "--context", "300",
+                      "--new-tokens", "4", "--decode-repeats", "1", "--warmup", "0", "--no-progress", "--kv-cache",
+                      "fp8", "--measure", "decode_graph", "--out", str(out)]) == 0
+    capsys.readouterr()
+    (row,) = list(iter_rows(out, strict=True))
+    assert row["status"] == "ok" and row["kv_cache"] == "fp8" and row["kv_len"] == 300, row
     r = subprocess.run([sys.executable, "-m", "llm_attn.ttft", "--kv-cache", "int4"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "invalid choice: 'int4'" in r.stderr

@@ -305,8 +305,12 @@ def measure_decode_generate(model, input_ids: torch.Tensor, new_tokens: int, run
 
 def _extend_static_cache(cache, seq: int, context: int) -> None:
     """Fill positions seq..context of every StaticCache layer with its first ``seq`` keys/values, repeated, and
-    move the layer's position counter to ``context`` (measure_decode_static's ``context``)."""
+    move the layer's position counter to ``context`` (measure_decode_static's ``context``). FP8 layers re-quantise
+    the repeated tokens (``Fp8StaticLayer.extend_by_repeating``)."""
     for layer in cache.layers:
+        if hasattr(layer, "extend_by_repeating"):
+            layer.extend_by_repeating(context)
+            continue
         for buf in (layer.keys, layer.values):
             filled = buf[:, :, :seq]
             reps = -(-(context - seq) // seq)
@@ -332,8 +336,8 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
 
     The FP8 cache is an ``Fp8StaticCache(device_position=True)``: with llm_attn's attention (a patched model) each
     decode step runs on the device alone and is captured; a model whose attention reads the dequantised copy (stock)
-    runs the loop without a graph only, and with ``use_graph`` raises GraphCaptureUnsupported. With ``context``
-    ValueError (the fill copies the cache's storage, which for FP8 needs re-quantising)."""
+    runs the loop without a graph only, and with ``use_graph`` raises GraphCaptureUnsupported. With ``context`` the
+    FP8 fill re-quantises the repeated tokens (``Fp8StaticLayer.extend_by_repeating``)."""
     _check_kv_cache(kv_cache)
     fp8 = kv_cache == "fp8"
     if fp8 and use_graph and getattr(model.config, "_attn_implementation", None) != "llm_attn":
@@ -347,8 +351,6 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     batch, seq = input_ids.shape
     if context is not None and context < seq:
         raise ValueError(f"context ({context}) must be at least the prompt length ({seq})")
-    if fp8 and context is not None and context > seq:
-        raise ValueError("decode at a longer --context is not supported with the FP8 KV cache yet")
     kv_len = seq if context is None else context
     n_steps = new_tokens - 1
     max_len = kv_len + max(new_tokens, GRAPH_WARMUP_STEPS + 1)

@@ -128,8 +128,6 @@ class SweepParams:
             _int_at_least("prefill_chunk", self.prefill_chunk, 1)
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {self.kv_cache!r}")
-        if self.kv_cache == "fp8" and self.context is not None:
-            raise ValueError("context is not supported with the FP8 KV cache yet")
         if not isinstance(self.plugins, list) or not all(isinstance(p, str) and p for p in self.plugins):
             raise ValueError(f"plugins must be a list of plugin specs (file.py or module[:attr]), got "
                              f"{self.plugins!r}")

@@ -346,6 +346,24 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
             self._v_open[:, :, :v_tail.shape[2]] = v_tail
             self._on_device = True
 
+    def extend_by_repeating(self, context: int, chunk: int = 8192) -> None:
+        """Fill positions ``length .. context`` with the cached tokens, repeated in order (their stored values,
+        dequantised and quantised again through the host path, ``chunk`` tokens at a time), and move the position
+        there: a cache that reads as ``context`` tokens long without a prefill that long (the harness's
+        ``--context``; the tokens are not a continuation of anything)."""
+        self._sync_position()
+        n = self.length
+        if not self.is_initialized or n == 0:
+            raise ValueError("extend_by_repeating needs a prefilled layer")
+        if not n <= context <= self.max_cache_len:
+            raise ValueError(f"context {context} must be between the {n} cached tokens and the capacity "
+                             f"{self.max_cache_len}")
+        k, v = self.fp8().dequantized(torch.float32)
+        for start in range(n, context, chunk):
+            idx = torch.arange(start, min(start + chunk, context), device=k.device) % n
+            self._write_open(*self._open_tokens(k[:, :, idx], v[:, :, idx]))
+        self.cumulative_length.fill_(context)
+
     def reset(self) -> None:
         if self.is_initialized:
             for t in (self.k_data, self.v_data, self.k_shift):
