@@ -54,9 +54,19 @@ def prefill_flops(g: dict, batch: int, seq: int) -> float:
     return 2.0 * layer_params(g) * batch * seq + 2.0 * g["vocab"] * g["hidden"] * batch + attention_flops(g, batch, seq)
 
 
-def kv_bytes_per_token(g: dict, batch: int, context: float, dtype_bytes: int) -> float:
+def kv_bytes_per_token(g: dict, batch: int, context: float, dtype_bytes: float) -> float:
     """K and V of ``context`` positions, every layer, every sequence: what one decode step reads from the cache."""
     return 2.0 * g["layers"] * g["kv_heads"] * g["head_dim"] * context * dtype_bytes * batch
+
+
+def kv_element_bytes(kv_cache: str, dtype_bytes: int, head_dim: int) -> float:
+    """Bytes a decode step reads per cached K or V element: the model's dtype for the fp16 cache; for the FP8 cache
+    one e4m3 byte plus its share of the float32 scale of each 64-token block (``kv_cache_reference``)."""
+    if kv_cache == "fp8":
+        from llm_attn.kv_cache_reference import BLOCK  # noqa: PLC0415
+
+        return 1.0 + 4.0 / (BLOCK * head_dim)
+    return float(dtype_bytes)
 
 
 def weight_bytes_read_per_step(model: torch.nn.Module) -> int:

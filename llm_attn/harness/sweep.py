@@ -308,13 +308,17 @@ class Sweep:
     # -- measurements -----------------------------------------------------------------------------------------------
     def _decode_extras(self, fields: dict, batch: int, seq: int) -> dict:
         dtype_bytes = torch.empty((), dtype=DTYPES[self.cfg.dtype]).element_size()
+        element = flops.kv_element_bytes(self.cfg.kv_cache, dtype_bytes, self.geometry["head_dim"])
         kv = flops.kv_bytes_per_token(self.geometry, batch, fields.get("kv_len", seq) + self.cfg.new_tokens / 2,
-                                      dtype_bytes)
+                                      element)
         per_step = {"weights": self.weight_bytes, "kv_cache": kv, "total": self.weight_bytes + kv}
-        extras = {"bytes_per_token": per_step, "tok_s_all_sequences": fields["tok_s"] * batch}
+        # one step per token of each sequence: the cache's bytes read per second while decoding
+        extras = {"bytes_per_token": per_step, "tok_s_all_sequences": fields["tok_s"] * batch,
+                  "kv_read_gb_s": kv * fields["tok_s"] / 1e9}
         if self.device_entry is not None:
             limit = self.device_entry.bandwidth_bytes_s / per_step["total"]
             extras.update({"bw_limit_tok_s": limit, "bw_fraction": fields["tok_s"] / limit,
+                           "kv_read_fraction": kv * fields["tok_s"] / self.device_entry.bandwidth_bytes_s,
                            "device_table_entry": self.device_entry.slug})
         return extras
 
@@ -603,6 +607,12 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
             return ""
         return fmt(r) if r["status"] == "ok" else r["status"].upper()
 
+    def kv_read_cell(r):
+        if r.get("kv_read_gb_s") is None:
+            return ""
+        share = f" ({100 * r['kv_read_fraction']:.0f}%)" if r.get("kv_read_fraction") is not None else ""
+        return f"{r['kv_read_gb_s']:.0f}{share}"
+
     table, modes = [], set()
     graph_cols = any(k2 in m for m in by_point.values() for k2 in ("ttft_graph", "ttft_graph_static"))
     order = {i: n for n, i in enumerate(registry.names())}
@@ -635,6 +645,7 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                       cell(dg, lambda r: tok_s_cell(r, stocks)),
                       cell(dgr, lambda r: tok_s_cell(r, stocks)),
                       cell(dgr, lambda r: f"{100 * r['bw_fraction']:.0f}%" if r.get("bw_fraction") else ""),
+                      cell(dgr, kv_read_cell),
                       f"{peak / 2**30:.2f}" if peak else "",
                       *([cell(tg, lambda r: f"{r['stats']['p50']:.2f}"), cell(tgs, lambda r: f"{r['stats']['p50']:.2f}"),
                          ", ".join(f"{k_['name'][:40]} ({k_['ms']:.1f} ms)" for k_ in kernels[:2]) if kernels else "",
@@ -643,7 +654,7 @@ def summary_table(rows: list[dict], tablefmt: str = "github") -> str:
                       "; ".join(notes)])
     headers = ["model", "quant", "impl", "batch", "seq", "TTFT p50 ms", "p90 ms", "stdev %",
                *[ratio_header(s) for s in stocks], "decode tok/s (generate)", "decode tok/s (graph)",
-               "graph % of BW bound", "peak GiB",
+               "graph % of BW bound", "graph KV read GB/s (% of BW)", "peak GiB",
                *(["TTFT graph ms (dynamic cache)", "TTFT graph ms (static cache)", "attention kernels (graph)",
                   "graph - eager ms"] if graph_cols else []), "notes"]
     table, headers = drop_empty_columns(table, headers, keep=("model", "impl", "seq"))  # e.g. peak GiB on CPU
