@@ -33,6 +33,7 @@ out-of-memory or failing point is recorded as such and the sweep goes on. ``--re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -100,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed TTFT runs per implementation, paired (default 20)")
     p.add_argument("--decode-repeats", type=positive_int, default=5,
                    help="timed decode runs per implementation, paired like TTFT (default 5)")
-    p.add_argument("--context", type=positive_int, default=None, metavar="N",
+    p.add_argument("--context", type=positive_int, nargs="+", default=None, metavar="N",
                    help="decode_graph decodes with N tokens in the KV cache (the prompt's keys and values repeated "
-                        "after its prefill): decode at 8k or 32k context without a long prefill (default: the "
-                        "prompt's length)")
+                        "after its prefill): decode at 8k or 32k context without a long prefill; several N: one "
+                        "decode_graph point per N, the other measurements once (default: the prompt's length)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="run every prompt in chunks of N tokens against the growing KV cache (each chunk causal "
                         "over everything cached; activations scale with N, not the prompt) in ttft, both decodes' "
@@ -167,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if "decode_graph" not in args.measure:
             parser.error("--context sets decode_graph's KV length: add decode_graph to --measure")
         longest = max((s for s in (args.seq or []) if isinstance(s, int)), default=0)
-        if args.context < longest:
-            parser.error(f"--context {args.context} is shorter than the longest prompt (--seq {longest})")
+        if min(args.context) < longest:
+            parser.error(f"--context {min(args.context)} is shorter than the longest prompt (--seq {longest})")
     if args.prefill_chunk is not None:  # -- chunked prefill: checked before anything loads --
         if args.prefill_chunk <= 0:
             fail(parser, f"--prefill-chunk {args.prefill_chunk}: must be a positive number of tokens")
@@ -246,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     print(f"model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     if args.context is not None:  # the default lengths and the model's positions are known now
-        problem = session.length_problem(model, [args.context], args.new_tokens, ["decode_graph"],
+        problem = session.length_problem(model, [max(args.context)], args.new_tokens, ["decode_graph"],
                                          names=("--context", "--new-tokens"))
-        if args.context < max(seqs):
-            problem = f"--context {args.context} is shorter than the longest prompt ({max(seqs)} tokens)"
+        if min(args.context) < max(seqs):
+            problem = f"--context {min(args.context)} is shorter than the longest prompt ({max(seqs)} tokens)"
         if problem:
             parser.error(problem)
     print(session.describe_model(info, device, args.model), flush=True)
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(model_spec=args.model, dtype=dtype, impls=impls, seqs=seqs, batches=args.batch,
                       new_tokens=args.new_tokens, warmup=args.warmup, repeats=args.repeats,
                       decode_repeats=args.decode_repeats, measurements=args.measure, seed=args.seed,
-                      context=args.context, prefill_chunk=args.prefill_chunk, kv_cache=args.kv_cache,
+                      context=args.context[0] if args.context else None, prefill_chunk=args.prefill_chunk,
+                      kv_cache=args.kv_cache,
                       allow_dequant_fallback=args.allow_dequant_fallback,
                       experiment=args.experiment, device=device,
                       plugins=plugins)
@@ -272,17 +274,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"measuring {len(impls)} implementation(s) x {len(args.batch)} batch size(s) x {len(seqs)} length(s) "
           f"({', '.join(args.measure)}), rows appended to {args.out} ...", file=sys.stderr, flush=True)
-    written, status = run_session(parser, cfg, model, info, args.out, resume=args.resume, devices_path=args.devices,
-                                  progress=not args.no_progress, argv=[sys.executable, "-m", "llm_attn.ttft",
-                                                                       *(sys.argv[1:] if argv is None else argv)],
-                                  again="run again with --resume to continue", out_option="--out: ",
-                                  resumed="--resume", prompts=prompts)
-    if status is not None:
-        return status
+    # Several --context values: the first runs every measurement, each later one decode_graph alone (nothing else
+    # depends on the context); one table per context.
+    all_written = []
+    for i, context in enumerate(args.context or [None]):
+        if i:
+            cfg = dataclasses.replace(cfg, context=context, measurements=["decode_graph"])
+        written, status = run_session(parser, cfg, model, info, args.out, resume=args.resume,
+                                      devices_path=args.devices, progress=not args.no_progress,
+                                      argv=[sys.executable, "-m", "llm_attn.ttft",
+                                            *(sys.argv[1:] if argv is None else argv)],
+                                      again="run again with --resume to continue", out_option="--out: ",
+                                      resumed="--resume", prompts=prompts)
+        if status is not None:
+            return status
+        if written:
+            print(("" if context is None else f"\n--context {context}:\n") + session.rows_tables(written,
+                                                                                             wide=args.wide))
+        all_written += written
     print(f"measured in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    if written:
-        print(session.rows_tables(written, wide=args.wide))
-    line, status = session.rows_summary(written, args.out)
+    line, status = session.rows_summary(all_written, args.out)
     print("\n" + line)
     return status
 

@@ -525,3 +525,22 @@ def test_decode_graph_at_a_longer_context(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 2
     assert ttft.main([*args[:8], "300", *args[9:], "--resume"]) == 0
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_several_contexts_in_one_run(tmp_path, capsys):
+    """--context N1 N2: one decode_graph point per context, TTFT once (it does not depend on the context), a table
+    per context; a context shorter than the prompt is still refused."""
+    out = tmp_path / "ctx.jsonl"
+    args = ["--model", "tiny", "--impl", "llm_attn", "--seq", "16", "--context", "100", "200", "--measure", "ttft",
+            "decode_graph", "--new-tokens", "4", "--decode-repeats", "1", "--repeats", "1", "--warmup", "0", *CPU,
+            "--out", str(out), "--no-progress"]
+    assert ttft.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "--context 100:" in printed and "--context 200:" in printed
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["measurement"], r.get("context")) for r in rows) == [
+        ("decode_graph", 100), ("decode_graph", 200), ("ttft", None)]
+    assert {r["kv_len"] for r in rows if r["measurement"] == "decode_graph"} == {100, 200}
+    with pytest.raises(SystemExit):
+        ttft.main([*args[:7], "8", "100", *args[9:]])
+    assert "--context 8 is shorter than the longest prompt" in capsys.readouterr().err
