@@ -32,6 +32,7 @@ costs.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,7 +146,8 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
     return out
 
 
-def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: int, order: random.Random) -> None:
+def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: int, order: random.Random,
+                        log: bool = True) -> None:
     """``processes`` rounds, each timing every row's (path, shape) once in a fresh process (``user_timed``), in a
     shuffled order; then per row the samples (``user_cold_samples_us``, ``user_warm_samples_us``), their medians
     (``user_cold_us``, ``user_warm_us``) and ``user_warm_vs_torch_sdpa``: torch SDPA's warm wall time over this
@@ -167,6 +169,9 @@ def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: 
                 continue
             r["user_cold_samples_us"].append(got["user_cold_us"])
             r["user_warm_samples_us"].append(got["user_warm_us"])
+            if log:  # each process as it ends: a run cut short still shows what it measured
+                print(f"user timing, {r['dtype']} {r['shape']}, {r['path']}: cold {got['user_cold_us']:.1f} µs/call, "
+                      f"warm {got['user_warm_us']:.1f}", file=sys.stderr, flush=True)
     ref = {r["shape"]: r for r in rows if r["path"] == "torch SDPA" and "user_timing_why" not in r}
     for r in rows:
         if "user_timing_why" in r:
@@ -233,7 +238,6 @@ def user_timed(path: str, shape: HostShape, device: str | torch.device, dtype: t
     or ``{"user_timing_why": ...}`` when the child process failed."""
     import json  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     spec = {"path": path, "shape": [getattr(shape, f) for f in HostShape.__dataclass_fields__],
             "device": str(device), "dtype": str(dtype).replace("torch.", ""), "calls": calls}
@@ -306,7 +310,6 @@ def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
 def main(argv=None) -> int:
     """``python -m llm_attn.harness.hostcost [--device cuda] [--dtype float16] [--calls 300]``: the table."""
     import argparse  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m llm_attn.harness.hostcost", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
