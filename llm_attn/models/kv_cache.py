@@ -31,8 +31,8 @@ read by llm_attn's attention function then runs on the device alone. It writes t
 float32 originals (a fixed 64-slot buffer) at the position held in ``cumulative_length``, re-quantises that block
 from them (K's shift too while block 0 is open), and returns placeholders of the whole capacity with the used length
 as a device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host
-path's, bit for bit. Every other call (a prefill, stock attention, ``crop``-free host work) first reads the position
-back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read raises IndexError.
+path's, bit for bit. Every other call (a prefill, stock attention, beam reordering) first reads the position back
+(one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read raises IndexError.
 """
 
 from __future__ import annotations
@@ -259,12 +259,8 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         """One token written and its block re-quantised with no host value (module docstring): the host path's
         arithmetic (``_write_open``, ``kv_cache_reference.quantize``), on the 64-slot block with the slots past the
         token masked."""
-        if not self._on_device:  # the open block's originals: from the host tail into the fixed buffers
-            self._k_open.zero_()
-            self._v_open.zero_()
-            self._k_open[:, :, :self.k_tail.shape[2]] = self.k_tail
-            self._v_open[:, :, :self.v_tail.shape[2]] = self.v_tail
-            self._on_device = True
+        if not self._on_device:
+            self._load_open_block()
         last_block = ref.n_blocks(self.max_cache_len) - 1
         pos = self.cumulative_length
         slot = (pos % ref.BLOCK).view(1)
@@ -277,15 +273,20 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         rows = block * ref.BLOCK + self._slots
         for x, data, scale in ((self._k_open - self.k_shift.unsqueeze(2), self.k_data, self.k_scale),
                                (self._v_open, self.v_data, self.v_scale)):
-            x = torch.where(valid, x, 0.0)
-            sc = ref.block_scales(x)
-            q = (x * (1.0 / sc).unsqueeze(-1)).clamp_(-ref.E4M3_MAX, ref.E4M3_MAX).to(ref.STORAGE_DTYPE)
+            q, sc = ref.quantize(torch.where(valid, x, 0.0))  # zeros past the token never raise the block's amax
             data.view(torch.uint8).index_copy_(2, rows, q.view(torch.uint8))  # no float8 index_copy on CPU
             scale.index_copy_(2, block.view(1), sc)
         self.cumulative_length.add_(1)
         used = torch.clamp(self.cumulative_length, max=self.max_cache_len).to(torch.int32)
         used = used.view(1).expand(self.k_data.shape[0]).contiguous()
         return self._placeholders(self.max_cache_len, self._fp8_view(self.max_cache_len, used))
+
+    def _load_open_block(self) -> None:
+        """The open block's originals, from the host tail into the fixed buffers, in place: the device is ahead now."""
+        for buf, tail in ((self._k_open, self.k_tail), (self._v_open, self.v_tail)):
+            buf.zero_()
+            buf[:, :, :tail.shape[2]] = tail
+        self._on_device = True
 
     def _sync_position(self) -> None:
         """Bring the host's length and tail up to the device's (one sync), after device steps."""
@@ -340,11 +341,7 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         self.k_tail, self.v_tail = k_tail.clone(), v_tail.clone()
         self._on_device = False
         if self.device_position and self.is_initialized:
-            self._k_open.zero_()
-            self._v_open.zero_()
-            self._k_open[:, :, :k_tail.shape[2]] = k_tail
-            self._v_open[:, :, :v_tail.shape[2]] = v_tail
-            self._on_device = True
+            self._load_open_block()
 
     def extend_by_repeating(self, context: int, chunk: int = 8192) -> None:
         """Fill positions ``length .. context`` with the cached tokens, repeated in order (their stored values,
