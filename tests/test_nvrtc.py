@@ -783,15 +783,8 @@ def test_quant_constants_match_cpp():
                     f"const llm_attn::FlashFwdInt8Workspace w{i} = llm_attn::flash_fwd_int8_workspace(p{i});")
         want |= {f"w{i}.{f}": off for f, off in offsets.items() if pv or f not in ("v_fp8", "v_scale")}
         want[f"w{i}.bytes"] = size
-    exprs = list(want)
-    src = ('#include "flash_fwd_int8_quant.cuh"\n#include "flash_fwd_int8_kernel.cuh"\n'
-           '#include "flash_fwd_fp8_sm90_kernel.cuh"\n#include "quant_fp8.cuh"\n'
-           'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
-           + "\n".join(body) + "\n"
-           + "".join(f"    out[{i}] = static_cast<unsigned long long>({e});\n" for i, e in enumerate(exprs)) + "}\n")
-    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx("sm_90a", src, "llm_attn_constants_probe.cu"))
-    got = {e: values.get(i) for i, e in enumerate(exprs)}
-    assert got == want, {e: (got[e], want[e]) for e in exprs if got[e] != want[e]}
+    _assert_constants(["flash_fwd_int8_quant.cuh", "flash_fwd_int8_kernel.cuh", "flash_fwd_fp8_sm90_kernel.cuh",
+                       "quant_fp8.cuh"], "sm_90a", want, body)
 
 
 def test_quant_entry_points_are_the_bindings(monkeypatch):
@@ -964,11 +957,18 @@ def test_fp8kv_decode_constants_match_cpp():
     for d, cfg in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS):
         want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kStages"] = _plan.DECODE_FP8KV_CONFIGS[cfg][1]
         want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kMTiles"] = _plan.DECODE_FP8KV_CONFIGS[cfg][0]
+    _assert_constants(["flash_decode_fp8kv_kernel.cuh"], "sm_80", want)
+
+
+def _assert_constants(headers: list[str], arch: str, want: dict, body: list[str] = ()) -> None:
+    """Each C++ expression of ``want`` (after the statements ``body``) as NVRTC evaluates it for ``arch``, stored by
+    a probe kernel and read back from its PTX, equals its value in ``want``."""
     exprs = list(want)
-    src = ('#include "flash_decode_fp8kv_kernel.cuh"\n'
-           'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
+    src = ("".join(f'#include "{h}"\n' for h in headers)
+           + 'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
+           + "".join(f"{line}\n" for line in body)
            + "".join(f"    out[{i}] = static_cast<unsigned long long>({e});\n" for i, e in enumerate(exprs)) + "}\n")
-    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx("sm_80", src, "llm_attn_fp8kv_constants_probe.cu"))
+    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx(arch, src, "llm_attn_constants_probe.cu"))
     got = {e: values.get(i) for i, e in enumerate(exprs)}
     assert got == want, {e: (got[e], want[e]) for e in exprs if got[e] != want[e]}
 
@@ -1315,13 +1315,7 @@ def test_backward_constants_match_cpp():
                  f"{t.cpp()}::kBlockM": t.block_m}
         for t in _plan.BWD_CONFIGS[d]:
             want[f"llm_attn::bwd_smem_bytes({d}, {t.block_m}, {t.block_n})"] = t.smem_bytes
-    exprs = list(want)
-    src = ('#include "flash_bwd_sm90_kernel.cuh"\n'
-           'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
-           + "".join(f"    out[{i}] = static_cast<unsigned long long>({e});\n" for i, e in enumerate(exprs)) + "}\n")
-    values = _nvrtc_sm90.stored_values(_nvrtc.compile_ptx("sm_90a", src, "llm_attn_bwd_constants_probe.cu"))
-    got = {e: values.get(i) for i, e in enumerate(exprs)}
-    assert got == want, {e: (got[e], want[e]) for e in exprs if got[e] != want[e]}
+    _assert_constants(["flash_bwd_sm90_kernel.cuh"], "sm_90a", want)
 
 
 def test_backward_entry_points_are_the_bindings(monkeypatch):
