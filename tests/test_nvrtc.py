@@ -752,8 +752,6 @@ def test_quant_constants_match_cpp():
     stores each C++ value (the block constants, every Fp8Traits / Int8FwdTraits' smem, threads and tile, the
     padding and chunking functions, flash_fwd_int8_workspace's layout) and its PTX is read back."""
     _nvrtc_or_skip()
-    from llm_attn import _nvrtc, _nvrtc_sm90
-
     want = {"llm_attn::kFp8QBlock": _plan.FP8_Q_BLOCK, "llm_attn::kFp8KBlock": _plan.FP8_K_BLOCK,
             "llm_attn::kFp8KvChunk": _plan.FP8_KV_CHUNK, "llm_attn::fp8::kThreads": _plan.QUANT_THREADS,
             "llm_attn::int8fwd::kQuantThreads": _plan.QUANT_THREADS, "llm_attn::kInt8BlockN": _plan.INT8_BLOCK_N,
@@ -947,8 +945,6 @@ def test_fp8kv_decode_constants_match_cpp():
     """The numbers decode_fp8kv_plan uses are the header's: every DecodeFp8KvTraits' shared memory, threads and key
     tile, and kDecodeMaxRows, read back from a probe kernel's PTX (NVRTC)."""
     _nvrtc_or_skip()
-    from llm_attn import _nvrtc, _nvrtc_sm90
-
     want = {"llm_attn::kDecodeMaxRows": _plan.DECODE_MAX_ROWS}
     for d, (mt, st) in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS.values()):
         t = _plan.DecodeFp8KvTraits(d, mt, st)
@@ -963,6 +959,8 @@ def test_fp8kv_decode_constants_match_cpp():
 def _assert_constants(headers: list[str], arch: str, want: dict, body: list[str] = ()) -> None:
     """Each C++ expression of ``want`` (after the statements ``body``) as NVRTC evaluates it for ``arch``, stored by
     a probe kernel and read back from its PTX, equals its value in ``want``."""
+    from llm_attn import _nvrtc, _nvrtc_sm90
+
     exprs = list(want)
     src = ("".join(f'#include "{h}"\n' for h in headers)
            + 'extern "C" __global__ void llm_attn_constants_probe(unsigned long long* out) {\n'
@@ -1302,8 +1300,6 @@ def test_backward_constants_match_cpp():
     """The numbers bwd_plan uses are the headers': every BwdTraits / Sm90BwdTraits / BwdDqTraits' shared memory,
     threads and tile, and the BwdTileId values, read back from a probe kernel's PTX (NVRTC, sm_90a)."""
     _nvrtc_or_skip()
-    from llm_attn import _nvrtc, _nvrtc_sm90
-
     want = {f"llm_attn::kBwd{''.join(w.capitalize() for w in name.split('_'))}": i
             for name, i in _plan.BWD_TILE_IDS.items()}
     for d in (64, 128):
