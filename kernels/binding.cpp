@@ -20,6 +20,7 @@
 
 #include "flash.h"
 #include "flash_decode_fp8kv.h"
+#include "fp8_cache_append.h"
 #include "flash_fp8.h"
 #include "flash_int8.h"
 
@@ -559,7 +560,8 @@ int64_t set_decode_config(int64_t config) {
 
 
 // ---- Decode over the FP8 KV cache (kernels/flash_decode_fp8kv.h; llm_attn.ops.decode_fp8_kv) -----------------------
-// q (B, Hq, Sq, D) fp16/bf16; k_data, v_data (B, Hkv, S, D) e4m3 bytes (float8_e4m3fn or uint8), S the cached tokens
+// Up to kDecodeMaxRows packed rows ((query heads per KV head) x q_len) the split-KV decode kernel, above them the
+// prefill kernel (chunked prefill over the cache; never split). q (B, Hq, Sq, D) fp16/bf16; k_data, v_data (B, Hkv, S, D) e4m3 bytes (float8_e4m3fn or uint8), S the cached tokens
 // (a view of the cache's first S slots); k_scale, v_scale float32 (B, Hkv, >= ceil(S / 64)), one scale per 64-token
 // block. Returns (out (B, Hq, Sq, D) in (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without
 // the k_shift term). Every check is one TORCH_CHECK line; nothing here synchronises.
@@ -613,9 +615,8 @@ std::tuple<at::Tensor, at::Tensor> mha_decode_fp8kv(const at::Tensor& q, const a
                 ") must be a multiple of kv heads (", num(num_kv_heads), ")");
     CHECK_FP8KV(batch > 0 && num_heads > 0 && seqlen_q > 0 && seqlen_k > 0, "empty input: q ", shape(q.sizes()),
                 ", k_data ", shape(k_data.sizes()));
-    CHECK_FP8KV(num_heads / num_kv_heads * seqlen_q <= llm_attn::kDecodeMaxRows, "(query heads per kv head) x q_len ",
-                "must be <= ", num(llm_attn::kDecodeMaxRows), " for the decode kernel, got ",
-                num(num_heads / num_kv_heads * seqlen_q), " (longer queries read the cache's dequantised copy)");
+    CHECK_FP8KV(num_heads / num_kv_heads * seqlen_q < (1 << 30), "(query heads per kv head) x q_len must be below ",
+                "2^30, got ", num(num_heads / num_kv_heads * seqlen_q));
     CHECK_FP8KV(seqlen_k < (1 << 30), "sequence too long");
     CHECK_FP8KV(num_kv_heads <= 65535 && batch <= 65535, "at most 65535 kv heads and batch 65535");
     check_fp8kv_scale(k_scale, "k_scale", k_data, q);
@@ -662,6 +663,71 @@ std::tuple<at::Tensor, at::Tensor> mha_decode_fp8kv(const at::Tensor& q, const a
     return {out, lse};
 }
 #undef CHECK_FP8KV
+
+// ---- The FP8 cache's one-token append (kernels/fp8_cache_append.h; Fp8StaticLayer(device_position=True)) ------------
+// k_new, v_new (B, Hkv, 1, D) fp16/bf16; k_open, v_open float32 (B, Hkv, 64, D); k_shift float32 (B, Hkv, D);
+// k_data, v_data e4m3 (B, Hkv, C, D), C a multiple of 64; k_scale, v_scale float32 (B, Hkv, C / 64); position int64
+// (one element); used int32 (B,). All contiguous but k_new / v_new (head_dim contiguous). Writes in place, reads the
+// position on the device: CUDA-graph capturable.
+#define CHECK_APPEND(cond, ...) TORCH_CHECK(cond, "llm_attn.fp8_cache_append: ", __VA_ARGS__)
+
+void fp8_cache_append(const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& k_open,
+                      const at::Tensor& v_open, const at::Tensor& k_shift, const at::Tensor& k_data,
+                      const at::Tensor& v_data, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                      const at::Tensor& position, const at::Tensor& used, int64_t max_cache_len) {
+    CHECK_APPEND(k_data.is_cuda() && k_data.dim() == 4, "k_data must be a 4-D CUDA tensor (batch, kv_heads, capacity, "
+                 "head_dim)");
+    const int64_t b = k_data.size(0), h = k_data.size(1), c = k_data.size(2), d = k_data.size(3);
+    CHECK_APPEND(d == 64 || d == 128, "head_dim must be 64 or 128, got ", num(d));
+    CHECK_APPEND(c > 0 && c % 64 == 0, "the capacity must be a positive multiple of 64 tokens, got ", num(c));
+    CHECK_APPEND(max_cache_len > 0 && max_cache_len <= c, "max_cache_len must be in [1, ", num(c), "], got ",
+                 num(max_cache_len));
+    auto same = [&](const at::Tensor& t, const char* name, at::ScalarType dt, std::vector<int64_t> sizes) {
+        CHECK_APPEND(t.device() == k_data.device(), name, " must be on k_data's device");
+        CHECK_APPEND(t.scalar_type() == dt, name, " must be ", dt, ", got ", t.scalar_type());
+        CHECK_APPEND(t.sizes() == at::IntArrayRef(sizes), name, " must be ", shape(at::IntArrayRef(sizes)), ", got ",
+                     shape(t.sizes()));
+        CHECK_APPEND(t.is_contiguous(), name, " must be contiguous");
+    };
+    const auto e4m3 = k_data.scalar_type() == at::kByte ? at::kByte : at::kFloat8_e4m3fn;
+    same(k_data, "k_data", e4m3, {b, h, c, d});
+    same(v_data, "v_data", e4m3, {b, h, c, d});
+    same(k_open, "k_open", at::kFloat, {b, h, 64, d});
+    same(v_open, "v_open", at::kFloat, {b, h, 64, d});
+    same(k_shift, "k_shift", at::kFloat, {b, h, d});
+    same(k_scale, "k_scale", at::kFloat, {b, h, c / 64});
+    same(v_scale, "v_scale", at::kFloat, {b, h, c / 64});
+    CHECK_APPEND(position.device() == k_data.device() && position.scalar_type() == at::kLong &&
+                 position.numel() == 1, "position must be one int64 on k_data's device");
+    same(used, "used", at::kInt, {b});
+    for (const auto* t : {&k_new, &v_new}) {
+        const char* name = t == &k_new ? "k_new" : "v_new";
+        CHECK_APPEND(t->device() == k_data.device(), name, " must be on k_data's device");
+        CHECK_APPEND(t->scalar_type() == at::kHalf || t->scalar_type() == at::kBFloat16, name,
+                     " must be float16 or bfloat16, got ", t->scalar_type());
+        CHECK_APPEND(t->sizes() == at::IntArrayRef({b, h, 1, d}) && t->stride(3) == 1, name, " must be ",
+                     shape(at::IntArrayRef({b, h, 1, d})), " contiguous in head_dim, got ", shape(t->sizes()));
+    }
+    CHECK_APPEND(v_new.scalar_type() == k_new.scalar_type(), "k_new and v_new must have one dtype");
+
+    const c10::cuda::CUDAGuard guard(k_data.device());
+    llm_attn::Fp8CacheAppendParams p{};
+    p.k_new = k_new.data_ptr();
+    p.v_new = v_new.data_ptr();
+    p.kn_batch_stride = k_new.stride(0), p.kn_head_stride = k_new.stride(1);
+    p.vn_batch_stride = v_new.stride(0), p.vn_head_stride = v_new.stride(1);
+    p.k_open = k_open.data_ptr<float>(), p.v_open = v_open.data_ptr<float>(), p.k_shift = k_shift.data_ptr<float>();
+    p.k_data = static_cast<uint8_t*>(k_data.data_ptr()), p.v_data = static_cast<uint8_t*>(v_data.data_ptr());
+    p.k_scale = k_scale.data_ptr<float>(), p.v_scale = v_scale.data_ptr<float>();
+    p.position = position.data_ptr<int64_t>();
+    p.used = used.data_ptr<int32_t>();
+    p.batch = static_cast<int>(b), p.kv_heads = static_cast<int>(h), p.head_dim = static_cast<int>(d);
+    p.capacity = static_cast<int>(c), p.max_cache_len = static_cast<int>(max_cache_len);
+    p.is_bf16 = k_new.scalar_type() == at::kBFloat16;
+    const cudaError_t err = llm_attn::run_fp8_cache_append(p, at::cuda::getCurrentCUDAStream());
+    CHECK_APPEND(err == cudaSuccess, "kernel launch failed: ", cudaGetErrorString(err));
+}
+#undef CHECK_APPEND
 
 }  // namespace
 
@@ -710,10 +776,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "Tests: use the decode counter pool (True) or zero counters per call (False); returns the previous");
     m.def("decode_counter_pool_state", &decode_counter_pool_state,
           "Tests: (ints handed out, their values) of the current device's decode counter pool");
+    m.def("fp8_cache_append", &fp8_cache_append,
+          "The FP8 cache's one-token append at the device-side position (Fp8StaticLayer device_position), in place",
+          py::arg("k_new"), py::arg("v_new"), py::arg("k_open"), py::arg("v_open"), py::arg("k_shift"),
+          py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"), py::arg("position"),
+          py::arg("used"), py::arg("max_cache_len"));
     m.def("mha_decode_fp8kv", &mha_decode_fp8kv,
           "Decode attention over the FP8 (e4m3) KV cache, dequantised in registers; returns (out, lse without k_shift)",
           py::arg("q"), py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"),
           py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("decode_fp8kv_max_rows", [] { return static_cast<int64_t>(llm_attn::kDecodeMaxRows); },
           "Largest (query heads per KV head) x q_len the FP8-cache decode kernel takes");
+    m.def("fp8kv_prefill", [] { return true; },
+          "Whether mha_decode_fp8kv takes more rows than decode_fp8kv_max_rows (the prefill kernel over the FP8 cache)");
 }

@@ -1,4 +1,5 @@
-// Runtime -> compile-time dispatch of the decode kernel over the FP8 KV cache (flash_decode_fp8kv.h).
+// Runtime -> compile-time dispatch of the attention over the FP8 KV cache (flash_decode_fp8kv.h): the split-KV decode
+// kernel for up to kDecodeMaxRows packed rows, the prefill kernel (flash_prefill_fp8kv_kernel.cuh) above.
 #include "flash_decode_fp8kv.h"
 #include "flash_fwd_config.h"
 
@@ -12,7 +13,14 @@ int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) 
 }
 
 cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& p, cudaStream_t stream) {
-    if (!use_decode_kernel(p.base)) return cudaErrorInvalidValue;
+    if (!use_decode_kernel(p.base)) {  // a prefill over the cache: never split
+        if (p.base.num_splits != 1) return cudaErrorInvalidValue;
+        if (p.base.head_dim == 128) return p.base.is_bf16 ? run_flash_prefill_fp8kv_<__nv_bfloat16, 128>(p, stream)
+                                                          : run_flash_prefill_fp8kv_<half, 128>(p, stream);
+        if (p.base.head_dim == 64) return p.base.is_bf16 ? run_flash_prefill_fp8kv_<__nv_bfloat16, 64>(p, stream)
+                                                         : run_flash_prefill_fp8kv_<half, 64>(p, stream);
+        return cudaErrorInvalidValue;
+    }
     if (p.base.head_dim == 128) return p.base.is_bf16 ? run_flash_decode_fp8kv_<__nv_bfloat16, 128>(p, stream)
                                                       : run_flash_decode_fp8kv_<half, 128>(p, stream);
     if (p.base.head_dim == 64) return p.base.is_bf16 ? run_flash_decode_fp8kv_<__nv_bfloat16, 64>(p, stream)

@@ -1,10 +1,11 @@
-// Plain C++ interface of the split-KV decode kernel over the FP8 (e4m3) KV cache (flash_decode_fp8kv_kernel.cuh).
+// Plain C++ interface of attention over the FP8 (e4m3) KV cache: the split-KV decode kernel
+// (flash_decode_fp8kv_kernel.cuh) and the prefill kernel (flash_prefill_fp8kv_kernel.cuh), one params struct.
 // No torch headers: kernels/binding.cpp fills the params. The cache format is llm_attn/kv_cache_reference.py's:
 //   k_data, v_data   uint8 (e4m3 bits) (batch, kv_heads, capacity, head_dim), head_dim contiguous
 //   k_scale, v_scale float32 (batch, kv_heads, ceil(capacity / 64)), one scale per 64-token block, block stride 1
 //   K[t] = e4m3(k_data[t]) * k_scale[t / 64] (+ k_shift, which attention never needs: the same score shift for
 //   every key of a row; the lse returned here leaves it out)      V[t] = e4m3(v_data[t]) * v_scale[t / 64]
-// Q and O are fp16 or bf16 as in FlashFwdParams. The 64-token scale block is the kernel's 64-key tile.
+// Q and O are fp16 or bf16 as in FlashFwdParams. The 64-token scale block is both kernels' 64-key tile.
 #pragma once
 
 #include "flash.h"
@@ -23,14 +24,20 @@ struct FlashDecodeFp8KvParams {
     int64_t vs_batch_stride, vs_head_stride;
 };
 
-// Launches the decode over the FP8 cache on `stream` (never synchronises). Needs (query heads per KV head) x q_len
-// <= kDecodeMaxRows (kernel_tiles.h) and head_dim 64 or 128; anything else returns cudaErrorInvalidValue.
+// Launches attention over the FP8 cache on `stream` (never synchronises): the split-KV decode kernel where
+// (query heads per KV head) x q_len <= kDecodeMaxRows (kernel_tiles.h), else the prefill kernel
+// (flash_prefill_fp8kv_kernel.cuh: chunked prefill, q_len <= kv_len; num_splits must be 1). head_dim 64 or 128;
+// anything else returns cudaErrorInvalidValue.
 cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t stream);
-// KV splits of such a launch on a device with `num_sms` SMs: the fp16 decode kernel's rule (flash_fwd_num_splits).
+// KV splits of such a launch on a device with `num_sms` SMs: the fp16 decode kernel's rule (flash_fwd_num_splits)
+// for a decode call, 1 for a prefill call.
 int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& params, int num_sms);
 
-// One instantiation file per (head_dim, dtype of q and o): flash_decode_fp8kv_hdim{D}_{dtype}.cu (generated).
+// One instantiation file per (head_dim, dtype of q and o) and kernel (generated): flash_decode_fp8kv_hdim{D}_{dtype}.cu,
+// flash_prefill_fp8kv_hdim{D}_{dtype}.cu.
 template <typename T, int kHeadDim>
 cudaError_t run_flash_decode_fp8kv_(FlashDecodeFp8KvParams& params, cudaStream_t stream);
+template <typename T, int kHeadDim>
+cudaError_t run_flash_prefill_fp8kv_(FlashDecodeFp8KvParams& params, cudaStream_t stream);
 
 }  // namespace llm_attn

@@ -5,12 +5,13 @@
   kernels/flash_fwd_sm90_hdim{D}_{dtype}_{causal}.cu   Hopper prefill (wgmma/TMA), run_flash_fwd_sm90_
   kernels/flash_decode_hdim{D}_{dtype}.cu              split-KV decode, run_flash_decode_
   kernels/flash_decode_fp8kv_hdim{D}_{dtype}.cu        split-KV decode over the FP8 KV cache, run_flash_decode_fp8kv_
+  kernels/flash_prefill_fp8kv_hdim{D}_{dtype}.cu       prefill over the FP8 KV cache, run_flash_prefill_fp8kv_
   kernels/flash_bwd_hdim{D}_{dtype}_{causal}.cu        backward, run_flash_bwd_
   kernels/flash_bwd_sm90_hdim{D}_{dtype}_{causal}.cu   Hopper backward (wgmma/TMA), run_flash_bwd_sm90_
   kernels/flash_fwd_int8_hdim{D}_{dtype}_{causal}.cu   portable INT8 forward (mma.sync s8/e4m3), run_flash_fwd_int8_
   kernels/flash_fwd_fp8_sm90_hdim{D}_{dtype}_{causal}.cu  Hopper FP8 forward (wgmma e4m3), run_flash_fwd_fp8_
   kernels/kernel_tiles.h       the tile tables the launch templates read: FwdConfig<D>, DecodeConfig<D>, BwdTile<D>,
-                               Fp8Tiles<D>, DecodeFp8KvConfig<D>
+                               Fp8Tiles<D>, DecodeFp8KvConfig<D>, PrefillFp8KvConfig<D>
   llm_attn/_kernel_table.py    the same tables for llm_attn/_plan.py (the NVRTC backend's mirror of the dispatch)
 
 so that the nvcc build (setup.py compiles kernels/*.cu), NVRTC (llm_attn/_nvrtc.py compiles _plan.all_kernels())
@@ -69,6 +70,10 @@ DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2), ("Deep4"
 # The decode kernel over the FP8 (e4m3) KV cache: DecodeFp8KvTraits<D, kMTiles, kStages> (flash_decode_fp8kv_kernel.cuh)
 # per row count, the same on every device (DecodeFp8KvConfig<D>; flash_decode_fp8kv_launch.cuh says why).
 DECODE_FP8KV_TRAITS = (("OneTile", 1, 4), ("TwoTiles", 2, 3))
+# The prefill over the FP8 KV cache (more rows than DECODE_MAX_ROWS): PrefillFp8KvTraits<D, kNWarps, kStages>
+# (flash_prefill_fp8kv_kernel.cuh), one tile on every device (PrefillFp8KvConfig<D>::Tile; flash_prefill_fp8kv_launch.cuh
+# says why): 4 warps x 16 packed rows, 3 stages of e4m3 K/V.
+PREFILL_FP8KV_TRAITS = (4, 3)
 # The backward: BwdTraits<D, kBlockM, kBlockN, kNWarps, kSplitDp> (flash_bwd_launch.cuh). Per head_dim the tile
 # (BwdTile<D>) and the narrow one (BwdTileNarrow<D>) that a device takes when its shared memory per block is below
 # the tile's (flash_bwd.cu): head_dim 128's 8-warp tile needs 104.5 KB, sm_86/89 give a block 99 KB.
@@ -91,6 +96,7 @@ KINDS = {
     "fwd_sm90": ("flash_fwd_sm90_launch.cuh", "run_flash_fwd_sm90_", True),
     "decode": ("flash_decode_launch.cuh", "run_flash_decode_", False),
     "decode_fp8kv": ("flash_decode_fp8kv_launch.cuh", "run_flash_decode_fp8kv_", False),
+    "prefill_fp8kv": ("flash_prefill_fp8kv_launch.cuh", "run_flash_prefill_fp8kv_", False),
     "bwd": ("flash_bwd_launch.cuh", "run_flash_bwd_", True),
     "bwd_sm90": ("flash_bwd_sm90_launch.cuh", "run_flash_bwd_sm90_", True),
     "fwd_int8": ("flash_fwd_int8_launch.cuh", "run_flash_fwd_int8_", True),
@@ -114,7 +120,7 @@ def instantiations() -> list[tuple[str, int, str, bool | None]]:
 def file_name(kind: str, d: int, tag: str, causal: bool | None) -> str:
     stem = {"fwd": "flash_fwd", "fwd_sm90": "flash_fwd_sm90", "decode": "flash_decode", "bwd": "flash_bwd",
             "bwd_sm90": "flash_bwd_sm90", "fwd_int8": "flash_fwd_int8", "fwd_fp8_sm90": "flash_fwd_fp8_sm90",
-            "decode_fp8kv": "flash_decode_fp8kv"}[kind]
+            "decode_fp8kv": "flash_decode_fp8kv", "prefill_fp8kv": "flash_prefill_fp8kv"}[kind]
     tail = "" if causal is None else ("_causal" if causal else "_noncausal")
     return f"{stem}_hdim{d}_{tag}{tail}.cu"
 
@@ -128,13 +134,15 @@ def instantiation_source(kind: str, d: int, tag: str, causal: bool | None) -> st
         "fwd_sm90": f"Hopper (sm_90a) forward, head_dim {d}, {tag}, {cz}.",
         "decode": f"split-KV decode kernel, head_dim {d}, {tag}.",
         "decode_fp8kv": f"split-KV decode kernel over the FP8 KV cache, head_dim {d}, {tag} q and o.",
+        "prefill_fp8kv": f"prefill kernel over the FP8 KV cache, head_dim {d}, {tag} q and o.",
         "bwd": f"backward, head_dim {d}, {tag}, {cz}. One file per combination keeps nvcc builds parallel.",
         "bwd_sm90": f"Hopper (sm_90a) backward, head_dim {d}, {tag}, {cz}.",
         "fwd_int8": f"INT8 forward (mma.sync), head_dim {d}, {tag}, {cz}.",
         "fwd_fp8_sm90": f"Hopper (sm_90a) FP8 forward, head_dim {d}, {tag} inputs, {cz}.",
     }[kind]
     params = {"bwd": "FlashBwdParams", "bwd_sm90": "FlashBwdParams", "fwd_int8": "FlashFwdInt8Params",
-              "fwd_fp8_sm90": "FlashFwdFp8Params", "decode_fp8kv": "FlashDecodeFp8KvParams"}.get(kind, "FlashFwdParams")
+              "fwd_fp8_sm90": "FlashFwdFp8Params", "decode_fp8kv": "FlashDecodeFp8KvParams",
+              "prefill_fp8kv": "FlashDecodeFp8KvParams"}.get(kind, "FlashFwdParams")
     targs = f"{cpp}, {d}" + ("" if causal is None else f", {str(causal).lower()}")
     extra = ", int block_n, int qk" if kind == "fwd_fp8_sm90" else ""  # the key tile (Fp8Tiles<D>) and the S operands (Fp8Qk)
     lines = [f"// Instantiation: {what}", GENERATED.rstrip("\n"), f'#include "{header}"', "", "namespace llm_attn {",
@@ -188,6 +196,11 @@ def tiles_header() -> str:
             "template <int kHeadDim>", "struct DecodeFp8KvConfig {"]
     out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}>;" for name, mt, st in DECODE_FP8KV_TRAITS]
     out += ["};"]
+    out += ["", "// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): one tile.",
+            "template <int kHeadDim_, int kNWarps_, int kStages_>", "struct PrefillFp8KvTraits;",
+            "template <int kHeadDim>", "struct PrefillFp8KvConfig {",
+            f"    using Tile = PrefillFp8KvTraits<kHeadDim, {PREFILL_FP8KV_TRAITS[0]}, {PREFILL_FP8KV_TRAITS[1]}>;",
+            "};"]
     out += ["", "}  // namespace llm_attn", ""]
     return "\n".join(out)
 
@@ -218,6 +231,8 @@ def python_table() -> str:
               f"BWD_NARROW = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_NARROW.items()) + "}",
               "# (name, m_tiles, stages) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache",
               f"DECODE_FP8KV_TRAITS = {DECODE_FP8KV_TRAITS!r}",
+              "# (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache",
+              f"PREFILL_FP8KV_TRAITS = {PREFILL_FP8KV_TRAITS!r}",
               "# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default",
               f"FP8_BLOCK_N = {FP8_BLOCK_N!r}",
               "# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file",

@@ -93,4 +93,12 @@ struct DecodeFp8KvConfig {
     using TwoTiles = DecodeFp8KvTraits<kHeadDim, 2, 3>;
 };
 
+// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): one tile.
+template <int kHeadDim_, int kNWarps_, int kStages_>
+struct PrefillFp8KvTraits;
+template <int kHeadDim>
+struct PrefillFp8KvConfig {
+    using Tile = PrefillFp8KvTraits<kHeadDim, 4, 3>;
+};
+
 }  // namespace llm_attn

@@ -35,6 +35,8 @@ BWD_NARROW = {
 }
 # (name, m_tiles, stages) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache
 DECODE_FP8KV_TRAITS = (('OneTile', 1, 4), ('TwoTiles', 2, 3))
+# (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache
+PREFILL_FP8KV_TRAITS = (4, 3)
 # per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
 FP8_BLOCK_N = {128: (192, 128), 64: (128, 192)}
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
@@ -63,6 +65,10 @@ INSTANTIATIONS = (
     ('decode_fp8kv', 128, 'bf16', None, 'flash_decode_fp8kv_hdim128_bf16.cu'),
     ('decode_fp8kv', 64, 'fp16', None, 'flash_decode_fp8kv_hdim64_fp16.cu'),
     ('decode_fp8kv', 64, 'bf16', None, 'flash_decode_fp8kv_hdim64_bf16.cu'),
+    ('prefill_fp8kv', 128, 'fp16', None, 'flash_prefill_fp8kv_hdim128_fp16.cu'),
+    ('prefill_fp8kv', 128, 'bf16', None, 'flash_prefill_fp8kv_hdim128_bf16.cu'),
+    ('prefill_fp8kv', 64, 'fp16', None, 'flash_prefill_fp8kv_hdim64_fp16.cu'),
+    ('prefill_fp8kv', 64, 'bf16', None, 'flash_prefill_fp8kv_hdim64_bf16.cu'),
     ('bwd', 128, 'fp16', False, 'flash_bwd_hdim128_fp16_noncausal.cu'),
     ('bwd', 128, 'fp16', True, 'flash_bwd_hdim128_fp16_causal.cu'),
     ('bwd', 128, 'bf16', False, 'flash_bwd_hdim128_bf16_noncausal.cu'),

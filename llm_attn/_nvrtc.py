@@ -33,7 +33,8 @@ extension reads them).
 And the decode over the FP8 KV cache, as the extension has it: ``mha_decode_fp8kv`` (binding.cpp's checks and
 messages, flash_decode_fp8kv_num_splits' split count with ``set_decode_splits`` forcing it, mha_fwd's split workspace
 and decode counter pool, run_flash_decode_fp8kv's one launch through ``llm_attn._plan.decode_fp8kv_plan``; the kernel
-for the device's arch, sm_80 and up: it needs no FP8 hardware) and ``decode_fp8kv_max_rows``.
+for the device's arch, sm_80 and up: it needs no FP8 hardware; above ``decode_fp8kv_max_rows`` packed rows the
+prefill kernel over the cache, never split), ``decode_fp8kv_max_rows`` and ``fp8kv_prefill``.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ _KERNEL_HEADERS = (
     ("llm_attn::int8fwd::int8_", "flash_fwd_int8_quant.cuh", (2,), None),
     ("flash_fwd_int8_kernel<", "flash_fwd_int8_kernel.cuh", (2,), None),
     ("flash_decode_fp8kv_kernel<", "flash_decode_fp8kv_kernel.cuh", (4,), None),
+    ("flash_prefill_fp8kv_kernel<", "flash_prefill_fp8kv_kernel.cuh", (4,), None),
 )
 
 
@@ -894,7 +896,7 @@ def mha_fwd_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: t
     return out, lse
 
 
-# -- the decode over the FP8 KV cache: binding.cpp's mha_decode_fp8kv, decode_fp8kv_max_rows ------------------------
+# -- attention over the FP8 KV cache: binding.cpp's mha_decode_fp8kv, decode_fp8kv_max_rows, fp8kv_prefill --------
 # c10's names of the dtypes, as binding.cpp's messages print a tensor's scalar_type().
 _SCALAR_TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
                       torch.float64: "Double", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short",
@@ -957,9 +959,8 @@ def decode_fp8kv_problem(q, k_data, v_data, k_scale, v_scale, seqused_k, scale: 
     if min(batch, num_heads, seqlen_q, seqlen_k) <= 0:
         return f"empty input: q {_shape(q.shape)}, k_data {_shape(k_data.shape)}"
     rows = num_heads // num_kv_heads * seqlen_q
-    if rows > _plan.DECODE_MAX_ROWS:
-        return (f"(query heads per kv head) x q_len must be <= {_plan.DECODE_MAX_ROWS} for the decode kernel, got "
-                f"{rows} (longer queries read the cache's dequantised copy)")
+    if rows >= 1 << 30:
+        return f"(query heads per kv head) x q_len must be below 2^30, got {rows}"
     if seqlen_k >= kernel_contract.KERNEL_MAX_SEQ_LEN:
         return "sequence too long"
     if num_kv_heads > 65535 or batch > 65535:  # the grid's y and z
@@ -982,6 +983,12 @@ def decode_fp8kv_problem(q, k_data, v_data, k_scale, v_scale, seqused_k, scale: 
 def decode_fp8kv_max_rows() -> int:
     """The largest (query heads per KV head) x q_len the FP8-cache decode kernel takes (kDecodeMaxRows)."""
     return _plan.DECODE_MAX_ROWS
+
+
+def fp8kv_prefill() -> bool:
+    """Whether mha_decode_fp8kv takes more rows than decode_fp8kv_max_rows: the prefill kernel over the FP8 cache
+    (binding.cpp's fp8kv_prefill; always, in this build)."""
+    return True
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,7 +10,7 @@ code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits`` (kernel
 smem formulas of ``FwdTraits`` / ``DecodeTraits``, and the Hopper kernel's choice and launch: ``use_sm90``
 (kernels/flash_fwd.cu), ``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh,
 flash_fwd_sm90_kernel.cuh), and the FP8-cache decode's (``decode_fp8kv_plan``: kernels/flash_decode_fp8kv.cu,
-flash_decode_fp8kv_launch.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+flash_decode_fp8kv_launch.cuh, flash_prefill_fp8kv_launch.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
 tests/test_nvrtc.py compiles every instantiation listed here and checks the Hopper choice against the C++ lines it
 mirrors. Pure Python: importable without CUDA.
 """
@@ -398,11 +398,16 @@ def decode_fp8kv_traits(s: Shape) -> DecodeFp8KvTraits:
 
 
 def decode_fp8kv_plan(s: Shape, dev: Device) -> Plan:
-    """run_flash_decode_fp8kv with the split count binding.cpp computes: one launch, the fused combine in it (its
-    split counters must be zero when it splits)."""
-    if s.head_dim not in CONFIGS or not use_decode_kernel(s):  # run_flash_decode_fp8kv: cudaErrorInvalidValue
-        raise ValueError(f"the FP8-cache decode kernel takes head_dim 64 or 128 and at most {DECODE_MAX_ROWS} rows "
-                         f"per block, got head_dim {s.head_dim}, {s.num_heads // s.num_kv_heads * s.seqlen_q} rows")
+    """run_flash_decode_fp8kv with the split count binding.cpp computes: one launch of the decode kernel, the fused
+    combine in it (its split counters must be zero when it splits), or, above DECODE_MAX_ROWS packed rows, one launch
+    of the prefill kernel (never split)."""
+    if s.head_dim not in CONFIGS:  # run_flash_decode_fp8kv: cudaErrorInvalidValue
+        raise ValueError(f"the FP8-cache kernels take head_dim 64 or 128, got head_dim {s.head_dim}")
+    if not use_decode_kernel(s):
+        t = PrefillFp8KvTraits(s.head_dim, *PREFILL_FP8KV_CONFIG)
+        rows = s.num_heads // s.num_kv_heads * s.seqlen_q
+        return Plan(1, False, (Launch(prefill_fp8kv_kernel_name(s.is_bf16, t),
+                                      (_cdiv(rows, t.rows), s.num_kv_heads, s.batch), t.threads, t.smem_bytes),))
     splits = decode_fp8kv_num_splits(s, dev.num_sms)
     t = decode_fp8kv_traits(s)
     return Plan(splits, True, (Launch(decode_fp8kv_kernel_name(s.is_bf16, t), (splits, s.num_kv_heads, s.batch),
@@ -415,6 +420,50 @@ def decode_fp8kv_kernels() -> list[str]:
     return [decode_fp8kv_kernel_name(tag == "bf16", DecodeFp8KvTraits(d, mt, st))
             for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "decode_fp8kv"
             for mt, st in DECODE_FP8KV_CONFIGS.values()]
+
+
+# The prefill over the FP8 KV cache: run_flash_prefill_fp8kv_ / launch_prefill_fp8kv (flash_prefill_fp8kv_launch.cuh),
+# PrefillFp8KvConfig<D>::Tile (the generated table) on every device, grid (row blocks, KV heads, batch), no split.
+PREFILL_FP8KV_CONFIG = _table.PREFILL_FP8KV_TRAITS  # (n_warps, stages)
+
+
+@dataclass(frozen=True)
+class PrefillFp8KvTraits:
+    """PrefillFp8KvTraits<kHeadDim, kNWarps, kStages> (kernels/flash_prefill_fp8kv_kernel.cuh): n_warps x 16 packed
+    query rows, every 64-key tile (the cache's scale block) seen by every warp, stages e4m3 K/V tiles (fp16 Q staged
+    in the last one)."""
+
+    head_dim: int
+    n_warps: int
+    stages: int
+
+    block_n = 64
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.n_warps
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: the scales (128) + stages x (K + V) bytes
+        return 128 + self.stages * 2 * self.block_n * self.head_dim
+
+    def cpp(self) -> str:
+        return f"llm_attn::PrefillFp8KvTraits<{self.head_dim}, {self.n_warps}, {self.stages}>"
+
+
+def prefill_fp8kv_kernel_name(is_bf16: bool, traits: PrefillFp8KvTraits) -> str:
+    return f"llm_attn::flash_prefill_fp8kv_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}>"
+
+
+def prefill_fp8kv_kernels() -> list[str]:
+    """Every FP8-cache prefill instantiation the AOT build compiles (flash_prefill_fp8kv_hdim{D}_{dtype}.cu through
+    run_flash_prefill_fp8kv_): per (head_dim, dtype) PrefillFp8KvConfig<D>::Tile."""
+    return [prefill_fp8kv_kernel_name(tag == "bf16", PrefillFp8KvTraits(d, *PREFILL_FP8KV_CONFIG))
+            for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "prefill_fp8kv"]
 
 
 # -- the low-precision forwards ------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ COMPILE_TESTS = {
     "test_backward_kernels_compile_without_local_memory": (lambda arch: BWD_KERNELS, True),
     "test_int8_instantiations_compile_without_local_memory": (_plan.int8_kernels, True),
     "test_fp8kv_decode_instantiations_compile_without_local_memory": (lambda arch: _plan.decode_fp8kv_kernels(), True),
+    "test_fp8kv_prefill_instantiations_compile_without_local_memory": (lambda arch: _plan.prefill_fp8kv_kernels(), True),
     "test_hopper_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.sm90_kernels(), False),
     "test_fp8_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.fp8_kernels(), False),
     "test_hopper_backward_compiles_for_sm90a_without_local_memory": (lambda arch: _plan.bwd_sm90_kernels(), False),
@@ -196,6 +197,25 @@ def test_fp8kv_decode_instantiations_compile_without_local_memory(arch, request)
     assert len(kernels) == 8  # 2 head dims x 2 dtypes x (OneTile, TwoTiles)
     src = nvrtc.program_source(kernels)
     assert '#include "flash_decode_fp8kv_kernel.cuh"' in src and "FlashDecodeFp8KvParams" in src
+    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
+    lowered, log = compiled(request, arch)
+    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
+    regs = nvrtc.register_report(log)
+    assert all(100 < regs[lowered[k]][0] <= 255 for k in kernels), {k: regs[lowered[k]] for k in kernels}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8kv_prefill_instantiations_compile_without_local_memory(arch, request):
+    """The prefill kernel over the FP8 KV cache on every arch it runs on (the device's own, as the decode kernel): per
+    (head_dim, dtype) PrefillFp8KvConfig<D>::Tile, in programs that static_assert the FlashDecodeFp8KvParams mirror:
+    no stack, no spills (registers: kernels/NOTES_prefill_fp8kv.draft.md)."""
+    cpu_check_here(request, "every-arch NVRTC compile")
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.prefill_fp8kv_kernels()
+    assert len(kernels) == 4  # 2 head dims x 2 dtypes
+    src = nvrtc.program_source(kernels)
+    assert '#include "flash_prefill_fp8kv_kernel.cuh"' in src and "FlashDecodeFp8KvParams" in src
     assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
     lowered, log = compiled(request, arch)
     spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
@@ -814,6 +834,13 @@ FP8KV_HOST_LINES = (
                                       "params);"),
     ("flash_decode_fp8kv_launch.cuh", "return rows > 16 ? launch_decode_fp8kv<T, typename Config::TwoTiles>(params, "
                                       "stream) : launch_decode_fp8kv<T, typename Config::OneTile>(params, stream);"),
+    ("flash_decode_fp8kv.cu", "if (!use_decode_kernel(p.base)) { // a prefill over the cache: never split if "
+                              "(p.base.num_splits != 1) return cudaErrorInvalidValue;"),
+    ("flash_prefill_fp8kv_launch.cuh", "dim3 grid((rows + Traits::kRows - 1) / Traits::kRows, "
+                                       "params.base.num_kv_heads, params.base.batch); flash_prefill_fp8kv_kernel<T, "
+                                       "Traits><<<grid, Traits::kThreads, smem, stream>>>(params);"),
+    ("flash_prefill_fp8kv_launch.cuh", "return launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::Tile>("
+                                       "params, stream);"),
     ("binding.cpp", "p.tile = llm_attn::kTileAuto;"),
     ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);"),
     ("binding.cpp", "const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads; int* pooled = "
@@ -826,7 +853,8 @@ FP8KV_HOST_LINES = (
 def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     """decode_fp8kv_plan follows the C++ host code (FP8KV_HOST_LINES): the decode rule's split count (a forced count
     clamped to the 64-key tiles; the forced decode config ignored), one row tile up to 16 rows and two above, the
-    grid (splits, KV heads, batch); whatever it launches is compiled above and fits every device's shared memory."""
+    grid (splits, KV heads, batch); above 32 rows the prefill kernel, unsplit, on (row blocks, KV heads, batch);
+    whatever it launches is compiled above and fits every device's shared memory."""
     for name, line in FP8KV_HOST_LINES:
         assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py / _nvrtc.py"
     # Llama 3 8B decode on an H100: 8 (batch x KV head) blocks, 16 splits, one m16 row tile of 4 stages (68 KB).
@@ -841,9 +869,11 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     for (b, hq, hkv), sq, sk, dev in itertools.product(((1, 32, 8), (4, 32, 8), (16, 32, 8), (1, 8, 8), (2, 32, 1)),
                                                        (1, 2, 4), (1, 100, 1000, 8192), (H100, RTX4060TI, ORIN)):
         shape = _plan.Shape(b, hq, hkv, sq, sk, 64, False, False, _plan.TILE_LARGE, 0, 3)
-        if hq // hkv * sq > _plan.DECODE_MAX_ROWS:
-            with pytest.raises(ValueError, match="at most 32 rows"):
-                _plan.decode_fp8kv_plan(shape, dev)
+        rows = hq // hkv * sq
+        if rows > _plan.DECODE_MAX_ROWS:  # the prefill kernel: never split, whatever is forced
+            p = _plan.decode_fp8kv_plan(shape, dev)
+            assert (p.num_splits, p.decode, len(p.launches)) == (1, False, 1)
+            assert p.launches[0].grid == (-(-rows // 64), hkv, b) and "flash_prefill_fp8kv_kernel<" in p.launches[0].kernel
             continue
         assert _plan.decode_fp8kv_plan(shape, dev).num_splits == _plan.num_splits(shape, dev.num_sms)
     # MQA (32 rows): two row tiles, 3 stages, 72 KB (the merge buffer); 16 rows still one.
@@ -857,12 +887,18 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
         assert p.num_splits == want and p.launches[0].grid == (want, 8, 1)
     with pytest.raises(ValueError, match="head_dim 96"):
         _plan.decode_fp8kv_plan(dataclasses.replace(s, head_dim=96), H100)
-    known, seen = set(_plan.decode_fp8kv_kernels()), set()
+    with pytest.raises(ValueError, match="head_dim 96"):
+        _plan.decode_fp8kv_plan(dataclasses.replace(s, head_dim=96, seqlen_q=100), H100)
+    # A chunked prefill of Llama 3 8B: 8192 queries x 4 heads per KV head = 512 row blocks of 64, 48.1 KB.
+    p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_q=8192, decode_splits=7), H100)
+    assert p.launches[0] == _plan.Launch("llm_attn::flash_prefill_fp8kv_kernel<__nv_bfloat16, "
+                                         "llm_attn::PrefillFp8KvTraits<128, 4, 3>>", (512, 8, 1), 128,
+                                         128 + 3 * 2 * 64 * 128)
+    known = set(_plan.decode_fp8kv_kernels()) | set(_plan.prefill_fp8kv_kernels())
+    seen = set()
     for (b, hq, hkv), sq, d, bf16, dev in itertools.product(((1, 32, 8), (3, 8, 8), (1, 32, 1), (2, 16, 2)),
-                                                            (1, 2, 3), (64, 128), (False, True),
+                                                            (1, 2, 3, 33, 300), (64, 128), (False, True),
                                                             (H100, RTX4060TI, ORIN)):
-        if hq // hkv * sq > _plan.DECODE_MAX_ROWS:
-            continue
         for launch in _plan.decode_fp8kv_plan(_plan.Shape(b, hq, hkv, sq, 777, d, True, bf16), dev).launches:
             assert launch.kernel in known and launch.smem <= dev.smem_per_block_optin
             assert min(launch.grid) > 0 and launch.grid[1] <= 65535 and launch.grid[2] <= 65535
@@ -906,6 +942,8 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path):
         bool flash_fwd_sm90_built_() { return false; }
         template <typename T, int D>
         cudaError_t run_flash_decode_fp8kv_(FlashDecodeFp8KvParams&, cudaStream_t) { return cudaSuccess; }
+        template <typename T, int D>
+        cudaError_t run_flash_prefill_fp8kv_(FlashDecodeFp8KvParams&, cudaStream_t) { return cudaSuccess; }
         }
         int main() {
             int b, hq, hkv, sq, sk, d, sms, forced;
@@ -946,6 +984,12 @@ def test_fp8kv_decode_constants_match_cpp():
     tile, and kDecodeMaxRows, read back from a probe kernel's PTX (NVRTC)."""
     _nvrtc_or_skip()
     want = {"llm_attn::kDecodeMaxRows": _plan.DECODE_MAX_ROWS}
+    for d in (64, 128):
+        t = _plan.PrefillFp8KvTraits(d, *_plan.PREFILL_FP8KV_CONFIG)
+        want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                 f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": t.rows,
+                 f"llm_attn::PrefillFp8KvConfig<{d}>::Tile::kNWarps": t.n_warps,
+                 f"llm_attn::PrefillFp8KvConfig<{d}>::Tile::kStages": t.stages}
     for d, (mt, st) in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS.values()):
         t = _plan.DecodeFp8KvTraits(d, mt, st)
         want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
@@ -953,7 +997,7 @@ def test_fp8kv_decode_constants_match_cpp():
     for d, cfg in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS):
         want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kStages"] = _plan.DECODE_FP8KV_CONFIGS[cfg][1]
         want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kMTiles"] = _plan.DECODE_FP8KV_CONFIGS[cfg][0]
-    _assert_constants(["flash_decode_fp8kv_kernel.cuh"], "sm_80", want)
+    _assert_constants(["flash_decode_fp8kv_kernel.cuh", "flash_prefill_fp8kv_kernel.cuh"], "sm_80", want)
 
 
 def _assert_constants(headers: list[str], arch: str, want: dict, body: list[str] = ()) -> None:
@@ -1037,10 +1081,10 @@ def test_fp8kv_decode_entry_is_the_binding():
     from llm_attn import ops
 
     binding = _kernels_text("binding.cpp")
-    for name in ("mha_decode_fp8kv", "decode_fp8kv_max_rows"):
+    for name in ("mha_decode_fp8kv", "decode_fp8kv_max_rows", "fp8kv_prefill"):
         assert f'm.def("{name}"' in binding and callable(getattr(nvrtc, name)), name
     assert nvrtc.decode_fp8kv_max_rows() == ops.FP8_KV_MAX_ROWS == _plan.DECODE_MAX_ROWS
-    assert ops.fp8_kv_kernel_available(nvrtc)
+    assert ops.fp8_kv_kernel_available(nvrtc) and ops.fp8_kv_prefill_available(nvrtc) and nvrtc.fp8kv_prefill()
     q = torch.zeros(1, 8, 1, 64, dtype=torch.float16)
     kd = torch.zeros(1, 2, 100, 64, dtype=torch.uint8)
     ks = torch.ones(1, 2, 2)
@@ -1056,8 +1100,8 @@ def test_fp8kv_decode_entry_is_the_binding():
     assert returned == cpp, {"only here": returned - cpp, "only in binding.cpp": cpp - returned}
 
 
-@pytest.mark.parametrize("pooled,forced", [(True, 0), (False, 0), (True, 3), (False, 1)])
-def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forced):
+@pytest.mark.parametrize("pooled,forced,sq", [(True, 0, 1), (False, 0, 1), (True, 3, 1), (False, 1, 1), (True, 3, 40)])
+def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forced, sq):
     """_nvrtc.mha_decode_fp8kv without a GPU (the device, the counter pool and the launch stood in for, CPU tensors
     past the checks): FlashDecodeFp8KvParams as binding.cpp's mha_decode_fp8kv fills it (set_shared_params with the
     byte strides of the e4m3 K/V, the scales and their strides, the automatic tile, the split count), the split
@@ -1078,7 +1122,7 @@ def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forc
         launched.append((lc, type(params).from_buffer_copy(params)))
 
     monkeypatch.setattr(nvrtc, "_launch", launch)
-    b, hq, hkv, sq, cap, n, d = 3, 32, 8, 1, 1536, 1500, 128
+    b, hq, hkv, cap, n, d = 3, 32, 8, 1536, 1500, 128  # sq 40: 160 rows, the prefill kernel (never split)
     q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16).transpose(1, 2)
     kd = torch.zeros(b, hkv, cap, d, dtype=torch.float8_e4m3fn)[:, :, :n]  # a view of the cache's first n slots
     vd = torch.zeros(b, hkv, cap, d, dtype=torch.uint8)[:, :, :n]
@@ -1092,7 +1136,7 @@ def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forc
         nvrtc._decode_fp8kv_plan_for.cache_clear()
     plan = _plan.decode_fp8kv_plan(_plan.Shape(b, hq, hkv, sq, n, d, True, True, decode_splits=forced), H100)
     assert [lc for lc, _ in launched] == list(plan.launches) and len(launched) == 1
-    assert plan.num_splits == (forced or 5)  # 132 SMs // 24 blocks
+    assert plan.num_splits == ((forced or 5) if sq == 1 else 1)  # 132 SMs // 24 blocks
     fp = launched[0][1]
     p = fp.base
     assert out.shape == q.shape and out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()

@@ -1,0 +1,278 @@
+// Prefill over the FP8 (e4m3) KV cache: the chunked-prefill call (q_len < kv_len, or q_len == kv_len) that has more
+// packed rows than the decode kernel holds (kDecodeMaxRows). FlashAttention-2's structure (one block per (row
+// block, KV head, batch), each warp owns 16 packed rows and sees every key, one online-softmax update per 64-key
+// tile, no cross-warp merge, no KV splits) with the decode kernel's arithmetic and fragment tricks
+// (flash_decode_fp8kv_kernel.cuh, whose header comment explains them), so that both give the same numbers:
+//   - K and V stay e4m3 bytes from global memory to registers (cp.async byte copies into XOR-swizzled tiles), and
+//     become fp16 MMA operands x 2^-8 in registers (e4m3x2_to_half2_scaled: exact, no FP8 hardware, sm_80 onwards);
+//   - Q rounded to fp16 when staged (bf16 queries too), every MMA fp16 x fp16 -> fp32;
+//   - scores scaled by softmax_scale * k_scale[tile] * 256, the online softmax's exact running max (P <= 1),
+//     P * v_scale[tile] * 256 rounded to fp16 as P V's A operand, row sums of the unscaled P.
+// What differs from the decode kernel: rows are packed as there (row = qi * group + head_in_group) but a block holds
+// kRows = 16 kNWarps of them and every warp iterates the four 16-key slices of a tile that the decode kernel gives
+// to its four warps (same k_row0 / v_row0 mapping, `warp` replaced by the slice), so S is [8 n-tiles][4] per warp
+// and the output goes straight from registers to global memory. Causal: a block's key tiles end at its last row's
+// limit (row i sees keys <= i + seqlen_k - seqlen_q); tiles crossing a row's limit or seqlen_k are masked per
+// element. Blocks are issued last row block first, so the longest causal blocks start first.
+//
+// Q is staged in the last pipeline stage's buffer (the prologue fills stages 0 .. kStages - 2 only): Q's fp16 tile
+// (kRows x head_dim x 2 bytes) is exactly one stage's K + V bytes (2 x 64 x head_dim) for kRows = 64. Each warp
+// copies its Q fragments into registers on the first tile, and a barrier then hands the buffer to the pipeline.
+#pragma once
+
+#include "flash_decode_fp8kv_kernel.cuh"  // e4m3x2_to_half2_scaled, e4m3_pair, to_half2, swz8, FlashDecodeFp8KvParams
+
+namespace llm_attn {
+
+template <int kHeadDim_, int kNWarps_, int kStages_>
+struct PrefillFp8KvTraits {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr int kStages = kStages_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kRows = 16 * kNWarps;     // packed query rows per block: one m16 tile per warp
+    static constexpr int kBlockN = 64;             // keys per tile = the cache's 64-token scale block
+    static constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks per e4m3 key row
+    static constexpr int kQChunks = kHeadDim / 8;  // 16-byte chunks per fp16 Q row
+    static constexpr int kSmemScales = 128;        // k and v scale per stage, padded
+    static constexpr int kSmemKV = kBlockN * kHeadDim;   // bytes of one operand's tile
+    static constexpr int kSmemStage = 2 * kSmemKV;       // K then V
+    static constexpr int kSmemQ = kRows * kHeadDim * 2;  // fp16 Q, staged in the last stage
+    static constexpr int kSmemBytes = kSmemScales + kStages * kSmemStage;
+    static_assert(kSmemQ <= kSmemStage, "Q is staged in one pipeline stage");
+    static_assert(kStages >= 2, "need at least double buffering");
+    static_assert(kStages * 2 * 4 <= kSmemScales, "scales must fit");
+    static_assert((kBlockN * kChunks) % kThreads == 0, "tile copy must divide evenly among threads");
+    static_assert((kThreads / kChunks) % 16 == 0, "row step must keep the swizzle phase fixed");
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+};
+
+template <typename T, typename Traits>
+__device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvParams& fp) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    constexpr int kRows = Traits::kRows;
+    constexpr int kStages = Traits::kStages;
+    constexpr int kBlockN = Traits::kBlockN;
+    constexpr int kDT = kHeadDim / 8;   // n-tiles of O; also the bytes of a V row one thread reads
+    constexpr int kKP = kHeadDim / 32;  // k-step pairs of Q K^T
+    constexpr int kSlices = kBlockN / 16;
+    const FlashFwdParams& params = fp.base;
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    float* sScale = reinterpret_cast<float*>(smem_raw);                    // [kStages][2]
+    unsigned char* sKV = smem_raw + Traits::kSmemScales;                   // [kStages][K, V][kBlockN][kHeadDim]
+    half* sQ = reinterpret_cast<half*>(sKV + (kStages - 1) * Traits::kSmemStage);  // [kRows][kHeadDim] swizzled
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int row_block = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int group = params.num_heads / params.num_kv_heads;
+    const int seqlen_q = params.seqlen_q;
+    const int num_rows = group * seqlen_q;
+    const int row0 = row_block * kRows;  // this block's first packed row
+    const int seqlen_k = params.seqused_k ? max(min(params.seqused_k[batch], params.seqlen_k), 0) : params.seqlen_k;
+    const int causal_offset = seqlen_k - seqlen_q;
+
+    // Key tiles: all of seqlen_k, or (causal) up to the block's last row's limit; none when that row sees no key.
+    int n_tiles = (seqlen_k + kBlockN - 1) / kBlockN;
+    if (params.causal) {
+        const int last_row = min(row0 + kRows, num_rows) - 1;
+        const int visible = max(last_row / group + causal_offset + 1, 0);  // keys 0 .. visible - 1
+        n_tiles = min(n_tiles, (visible + kBlockN - 1) / kBlockN);
+    }
+    n_tiles = max(n_tiles, 0);
+
+    const unsigned char* k_ptr = reinterpret_cast<const unsigned char*>(params.k) + batch * params.k_batch_stride +
+                                 kv_head * params.k_head_stride;
+    const unsigned char* v_ptr = reinterpret_cast<const unsigned char*>(params.v) + batch * params.v_batch_stride +
+                                 kv_head * params.v_head_stride;
+    const float* ks_ptr = fp.k_scale + batch * fp.ks_batch_stride + kv_head * fp.ks_head_stride;
+    const float* vs_ptr = fp.v_scale + batch * fp.vs_batch_stride + kv_head * fp.vs_head_stride;
+
+    // As the decode kernel: thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep of K and V;
+    // rows past the valid keys are zero-filled; thread 0 also copies the tile's two scales.
+    constexpr int kRowStep = Traits::kThreads / Traits::kChunks;
+    const int cp_row = tid / Traits::kChunks, cp_chunk = tid % Traits::kChunks;
+    auto load_kv = [&](int tile, int stage) {
+        const int kv = tile * kBlockN;
+        unsigned char* sK = sKV + stage * Traits::kSmemStage;
+#pragma unroll
+        for (int it = 0; it < kBlockN / kRowStep; ++it) {
+            const int row = cp_row + it * kRowStep;
+            const bool ok = kv + row < seqlen_k;
+            const int64_t koff = static_cast<int64_t>(kv + row) * params.k_row_stride + cp_chunk * 16;
+            const int64_t voff = static_cast<int64_t>(kv + row) * params.v_row_stride + cp_chunk * 16;
+            const int dst = swz8<kHeadDim>(row, cp_chunk);
+            cp_async_16(sK + dst, ok ? k_ptr + koff : k_ptr, ok);
+            cp_async_16(sK + Traits::kSmemKV + dst, ok ? v_ptr + voff : v_ptr, ok);
+        }
+        if (tid == 0) {
+            cp_async_4(sScale + 2 * stage, ks_ptr + tile, true);
+            cp_async_4(sScale + 2 * stage + 1, vs_ptr + tile, true);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < n_tiles) load_kv(s, s);
+        cp_async_commit();  // always commit: keeps the group count uniform for cp_async_wait
+    }
+    // Q rows gathered from the group's heads as fp16 (bf16 converted here, once), swizzled per 16-byte chunk, into
+    // the last stage (not loaded yet); rows past num_rows are zeros (their outputs are never written).
+    if (n_tiles > 0) {
+        for (int idx = tid; idx < kRows * Traits::kQChunks; idx += Traits::kThreads) {
+            const int r = idx / Traits::kQChunks, c = idx % Traits::kQChunks;
+            uint4 h = make_uint4(0, 0, 0, 0);
+            if (row0 + r < num_rows) {
+                const int row = row0 + r;
+                const T* src = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
+                               (kv_head * group + row % group) * params.q_head_stride +
+                               static_cast<int64_t>(row / group) * params.q_row_stride + c * 8;
+                const uint4 x = *reinterpret_cast<const uint4*>(src);
+                h = make_uint4(to_half2<T>(x.x), to_half2<T>(x.y), to_half2<T>(x.z), to_half2<T>(x.w));
+            }
+            *reinterpret_cast<uint4*>(sQ + swz<kHeadDim>(r, c)) = h;
+        }
+    }
+
+    SoftmaxState<1, kDT, 0> st;  // exact running max: P <= 1, so P * v_scale * 256 stays far inside fp16
+    st.init();
+    // This warp's Q fragments of every k-step pair: 8 adjacent channels 32 p + 8 t of rows g and g + 8.
+    uint32_t q_frag[kKP][2][4];
+    // The first and last keys this warp's rows may see (causal), for the per-element mask.
+    const int wrow0 = row0 + warp * 16;
+    const int warp_first_limit = params.causal ? wrow0 / group + causal_offset : seqlen_k - 1;
+    // This thread's rows of a 16-key slice (add 16 x slice): S's n-tile 0 key (its B column g), P V's four rows.
+    const int k_row0 = 4 * (g >> 1) + (g & 1);  // n-tile 1: + 2 (same row group: same swizzle)
+    const int v_row0 = 4 * t;
+    const int kcol_sw = (2 * (k_row0 >> 2)) & (Traits::kChunks - 1);  // the same for every slice (16 rows = 4 groups)
+    const int vcol = kHeadDim == 128 ? (g ^ ((2 * (v_row0 >> 2)) & (Traits::kChunks - 1))) << 4
+                                     : (((g >> 1) ^ ((2 * (v_row0 >> 2)) & (Traits::kChunks - 1))) << 4) + 8 * (g & 1);
+
+    for (int i = 0; i < n_tiles; ++i) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // tile i (and Q) visible to all; everyone is done with the stage about to be refilled
+        if (i == 0) {
+#pragma unroll
+            for (int p = 0; p < kKP; ++p) {
+                const uint4 lo = *reinterpret_cast<const uint4*>(sQ + swz<kHeadDim>(warp * 16 + g, 4 * p + t));
+                const uint4 hi = *reinterpret_cast<const uint4*>(sQ + swz<kHeadDim>(warp * 16 + g + 8, 4 * p + t));
+                q_frag[p][0][0] = lo.x, q_frag[p][0][1] = hi.x, q_frag[p][0][2] = lo.y, q_frag[p][0][3] = hi.y;
+                q_frag[p][1][0] = lo.z, q_frag[p][1][1] = hi.z, q_frag[p][1][2] = lo.w, q_frag[p][1][3] = hi.w;
+            }
+            __syncthreads();  // every warp holds its Q: the last stage may be refilled
+        }
+        if (i + kStages - 1 < n_tiles) load_kv(i + kStages - 1, (i + kStages - 1) % kStages);
+        cp_async_commit();
+
+        const int stage = i % kStages;
+        const unsigned char* cK = sKV + stage * Traits::kSmemStage;
+        const unsigned char* cV = cK + Traits::kSmemKV;
+        const float k_scale = sScale[2 * stage], v_scale = sScale[2 * stage + 1];
+        const int key0 = i * kBlockN;
+
+        // S = Q K^T over the four 16-key slices: n-tiles (2 sl, 2 sl + 1) hold slice sl, column 2t + e of n-tile
+        // 2 sl + n is key key0 + 16 sl + 4t + 2n + e.
+        float acc_s[1][2 * kSlices][4];
+#pragma unroll
+        for (int n = 0; n < 2 * kSlices; ++n) acc_s[0][n][0] = acc_s[0][n][1] = acc_s[0][n][2] = acc_s[0][n][3] = 0.f;
+#pragma unroll
+        for (int p = 0; p < kKP; ++p) {
+            const int col = (((2 * p + (t >> 1)) ^ kcol_sw) << 4) + 8 * (t & 1);
+#pragma unroll
+            for (int sl = 0; sl < kSlices; ++sl) {
+                // 8 bytes = channels 32 p + 8 t .. + 7 of this thread's two keys: k-steps 2p (bytes 0-3), 2p + 1.
+                const uint2 k0 = *reinterpret_cast<const uint2*>(cK + (16 * sl + k_row0) * kHeadDim + col);
+                const uint2 k1 = *reinterpret_cast<const uint2*>(cK + (16 * sl + k_row0 + 2) * kHeadDim + col);
+                mma_16816<half>(acc_s[0][2 * sl], q_frag[p][0], e4m3_pair<0, 1>(k0.x, 0), e4m3_pair<2, 3>(k0.x, 0));
+                mma_16816<half>(acc_s[0][2 * sl + 1], q_frag[p][0], e4m3_pair<0, 1>(k1.x, 0),
+                                e4m3_pair<2, 3>(k1.x, 0));
+                mma_16816<half>(acc_s[0][2 * sl], q_frag[p][1], e4m3_pair<0, 1>(k0.y, 0), e4m3_pair<2, 3>(k0.y, 0));
+                mma_16816<half>(acc_s[0][2 * sl + 1], q_frag[p][1], e4m3_pair<0, 1>(k1.y, 0),
+                                e4m3_pair<2, 3>(k1.y, 0));
+            }
+        }
+        // Mask keys past seqlen_k and (causal) after each row's limit; only tiles that cross either.
+        if (key0 + kBlockN > seqlen_k || key0 + kBlockN - 1 > warp_first_limit) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int limit = params.causal ? min((wrow0 + g + 8 * r) / group + causal_offset, seqlen_k - 1)
+                                                : seqlen_k - 1;
+#pragma unroll
+                for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (key0 + 16 * sl + 4 * t + 2 * n + e > limit) acc_s[0][2 * sl + n][2 * r + e] = -INFINITY;
+            }
+        }
+        st.update(acc_s, params.scale_log2 * k_scale * 256.f);
+        const float p_mul = v_scale * 256.f;
+
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl) {
+            uint32_t a[4];
+            a[0] = pack2<half>(acc_s[0][2 * sl][0] * p_mul, acc_s[0][2 * sl][1] * p_mul);
+            a[1] = pack2<half>(acc_s[0][2 * sl][2] * p_mul, acc_s[0][2 * sl][3] * p_mul);
+            a[2] = pack2<half>(acc_s[0][2 * sl + 1][0] * p_mul, acc_s[0][2 * sl + 1][1] * p_mul);
+            a[3] = pack2<half>(acc_s[0][2 * sl + 1][2] * p_mul, acc_s[0][2 * sl + 1][3] * p_mul);
+            // V: this thread's 4 rows of the slice (keys 4t .. 4t + 3), kDT adjacent bytes each (channels g kDT ..).
+            uint32_t vw[4][kDT / 4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const unsigned char* src = cV + (16 * sl + v_row0 + r) * kHeadDim + vcol;
+                if constexpr (kDT == 16) {
+                    const uint4 x = *reinterpret_cast<const uint4*>(src);
+                    vw[r][0] = x.x, vw[r][1] = x.y, vw[r][2] = x.z, vw[r][3] = x.w;
+                } else {
+                    const uint2 x = *reinterpret_cast<const uint2*>(src);
+                    vw[r][0] = x.x, vw[r][1] = x.y;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kDT; ++j) {
+                // n-tile j: B column g is channel g kDT + j; k rows (2t, 2t + 1) are keys 4t, 4t + 1, (2t + 8,
+                // 2t + 9) keys 4t + 2, 4t + 3: byte j % 4 of word j / 4 of rows 0/1 and 2/3.
+                const uint32_t b0 = __byte_perm(vw[0][j / 4], vw[1][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));
+                const uint32_t b1 = __byte_perm(vw[2][j / 4], vw[3][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));
+                mma_16816<half>(st.acc_o[0][j], a, e4m3x2_to_half2_scaled(b0), e4m3x2_to_half2_scaled(b1));
+            }
+        }
+    }
+    cp_async_wait<0>();  // nothing in flight when the block exits
+
+    // Epilogue, from registers: row g (+ 8) of the warp's tile, channels (2t + e) kDT + j of n-tile j: two runs of kDT
+    // adjacent channels per thread and row, written as 16-byte stores. Rows that saw no key: 0, lse -inf.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = wrow0 + g + 8 * r;
+        const float total = quad_sum(st.row_sum[0][r]);
+        if (row >= num_rows) continue;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const int head = kv_head * group + row % group, qi = row / group;
+        T* o = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
+               static_cast<int64_t>(qi) * params.o_row_stride;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            uint32_t w[kDT / 2];
+#pragma unroll
+            for (int j = 0; j < kDT / 2; ++j)
+                w[j] = pack2<T>(st.acc_o[0][2 * j][2 * r + e] * inv, st.acc_o[0][2 * j + 1][2 * r + e] * inv);
+            uint4* dst = reinterpret_cast<uint4*>(o + (2 * t + e) * kDT);
+#pragma unroll
+            for (int c = 0; c < kDT / 8; ++c) dst[c] = make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+        }
+        if (t == 0 && params.lse != nullptr) {
+            const float mx = st.row_max[0][r];
+            const float lse = total > 0.f ? ((mx == -INFINITY ? 0.f : mx) + __log2f(total)) * kLn2 : -INFINITY;
+            params.lse[(static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + qi] = lse;
+        }
+    }
+}
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) flash_prefill_fp8kv_kernel(const FlashDecodeFp8KvParams params) {
+    flash_prefill_fp8kv_body<T, Traits>(params);
+}
+
+}  // namespace llm_attn

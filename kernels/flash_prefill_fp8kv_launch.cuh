@@ -1,0 +1,35 @@
+// Launch template of the prefill over the FP8 KV cache (flash_prefill_fp8kv_kernel.cuh); included by one
+// instantiation file per (head_dim, dtype of q and o). run_flash_decode_fp8kv (flash_decode_fp8kv.cu) calls it for
+// the calls with more packed rows than the decode kernel holds.
+#pragma once
+
+#include "flash_prefill_fp8kv_kernel.cuh"
+#include "kernel_tiles.h"
+#include "launch_smem.h"
+
+namespace llm_attn {
+
+// One configuration on every device (PrefillFp8KvConfig<D>, kernel_tiles.h, from kernels/generate_kernels.py): 4 warps
+// x 16 packed rows, 64-key tiles, 3 stages. e4m3 tiles are half the bytes of fp16 ones and Q lives in the last stage,
+// so the shared memory is 128 + 3 x 2 x 64 x head_dim bytes: 48.1 KB at head_dim 128 (24.1 KB at 64). Two blocks fit
+// the 100 KB of an sm_86/sm_89 SM (99 KB per block: 4 stages, 64 KB, would fit one block only), three the 228 KB of
+// sm_90 at ~170 registers (registers, not shared memory, are then the limit), and a 4th stage buys nothing an 8-12
+// warp SM cannot hide with the other blocks. 16 rows per warp keep Q in registers (32 at head_dim 128) beside the
+// 64 O accumulators and the 32 of an S tile: 32 rows per warp would need 128 O accumulators plus 64 of S.
+template <typename T, typename Traits>
+cudaError_t launch_prefill_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
+    constexpr int smem = Traits::kSmemBytes;
+    const cudaError_t err = opt_in_dynamic_smem<flash_prefill_fp8kv_kernel<T, Traits>, smem>();
+    if (err != cudaSuccess) return err;
+    const int rows = params.base.num_heads / params.base.num_kv_heads * params.base.seqlen_q;
+    dim3 grid((rows + Traits::kRows - 1) / Traits::kRows, params.base.num_kv_heads, params.base.batch);
+    flash_prefill_fp8kv_kernel<T, Traits><<<grid, Traits::kThreads, smem, stream>>>(params);
+    return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t run_flash_prefill_fp8kv_(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
+    return launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::Tile>(params, stream);
+}
+
+}  // namespace llm_attn
