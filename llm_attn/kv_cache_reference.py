@@ -46,12 +46,14 @@ and scales; the patched attention looks for it (``fp8_kv_of``). For stock attent
 (the honest baseline: it has no other way to read FP8). When the model runs llm_attn's attention function
 (``config._attn_implementation == "llm_attn"``) they are *placeholders* (``is_placeholder``: a zero-stride view of
 one zero, of the copy's shape and dtype, no memory): the patched attention reads the FP8 data directly
-(``llm_attn.ops.decode_fp8_kv``: the decode kernel, kernels/flash_decode_fp8kv_kernel.cuh, or this module's
-``decode_attention`` on CPU) or, for a call the direct path does not take (a long prefill, a padding mask, another
-registry implementation), makes the dequantised copy itself; the patch report counts which (``FP8_READ_*``).
+(``llm_attn.ops.decode_fp8_kv``: the decode kernel, kernels/flash_decode_fp8kv_kernel.cuh, for a decode step; the
+prefill kernel, kernels/flash_prefill_fp8kv_kernel.cuh, for a longer call, a chunk of a chunked prefill; or this
+module's ``decode_attention`` on CPU) or, for a call the direct path does not take (a padding mask, another registry
+implementation, a prefill on an extension built before the prefill kernel), makes the dequantised copy itself; the
+patch report counts which (``FP8_READ_*``).
 
-What the decode kernel computes (``decode_attention(..., rounding="kernel")``, its exact arithmetic up to the order of
-float32 sums): Q rounded to fp16 (bf16 queries are converted: exact within fp16's range), S = Q K^T over each 64-key
+What the decode and the prefill kernel compute (``decode_attention(..., rounding="kernel")``, their exact arithmetic up
+to the order of float32 sums): Q rounded to fp16 (bf16 queries are converted: exact within fp16's range), S = Q K^T over each 64-key
 block's e4m3 values in float32, the online softmax's exact running max (P <= 1), P times the block's V scale rounded
 to fp16 before P V; the output rounded once to q's dtype.
 """
@@ -67,10 +69,11 @@ BLOCK = 64                       # tokens per scale: the decode kernel's key til
 E4M3_MAX = 448.0                 # the largest finite e4m3 value
 STORAGE_DTYPE = torch.float8_e4m3fn
 FP8_KV_ATTR = "_llm_attn_fp8_kv"  # on the dequantised K the cache returns: the Fp8KV it came from
-# What the patch report says for attention calls whose K/V come from the FP8 cache: no kernel reads the fp8 data yet,
-# so every such call reads the dequantised copy the cache returned.
+# What the patch report says for attention calls whose K/V come from the FP8 cache: how each read it (the dequantised
+# copy, the decode kernel, the prefill kernel, or on CPU the blockwise reference of both).
 FP8_READ_VIA_COPY = "fp8 cache read via dequantised copy"
 FP8_READ_KERNEL = "fp8 cache read directly by the decode kernel"
+FP8_READ_PREFILL_KERNEL = "fp8 cache read directly by the prefill kernel"
 FP8_READ_REFERENCE = "fp8 cache read directly by the blockwise reference"
 FP8_PLACEHOLDER_ATTR = "_llm_attn_fp8_placeholder"  # on a K/V that holds no values: read the Fp8KV instead
 

@@ -411,9 +411,11 @@ def force_decode(splits: int = 0, config: str = "auto"):
         ext.set_decode_config(prev_config)
 
 
-# ---- Decode over the FP8 KV cache (kernels/flash_decode_fp8kv.h; the format: llm_attn.kv_cache_reference) ----------
-# The kernel packs (query heads per KV head) x q_len rows into at most this many (kernels/kernel_tiles.h
-# kDecodeMaxRows); longer queries (a prefill over the cache) are not decode: they read the dequantised copy.
+# ---- Attention over the FP8 KV cache (kernels/flash_decode_fp8kv.h; the format: llm_attn.kv_cache_reference) -------
+# The decode kernel packs (query heads per KV head) x q_len rows into at most this many (kernels/kernel_tiles.h
+# kDecodeMaxRows); longer queries (a chunked prefill over the cache) take the prefill kernel
+# (kernels/flash_prefill_fp8kv_kernel.cuh) where the build has it (fp8_kv_prefill_available), else the caller reads
+# the dequantised copy.
 FP8_KV_MAX_ROWS = 32
 FP8_KV_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -423,9 +425,11 @@ def fp8_kv_rows(q: torch.Tensor, kv) -> int:
     return q.shape[1] // max(kv.k_data.shape[1], 1) * q.shape[2]
 
 
-def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool) -> str | None:
+def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool, prefill: bool | None = None) -> str | None:
     """Why ``decode_fp8_kv`` cannot take these inputs, as one line (None when it can). A view the cache made
-    (``Fp8KV.trusted``) has only the query checked against it: this runs on every layer of every decode step."""
+    (``Fp8KV.trusted``) has only the query checked against it: this runs on every layer of every decode step.
+    ``prefill``: whether the kernel build takes more than FP8_KV_MAX_ROWS rows (the prefill kernel); None asks the
+    current build (``fp8_kv_prefill_available``), only for such a call."""
     from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
 
     if not isinstance(kv, kvref.Fp8KV):
@@ -455,9 +459,10 @@ def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool) -> str | None:
         return f"the FP8-cache decode kernel takes float16 or bfloat16 queries, got {q.dtype}"
     if d not in KERNEL_HEAD_DIMS:
         return f"the FP8-cache decode kernel supports head_dim {KERNEL_HEAD_DIMS}, got {d}"
-    if hq // hkv * sq > FP8_KV_MAX_ROWS:
-        return (f"(query heads per KV head) x q_len = {hq // hkv * sq} > {FP8_KV_MAX_ROWS}: not a decode call for "
-                f"the FP8-cache decode kernel (read the dequantised copy: Fp8KV.dequantized)")
+    if hq // hkv * sq > FP8_KV_MAX_ROWS and not (fp8_kv_prefill_available() if prefill is None else prefill):
+        return (f"(query heads per KV head) x q_len = {hq // hkv * sq} > {FP8_KV_MAX_ROWS}: not a decode call, and "
+                f"this kernel build has no FP8-cache prefill kernel (an extension built before it: rebuild it, or "
+                f"read the dequantised copy: Fp8KV.dequantized)")
     return None
 
 
@@ -492,9 +497,21 @@ def fp8_kv_kernel_available(ext=None) -> bool:
     return hasattr(ext, "mha_decode_fp8kv")
 
 
+def fp8_kv_prefill_available(ext=None) -> bool:
+    """Whether the kernel build here also runs calls with more than FP8_KV_MAX_ROWS rows over the FP8 cache (the
+    prefill kernel, kernels/flash_prefill_fp8kv_kernel.cuh): the NVRTC build, and an AOT build from the commit that
+    added it on (``fp8kv_prefill`` in the extension). An older extension: those calls read the dequantised copy."""
+    try:
+        ext = ext or _current_ext()
+    except KernelNotBuiltError:
+        return False
+    return hasattr(ext, "mha_decode_fp8kv") and hasattr(ext, "fp8kv_prefill")
+
+
 def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None = None, return_lse: bool = False,
                   seqused_k: torch.Tensor | None = None, path: Path = "auto"):
-    """Attention of the newest ``q_len`` tokens' queries over the FP8 (e4m3) KV cache, reading its bytes.
+    """Attention of the newest ``q_len`` tokens' queries over the FP8 (e4m3) KV cache, reading its bytes: a decode
+    step, or a chunk of a prefill (q_len <= the cached tokens; the chunk's own tokens already in the cache).
 
     Args:
         q: (batch, num_heads, q_len, head_dim); float16/bfloat16 for the kernel (the reference also float32/64).
@@ -505,8 +522,9 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
         return_lse: also the natural-log lse (batch, num_heads, q_len) float32 of the dequantised scores, K's
            smoothing shift included (as ``kv_cache_reference.decode_attention``).
         seqused_k: optional int32 (batch,): batch ``b`` uses its first ``seqused_k[b]`` tokens (read on the device).
-        path: 'kernel' (kernels/flash_decode_fp8kv_kernel.cuh: K/V read as e4m3 bytes and dequantised in
-           registers, no fp16 copy of the cache; (query heads per KV head) x q_len <= 32), 'reference'
+        path: 'kernel' (K/V read as e4m3 bytes and dequantised in registers, no fp16 copy of the cache:
+           kernels/flash_decode_fp8kv_kernel.cuh for (query heads per KV head) x q_len <= 32, above that
+           kernels/flash_prefill_fp8kv_kernel.cuh where the build has it, ``fp8_kv_prefill_available``), 'reference'
            (``kv_cache_reference.decode_attention`` with the kernel's roundings for fp16/bf16 queries) or 'auto'
            (the kernel for CUDA tensors).
 

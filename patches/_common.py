@@ -74,7 +74,8 @@ class PatchReport:
     native_calls: Counter = dataclasses.field(default_factory=Counter)
     fallback_calls: Counter = dataclasses.field(default_factory=Counter)
     # Calls whose K/V came from a quantised KV cache, by how they were read (kv_cache_reference.FP8_READ_*: directly
-    # by the decode kernel or its blockwise reference, or via the dequantised copy). Counted beside the two above.
+    # by the decode or the prefill kernel or their blockwise reference, or via the dequantised copy). Counted beside
+    # the two above.
     kv_cache_reads: Counter = dataclasses.field(default_factory=Counter)
     compiled_native_seen: bool = False
     compiled_fallback_seen: bool = False
@@ -157,7 +158,7 @@ class AttentionRuntime:
         self._choices: dict = {}
         # variant -> the entry's runner (registry.AttentionImpl.runner): the serving entry decided once, not per call.
         self._runners: dict = {}
-        # variant -> (reader, how) that reads the FP8 KV cache directly, or None (impls.flash_kernel.fp8_kv_reader).
+        # variant -> the reader that reads the FP8 KV cache directly, or None (impls.flash_kernel.fp8_kv_reader).
         self._fp8_readers: dict = {}
 
     # A patched model is copied (copy.deepcopy), pickled and torch.saved with its patch: the runtime keeps the
@@ -200,8 +201,9 @@ class AttentionRuntime:
         return k, v
 
     def fp8_kv_reader(self, variant: str):
-        """(reader, how) that reads the FP8 cache directly for this variant, or None: only llm_attn's own entry has
-        one (its decode kernel, or the blockwise reference on CPU); every other implementation reads the copy."""
+        """The reader that reads the FP8 cache directly for this variant (its output and how it read, or None for a
+        call it does not take), or None: only llm_attn's own entry has one (its decode and prefill kernels, or the
+        blockwise reference on CPU); every other implementation reads the copy."""
         if variant not in self._fp8_readers:
             from llm_attn.impls.flash_kernel import fp8_kv_reader  # noqa: PLC0415
 

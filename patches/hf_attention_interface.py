@@ -297,7 +297,8 @@ def _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is
     """The call's output, (B, Sq, Hq, D), read from the FP8 cache's bytes (``runtime.fp8_kv_reader``), or None when
     the call is not one the direct path computes exactly (then the caller reads the dequantised copy): a setting
     llm_attn does not implement, another implementation, a mask that is not a tagged causal prefix, no-mask causal
-    queries over a longer cache (stock's top-left crop), or more rows than the decode kernel holds."""
+    queries over a longer cache (stock's top-left crop), or a call the reader does not take (more rows than the
+    decode kernel holds on a build without the prefill kernel)."""
     if runtime.forced or _is_compiling() or (dropout and dropout > 0 and module.training):
         return None
     if kwargs and any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
@@ -321,10 +322,10 @@ def _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is
                 and seqused.device == query.device):
             return None
         causal = True
-    read, how = reader
-    out = read(query, fp8, causal, scaling, seqused)
-    if out is None:
+    read = reader(query, fp8, causal, scaling, seqused)
+    if read is None:
         return None
+    out, how = read
     runtime.count_native(variant)
     runtime.count_kv_cache_read(key, how)
     return out.transpose(1, 2).contiguous()

@@ -12,8 +12,9 @@ import torch
 
 from llm_attn._ext import kernel_available
 from llm_attn.kernel_contract import KERNEL_DTYPES, kernel_problem, reference_problem
-from llm_attn.kv_cache_reference import FP8_READ_KERNEL, FP8_READ_REFERENCE
-from llm_attn.ops import FP8_KV_MAX_ROWS, decode_fp8_kv, flash_attn_func, fp8_kv_kernel_available, fp8_kv_rows
+from llm_attn.kv_cache_reference import FP8_READ_KERNEL, FP8_READ_PREFILL_KERNEL, FP8_READ_REFERENCE
+from llm_attn.ops import (FP8_KV_MAX_ROWS, decode_fp8_kv, flash_attn_func, fp8_kv_kernel_available,
+                          fp8_kv_prefill_available, fp8_kv_rows)
 from llm_attn.registry import register_attention
 
 NOT_BUILT = ("the llm_attn CUDA extension is not built (python -m pip install --no-build-isolation -e . on a machine "
@@ -60,20 +61,32 @@ register_attention("llm_attn", _run, dtypes=KERNEL_DTYPES + (torch.float32, torc
 
 
 def fp8_kv_reader(impl: str, variant: str):
-    """How llm_attn reads the FP8 KV cache directly on this variant: (read, how) or None (read the dequantised copy).
-    ``read(q, kv, causal, scale, seqused_k)`` returns (B, Hq, Sq, D), or None for a call with more rows than the
-    decode kernel holds (a prefill over the cache: the copy). 'cuda': the FP8-cache decode kernel, where the build
-    has it (the AOT and the NVRTC build; an extension built before it: the copy); 'reference': its blockwise PyTorch reference
-    (``kv_cache_reference.decode_attention``), the same calls on CPU. Other registry entries have none."""
+    """How llm_attn reads the FP8 KV cache directly on this variant: ``read`` or None (read the dequantised copy).
+    ``read(q, kv, causal, scale, seqused_k)`` returns ((B, Hq, Sq, D), how it read: ``kv_cache_reference.FP8_READ_*``),
+    or None for a call it does not take (then the caller reads the copy). 'cuda': the FP8-cache decode kernel for up
+    to FP8_KV_MAX_ROWS packed rows, the prefill kernel above (a chunked prefill over the cache), where the build has
+    them (the AOT and the NVRTC build; an extension built before the decode kernel: the copy for every call, before
+    the prefill kernel: the copy for the prefill calls); 'reference': its blockwise PyTorch reference
+    (``kv_cache_reference.decode_attention``), every call on CPU. Other registry entries have none."""
     if impl != "llm_attn" or variant not in ("cuda", "reference"):
         return None
-    if variant == "cuda" and not fp8_kv_kernel_available():
+    if variant == "reference":
+        def read_reference(q, kv, causal, scale, seqused_k):
+            out = decode_fp8_kv(q, kv, causal=causal, scale=scale, seqused_k=seqused_k, path="reference")
+            return out, FP8_READ_REFERENCE
+
+        return read_reference
+    if not fp8_kv_kernel_available():
         return None
-    path, how = ("kernel", FP8_READ_KERNEL) if variant == "cuda" else ("reference", FP8_READ_REFERENCE)
+    prefill = fp8_kv_prefill_available()
 
     def read(q, kv, causal, scale, seqused_k):
-        if fp8_kv_rows(q, kv) > FP8_KV_MAX_ROWS:
+        if fp8_kv_rows(q, kv) <= FP8_KV_MAX_ROWS:
+            how = FP8_READ_KERNEL
+        elif prefill:
+            how = FP8_READ_PREFILL_KERNEL
+        else:
             return None
-        return decode_fp8_kv(q, kv, causal=causal, scale=scale, seqused_k=seqused_k, path=path)
+        return decode_fp8_kv(q, kv, causal=causal, scale=scale, seqused_k=seqused_k, path="kernel"), how
 
-    return read, how
+    return read
