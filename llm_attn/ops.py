@@ -568,3 +568,36 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     qs = q.to(torch.float32).reshape(b, hkv, hq // hkv * sq, d)
     shift = torch.matmul(qs, kv.k_shift.unsqueeze(-1)).reshape(b, hq, sq) * scale
     return out, lse + shift
+
+
+def fp8_cache_append_available(ext=None) -> bool:
+    """Whether this kernel build has the FP8 cache's one-token append (kernels/fp8_cache_append.h): an AOT build from
+    the commit that added it on. Without it (the NVRTC build, an older extension, CPU) the cache's device step runs
+    the same arithmetic as PyTorch ops (``Fp8StaticLayer._update_on_device``): the same bytes, ~35 small kernels
+    per layer instead of one."""
+    try:
+        ext = ext or _current_ext()
+    except KernelNotBuiltError:
+        return False
+    return hasattr(ext, "fp8_cache_append")
+
+
+def fp8_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_open: torch.Tensor, v_open: torch.Tensor,
+                     k_shift: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_scale: torch.Tensor,
+                     v_scale: torch.Tensor, position: torch.Tensor, used: torch.Tensor, max_cache_len: int) -> None:
+    """One token appended to an FP8 static cache layer at the device-side ``position``, in place, in one launch:
+    the open block's float32 originals, K's shift while block 0 is open, the block re-quantised (bytes and scales
+    bit-identical to ``kv_cache_reference.quantize``) and ``used`` = min(position + 1, max_cache_len). The position
+    is read, not advanced. Raises ValueError (one line) for tensors the kernel does not take."""
+    ext = _current_ext()
+    if not hasattr(ext, "fp8_cache_append"):
+        raise KernelNotBuiltError(f"this {kernel_build()} build has no fp8_cache_append: check "
+                                  f"fp8_cache_append_available() first")
+    try:
+        ext.fp8_cache_append(k_new, v_new, k_open, v_open, k_shift, k_data, v_data, k_scale, v_scale, position, used,
+                             int(max_cache_len))
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else repr(e)
+        if first.startswith("llm_attn.fp8_cache_append:"):
+            raise ValueError(first) from None
+        raise

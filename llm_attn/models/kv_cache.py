@@ -31,8 +31,12 @@ read by llm_attn's attention function then runs on the device alone. It writes t
 float32 originals (a fixed 64-slot buffer) at the position held in ``cumulative_length``, re-quantises that block
 from them (K's shift too while block 0 is open), and returns placeholders of the whole capacity with the used length
 as a device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host
-path's, bit for bit. Every other call (a prefill, stock attention, beam reordering) first reads the position back
-(one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read raises IndexError.
+path's, bit for bit. On a GPU with an AOT build that has it, that step is one launch per layer
+(``llm_attn.ops.fp8_cache_append``, kernels/fp8_cache_append.h); elsewhere (the NVRTC build, CPU) the same
+arithmetic runs as ~35 PyTorch ops, each a kernel in the graph (measured on the 8B: ~2-3 ms per token, more than
+the FP8 cache saves at 32k context). Every other call (a prefill, stock attention, beam reordering) first reads
+the position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read
+raises IndexError.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
 
 from llm_attn import kv_cache_reference as ref
+from llm_attn import ops
 
 _BATCHED = ("k_data", "v_data", "k_scale", "v_scale", "k_shift", "k_tail", "v_tail")  # tensors with a batch dim
 
@@ -234,6 +239,8 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
             self._k_open = torch.zeros((b, h, ref.BLOCK, d), dtype=torch.float32, device=self.device)
             self._v_open = torch.zeros_like(self._k_open)
             self._slots = torch.arange(ref.BLOCK, device=self.device)
+            self._used = torch.zeros((b,), dtype=torch.int32, device=self.device)
+            self._append_kernel = None  # decided at the first device step (the build, the dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -261,6 +268,14 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         token masked."""
         if not self._on_device:
             self._load_open_block()
+        if self._use_append_kernel(key_states, value_states):
+            # The same arithmetic in one launch (kernels/fp8_cache_append.h): bit-identical bytes, scales and shift.
+            self.k_shift = self.k_shift.contiguous()
+            ops.fp8_cache_append(key_states, value_states, self._k_open, self._v_open, self.k_shift, self.k_data,
+                                 self.v_data, self.k_scale, self.v_scale, self.cumulative_length, self._used,
+                                 self.max_cache_len)
+            self.cumulative_length.add_(1)
+            return self._placeholders(self.max_cache_len, self._fp8_view(self.max_cache_len, self._used))
         last_block = ref.n_blocks(self.max_cache_len) - 1
         pos = self.cumulative_length
         slot = (pos % ref.BLOCK).view(1)
@@ -280,6 +295,16 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         used = torch.clamp(self.cumulative_length, max=self.max_cache_len).to(torch.int32)
         used = used.view(1).expand(self.k_data.shape[0]).contiguous()
         return self._placeholders(self.max_cache_len, self._fp8_view(self.max_cache_len, used))
+
+    def _use_append_kernel(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """The one-launch append where the build has it (``ops.fp8_cache_append_available``), for the dtypes and
+        head_dims it takes; otherwise the PyTorch ops below (CPU, the NVRTC build, an older extension)."""
+        if self._append_kernel is None:
+            self._append_kernel = (self.k_data.is_cuda and self.k_data.shape[-1] in (64, 128)
+                                   and self.cumulative_length.dtype == torch.int64
+                                   and ops.fp8_cache_append_available())
+        return (self._append_kernel and key_states.dtype in (torch.float16, torch.bfloat16)
+                and value_states.dtype == key_states.dtype)
 
     def _load_open_block(self) -> None:
         """The open block's originals, from the host tail into the fixed buffers, in place: the device is ahead now."""
