@@ -9,7 +9,9 @@ TMA/mbarrier/warp-specialised pipelines); `--backward` only the backward's.
 synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks; FP8 with each key tile it has
 (128, 192: llm_attn/_kernel_table.py FP8_BLOCK_N). `--fp8kv` runs only the decode kernel over the FP8 KV cache
 (llm_attn.ops.decode_fp8_kv: e4m3 bytes to shared memory, the split combine): tails, GQA/MQA, q_len > 1, seqused_k,
-a static cache's unused capacity, each split count forced.
+a static cache's unused capacity, each split count forced; then the prefill kernel over the cache (more than 32
+packed rows: Q staged in the last pipeline stage, causal tile counts per row block), causal and not, q_len == kv_len,
+seqused_k below q_len (rows that see no key), a static cache's unused capacity.
 """
 import itertools
 import math
@@ -70,6 +72,12 @@ FP8KV_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused)
     (2, 8, 8, 1, 700, 1024, 128, [700, 5]),     # static capacity past the length, per-batch lengths
     (2, 32, 8, 4, 333, 333, 64, [333, 64]),     # 4 query heads per KV head x 4 rows: 16 of the 32 rows a block holds
 ]
+FP8KV_PREFILL_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused): the prefill kernel (> 32 packed rows)
+    (1, 8, 2, 33, 33, 33, 64, None),            # q_len == kv_len, 132 rows: 3 row blocks, the last one partial
+    (2, 32, 8, 77, 1000, 1024, 128, [1000, 40]),  # a chunk over a longer cache; batch 1 sees fewer keys than q_len
+    (1, 8, 8, 300, 4097, 4097, 128, None),      # MHA
+    (2, 32, 1, 45, 129, 256, 64, [129, 0]),     # MQA, an empty sequence
+]
 if "--fp8kv" in sys.argv:
     from llm_attn import ops
     from llm_attn.models.kv_cache import Fp8StaticLayer
@@ -86,6 +94,19 @@ if "--fp8kv" in sys.argv:
         su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
         with ops.force_decode(splits=splits):
             out = ops.decode_fp8_kv(q, layer.fp8(), causal=True, seqused_k=su, path="kernel")
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+    for dtype, (b, hq, hkv, sq, n, cap, d, used), causal in itertools.product(
+            (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES, (True, False)):
+        if not ops.fp8_kv_prefill_available(ext):
+            sys.exit("--fp8kv: this build has no FP8-cache prefill kernel")
+        layer = Fp8StaticLayer(max_cache_len=cap)
+        with torch.inference_mode():
+            layer.update(torch.randn(b, hkv, n, d, device="cuda", dtype=dtype),
+                         torch.randn(b, hkv, n, d, device="cuda", dtype=dtype))
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
+        su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
+        out = ops.decode_fp8_kv(q, layer.fp8(), causal=causal, seqused_k=su, path="kernel")
         torch.cuda.synchronize()
         assert not out.isnan().any()
     print("sanitize shapes done (fp8kv)")

@@ -458,6 +458,28 @@ def test_patched_attention_reads_the_fp8_cache_directly_and_via_the_copy_elsewhe
     assert not ref.is_placeholder(k) and torch.equal(k, torch.ones(1, 2, 3, 64))
 
 
+def test_chunked_prefill_reads_every_chunk_directly(tiny):
+    """The harness's --prefill-chunk on the FP8 cache, patched: each chunk (q_len < kv_len, causal bottom-right over
+    everything cached) reads the bytes (on a GPU the prefill kernel; here its blockwise reference), never the copy,
+    and gives stock sdpa's logits on the same cache's copy."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.harness.measure import prefill_first_token
+    from llm_attn.kv_cache_reference import FP8_READ_REFERENCE
+
+    ids = _ids(tiny, 2, 150, seed=15)
+    with torch.inference_mode():
+        _, want = prefill_first_token(tiny, ids, chunk=64, kv_cache="fp8")
+    report = patch_model(tiny)
+    try:
+        with torch.inference_mode():
+            _, got = prefill_first_token(tiny, ids, chunk=64, kv_cache="fp8")  # chunks of 64, 64, 22
+        assert report.kv_cache_reads == {FP8_READ_REFERENCE: 3 * tiny.config.num_hidden_layers}, str(report)
+        assert report.num_fallback_calls == 0
+    finally:
+        unpatch_model(tiny)
+    assert (got - want).abs().max() < 1e-4
+
+
 def test_other_registry_entries_read_the_copy(tiny):
     """Only llm_attn's own entry reads the FP8 bytes; another implementation behind the same attention function
     (here the naive one) gets the dequantised copy, counted as such."""

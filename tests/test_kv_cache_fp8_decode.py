@@ -2,8 +2,9 @@
 where a CPU can check it, and ``--kv-cache`` end to end.
 
 - the e4m3 -> fp16 bit trick the kernel uses (integer ops only, so sm_80-87 need no FP8 hardware), over all 256 bytes;
-- ``kv_cache_reference.decode_attention(rounding="kernel")`` (the kernel's exact semantics) against a plain
-  restatement of them, with ``seqused_k``, causal q_len > 1, GQA/MQA;
+- ``kv_cache_reference.decode_attention(rounding="kernel")`` (the kernel's exact semantics, the prefill kernel's too)
+  against a plain restatement of them, with ``seqused_k``, causal q_len > 1 and prefill-sized q_len, GQA/MQA;
+- which path a prefill-sized call takes (the prefill kernel where the build has it) and the reader's label;
 - ``llm_attn.ops.decode_fp8_kv``: its checks (one line each) and the reference path;
 - ``python -m llm_attn.ttft --kv-cache fp8``: rows carry the cache dtype and how attention read it.
 
@@ -88,7 +89,10 @@ def _kernel_semantics(q, kv, causal, scale, used):
 
 
 @pytest.mark.parametrize("heads,kv_heads,sq,n,causal", [(8, 2, 1, 200, False), (8, 8, 1, 65, False),
-                                                       (8, 1, 3, 130, True), (32, 8, 4, 257, True)])
+                                                       (8, 1, 3, 130, True), (32, 8, 4, 257, True),
+                                                       # the prefill kernel's calls: > 32 packed rows
+                                                       (8, 2, 45, 200, True), (4, 4, 130, 130, True),
+                                                       (8, 1, 77, 300, False)])
 def test_reference_with_kernel_rounding_is_the_kernel_semantics(heads, kv_heads, sq, n, causal):
     q = torch.randn(2, heads, sq, 64, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
     _, _, kv = _cache(2, kv_heads, n, 64, seed=n, outliers=True, capacity=n + 70)
@@ -151,6 +155,54 @@ def test_the_kernel_path_refuses_what_it_cannot_take_in_one_line():
     assert ops.fp8_kv_rows(torch.randn(1, 4, 16, 64), kv) == 32  # 2 query heads per KV head x 16: the most it holds
     with pytest.raises(ValueError, match="path must be"):
         ops.decode_fp8_kv(q, kv, path="cuda")
+
+
+class _CudaLikeQuery:
+    """What fp8_kv_decode_problem reads of a CUDA query (shape, dtype, device), without a GPU."""
+
+    def __init__(self, shape, dtype=torch.float16):
+        self.shape, self.dtype, self.device, self.is_cuda = tuple(shape), dtype, torch.device("cpu"), True
+
+    def dim(self):
+        return len(self.shape)
+
+
+def test_a_prefill_sized_call_needs_a_build_with_the_prefill_kernel():
+    """Up to 32 packed rows the decode kernel takes any build's call; above, the prefill kernel's build only (an
+    extension built before it: one line saying so, and the caller reads the copy)."""
+    _, _, kv = _cache(1, 2, 100, 64)
+    decode, prefill = _CudaLikeQuery((1, 4, 16, 64)), _CudaLikeQuery((1, 4, 40, 64))  # 32 and 80 rows
+    for has_prefill in (False, True):
+        assert ops.fp8_kv_decode_problem(decode, kv, True, prefill=has_prefill) is None
+    assert ops.fp8_kv_decode_problem(prefill, kv, True, prefill=True) is None
+    why = ops.fp8_kv_decode_problem(prefill, kv, True, prefill=False)
+    assert "= 80 > 32" in why and "no FP8-cache prefill kernel" in why and "\n" not in why
+    assert ops.fp8_kv_decode_problem(_CudaLikeQuery((1, 4, 101, 64)), kv, True, prefill=True).startswith("101 query")
+    assert not ops.fp8_kv_prefill_available(object()) and ops.fp8_kv_prefill_available(
+        type("Ext", (), {"mha_decode_fp8kv": None, "fp8kv_prefill": None})())
+
+
+@pytest.mark.parametrize("has_prefill", [True, False])
+def test_the_reader_takes_the_prefill_kernel_for_a_prefill_sized_call(monkeypatch, has_prefill):
+    """impls.flash_kernel.fp8_kv_reader on 'cuda': the decode kernel's label up to 32 rows, the prefill kernel's
+    above where the build has it (else None: the copy); on 'reference' the blockwise reference for any q_len."""
+    from llm_attn.impls import flash_kernel
+
+    calls = []
+    monkeypatch.setattr(flash_kernel, "fp8_kv_kernel_available", lambda: True)
+    monkeypatch.setattr(flash_kernel, "fp8_kv_prefill_available", lambda: has_prefill)
+    monkeypatch.setattr(flash_kernel, "decode_fp8_kv", lambda q, kv, **kw: calls.append((q.shape[2], kw["path"])) or q)
+    _, _, kv = _cache(1, 2, 100, 64)
+    read = flash_kernel.fp8_kv_reader("llm_attn", "cuda")
+    q1, q40 = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 40, 64)
+    assert read(q1, kv, True, None, None) == (q1, ref.FP8_READ_KERNEL)
+    got = read(q40, kv, True, None, None)
+    assert got == ((q40, ref.FP8_READ_PREFILL_KERNEL) if has_prefill else None)
+    assert calls == [(1, "kernel")] + ([(40, "kernel")] if has_prefill else [])
+    assert flash_kernel.fp8_kv_reader("sdpa", "cuda") is None
+    monkeypatch.undo()
+    out, how = flash_kernel.fp8_kv_reader("llm_attn", "reference")(q40, kv, True, None, None)
+    assert how == ref.FP8_READ_REFERENCE and torch.equal(out, ref.decode_attention(q40, kv, causal=True))
 
 
 # -- --kv-cache end to end on the tiny model ---------------------------------------------------------------------------

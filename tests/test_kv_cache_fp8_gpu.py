@@ -11,10 +11,14 @@ and P, the output's dtype), and (b) the original unquantised K/V: the FP8 cache'
 outlier-shaped K (a few channels 10-50x). Shapes: head_dim 64 and 128, fp16 and bf16, MHA/GQA/MQA (1 to 32 rows per
 block: both row tiles), odd cache lengths (1 .. 2049 keys around the 64-key tile), q_len 1-4 causal, batch 3 with
 different lengths (seqused_k), forced KV splits (the fused combine), a static cache with junk past its length, and
-a CUDA graph, and (in a child process) many graphs over forced split counts replayed after one another. Printed
-with -s: the cosines.
+a CUDA graph, and (in a child process) many graphs over forced split counts replayed after one another. The prefill
+kernel over the cache (kernels/flash_prefill_fp8kv_kernel.cuh: more than 32 packed rows, a chunk of a chunked prefill)
+the same way: q_len 33 .. 300 odd values and q_len == kv_len, kv_len not a multiple of 64, causal and not,
+seqused_k (rows that see no key), a static cache with junk, and the tiny model's chunked prefill. Printed with -s:
+the cosines.
 
     python -m pytest -s tests/test_kv_cache_fp8_gpu.py
+    python -m pytest tests/test_kv_cache_fp8_gpu.py -k prefill
     LLM_ATTN_BUILD=nvrtc python -m pytest tests/test_kv_cache_fp8_gpu.py
     compute-sanitizer --tool memcheck python -m pytest -x tests/test_kv_cache_fp8_gpu.py -k grid
 """
@@ -51,6 +55,15 @@ def ext(cuda_ext, request):
         pytest.skip(f"the {build} build has no FP8-cache decode kernel (mha_decode_fp8kv): an extension built before "
                     f"it")
     return cuda_ext
+
+
+@pytest.fixture
+def prefill_ext(ext, request):
+    """``ext``, skipped where the build has no FP8-cache prefill kernel (an extension built before it)."""
+    if not ops.fp8_kv_prefill_available(ext):
+        pytest.skip(f"the {request.node.callspec.params['cuda_ext']} build has no FP8-cache prefill kernel "
+                    f"(fp8kv_prefill): an extension built before it")
+    return ext
 
 
 def _inputs(b, hq, hkv, sq, n, d, dtype, seed, outliers=True, spread=1.0):
@@ -181,6 +194,73 @@ def test_static_cache_junk_past_the_length_is_never_read(ext):
     _check(q, k, v, big, causal=True, used=None, label="static cache with junk")
 
 
+# -- the prefill kernel over the cache (more than 32 packed rows: a chunk of a chunked prefill) ---------------------------
+# (q_len, cached tokens): odd q_len 33 .. 300, q_len == kv_len, kv_len around and not on the 64-key tile.
+PREFILL_LENGTHS = [(33, 33), (37, 100), (65, 65), (77, 1000), (129, 2049), (255, 300), (300, 300)]
+
+
+def _prefill_cases():
+    out = []
+    for i, (dt, d, heads, (sq, n)) in enumerate((dt, d, heads, sn) for dt in DTYPES for d in (64, 128)
+                                                for heads in HEADS for sn in PREFILL_LENGTHS):
+        out.append((dt, d, heads, sq, n, i % 2 == 0 or sq == n))  # causal for every q_len == kv_len
+    return out
+
+
+@pytest.mark.parametrize("dtype,d,heads,sq,n,causal", _prefill_cases())
+def test_prefill_over_the_fp8_cache_grid(prefill_ext, dtype, d, heads, sq, n, causal):
+    """The prefill kernel against float64 over the cache's values and over the unquantised K/V, and against
+    kv_cache_reference.decode_attention(rounding="kernel"), output from NaN-poisoned memory."""
+    hq, hkv = HEADS[heads]
+    assert hq // hkv * sq > ops.FP8_KV_MAX_ROWS  # the prefill kernel's call, not the decode kernel's
+    seed = zlib.crc32(repr(("prefill", dtype, d, heads, sq, n, causal)).encode())
+    q, k, v, kv = _inputs(2, hq, hkv, sq, n, d, DTYPES[dtype], seed)
+    cos = _check(q, k, v, kv, causal=causal, used=None,
+                 label=f"prefill {dtype} hd{d} {heads} q_len={sq} n={n} causal={causal}")
+    assert cos >= 0.998, f"cosine vs the unquantised cache {cos:.5f}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_batch_with_different_lengths(prefill_ext, dtype, d, causal):
+    """Batch 3 over one cache of 1500 slots, lengths (seqused_k) 1500, 40 and 0, a 77-token chunk: batch 1 has fewer
+    keys than queries (causal: its first 37 rows see no key, output 0 and lse -inf), batch 2 none at all. A forced
+    split count changes nothing (the prefill kernel never splits)."""
+    q, k, v, kv = _inputs(3, 32, 8, 77, 1500, d, DTYPES[dtype], 17)
+    used = torch.tensor([1500, 40, 0], device="cuda")
+    for splits in (0, 7):
+        with ops.force_decode(splits=splits):
+            _check(q, k, v, kv, causal=causal, used=used, label=f"prefill seqused_k, splits {splits}")
+
+
+def test_prefill_static_cache_junk_past_the_length_is_never_read(prefill_ext):
+    """As the decode test above, with a 150-token chunk (600 rows): the prefill kernel reads n keys only."""
+    q, k, v, kv = _inputs(1, 32, 8, 150, 300, 128, torch.float16, 12)
+    cap = 512
+    kd = torch.full((1, 8, cap, 128), 0x7F, dtype=torch.uint8, device="cuda").view(ref.STORAGE_DTYPE)  # NaN bytes
+    vd = kd.clone()
+    kd[:, :, :300], vd[:, :, :300] = kv.k_data, kv.v_data
+    ks = torch.full((1, 8, 8), float("nan"), device="cuda")
+    vs = ks.clone()
+    ks[..., :5], vs[..., :5] = kv.k_scale, kv.v_scale
+    big = ref.Fp8KV(kd, ks, kv.k_shift, vd, vs, 300)
+    for causal in (True, False):
+        _check(q, k, v, big, causal=causal, used=None, label=f"prefill, static cache with junk, causal={causal}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_outlier_keys_cosine_against_float64(prefill_ext, d):
+    """The issue's accuracy target on the prefill path: a 512-token chunk of Llama 3 8B's heads (32/8) over 4096
+    outlier-shaped keys, causal, cosine >= 0.999 against float64 over the unquantised bf16 K/V."""
+    q, k, v, kv = _inputs(1, 32, 8, 512, 4096, d, torch.bfloat16, 4)
+    out, _ = _run(q, kv)
+    want, _ = _float64(q, k, v, True, torch.full((1,), 4096, device="cuda"))
+    cos = _cos(out, want)
+    print(f"\nhd{d} outlier K, 512 queries over 4096 keys: FP8-cache prefill kernel cosine vs float64 {cos:.6f}")
+    assert cos >= 0.999
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_outlier_keys_cosine_against_float64(ext, d):
     """The issue's kernel-level target: decode over the FP8 cache of outlier-shaped K (Llama 3 8B's 32/8 heads,
@@ -289,7 +369,8 @@ def test_graphs_of_many_caches_and_split_counts_replay_cleanly(ext, request):
 def test_bad_input_is_one_line_never_a_crash(ext):
     q, k, v, kv = _inputs(1, 8, 2, 1, 100, 64, torch.float16, 1)
     for bad, match in (((q.float(), kv), "float16 or bfloat16"),
-                       ((torch.randn(1, 8, 20, 64, device="cuda", dtype=torch.float16), kv), "> 32"),
+                       ((torch.randn(1, 8, 20, 64, device="cuda"), kv), "float16 or bfloat16"),  # a prefill's rows
+                       ((torch.randn(1, 8, 101, 64, device="cuda", dtype=torch.float16), kv), "newest cached"),
                        ((q[..., :48].contiguous(), kv), "does not match"),
                        ((q.cpu(), kv), "is on")):
         with pytest.raises(ValueError, match=match) as e:
@@ -299,6 +380,7 @@ def test_bad_input_is_one_line_never_a_crash(ext):
     n = kv.length
     args = [q, kv.k_data[:, :, :n], kv.v_data[:, :, :n], kv.k_scale, kv.v_scale, None, 0.125, True]
     for i, value, match in ((1, k, "float8_e4m3fn"), (3, kv.k_scale[:, :, :1], "k_scale must be float32"),
+                            (0, torch.randn(1, 8, 40, 96, device="cuda", dtype=torch.float16), "head_dim must be 64"),
                             (2, kv.v_data[:, :1, :n], "same shape"), (6, float("nan"), "scale must be finite"),
                             (5, torch.zeros(2, dtype=torch.int32, device="cuda"), "seqused_k")):
         bad = list(args)
@@ -328,15 +410,17 @@ def _build(name: str):
 
 
 @pytest.mark.parametrize("splits", [0, 1, 7])
-@pytest.mark.parametrize("heads,sq", [("gqa", 1), ("mqa", 1), ("gqa", 3)])
+@pytest.mark.parametrize("heads,sq", [("gqa", 1), ("mqa", 1), ("gqa", 3), ("gqa", 77), ("mqa", 33)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_nvrtc_is_the_aot_kernel(splits, heads, sq, d):
-    """The NVRTC build runs the AOT build's FP8-cache decode: the same kernel source, config, split count (automatic
-    and forced) and launch on the same inputs, so the outputs agree to the last bits the two compilers may round
+    """The NVRTC build runs the AOT build's FP8-cache decode (and, above 32 rows, prefill): the same kernel source,
+    config, split count (automatic and forced) and launch on the same inputs, so the outputs agree to the last bits the two compilers may round
     differently (the forward's NVRTC/AOT outputs were bit-identical on the H200); both refuse bad input with the
     same words."""
     aot, nvrtc = _build("aot"), _build("nvrtc")
     hq, hkv = HEADS[heads]
+    if hq // hkv * sq > ops.FP8_KV_MAX_ROWS and not ops.fp8_kv_prefill_available(aot):
+        pytest.skip("the aot build has no FP8-cache prefill kernel (fp8kv_prefill): an extension built before it")
     q, _, _, kv = _inputs(3, hq, hkv, sq, 1500, d, torch.bfloat16, zlib.crc32(repr((splits, heads, sq, d)).encode()))
     n = kv.length
     used = torch.tensor([1500, 777, 0], dtype=torch.int32, device="cuda")
@@ -355,7 +439,7 @@ def test_nvrtc_is_the_aot_kernel(splits, heads, sq, d):
     torch.testing.assert_close(lse_n, lse_a, rtol=1e-5, atol=1e-5)
     for i, value in ((0, q.float()), (1, kv.k_scale), (3, kv.k_scale[:, :, :1]), (2, kv.v_data[:, :, :n - 1]),
                      (6, float("nan")), (6, -1.0), (5, torch.zeros(2, dtype=torch.int32, device="cuda")),
-                     (0, q[..., :48].contiguous()), (0, torch.randn(3, hq, 40, d, device="cuda").to(q.dtype))):
+                     (0, q[..., :48].contiguous()), (0, torch.randn(3, hq, 40, 96, device="cuda").to(q.dtype))):
         bad = list(args)
         bad[i] = value
         said = []
@@ -397,6 +481,41 @@ def test_tiny_model_decode_reads_the_bytes_on_the_gpu(ext):
             unpatch_model(model)
         assert (logits.float() - want_logits.float()).abs().max() < 0.05
         assert (got == want).float().mean() >= 0.9
+
+
+def test_tiny_model_chunked_prefill_reads_the_bytes_on_the_gpu(prefill_ext):
+    """The tiny Llama (fp16) patched, a 300-token prompt in chunks of 128 over the FP8 cache (the harness's
+    --prefill-chunk): every chunk's attention reads the bytes through the prefill kernel (the report says so, no
+    copy, no fallback) and the logits match stock sdpa on the same cache's dequantised copy; then generate() reads the
+    prompt with the prefill kernel and each decode step with the decode kernel."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.harness.measure import prefill_first_token
+    from llm_attn.models import load_model
+    from llm_attn.models.kv_cache import Fp8DynamicCache
+
+    model, _ = load_model("tiny:fp16", device="cuda", dtype=torch.float16, attn_implementation="sdpa")
+    ids = torch.randint(0, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    layers = model.config.num_hidden_layers
+    assert model.config.num_attention_heads // model.config.num_key_value_heads * 44 > ops.FP8_KV_MAX_ROWS
+    with torch.inference_mode():
+        _, want = prefill_first_token(model, ids, chunk=128, kv_cache="fp8")
+    report = patch_model(model)
+    try:
+        with torch.inference_mode():
+            _, got = prefill_first_token(model, ids, chunk=128, kv_cache="fp8")  # chunks of 128, 128, 44
+        assert dict(report.kv_cache_reads) == {ref.FP8_READ_PREFILL_KERNEL: 3 * layers}, str(report)
+        assert report.num_fallback_calls == 0 and ref.FP8_READ_PREFILL_KERNEL in str(report)
+        report.reset_counters()
+        with torch.inference_mode():
+            model.generate(ids, past_key_values=Fp8DynamicCache(config=model.config), max_new_tokens=4,
+                           min_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+        assert dict(report.kv_cache_reads) == {ref.FP8_READ_PREFILL_KERNEL: layers, ref.FP8_READ_KERNEL: 3 * layers}
+    finally:
+        unpatch_model(model)
+    err = (got.float() - want.float()).abs().max().item()
+    print(f"\ntiny model, 300 tokens in chunks of 128 on the FP8 cache: max |dlogit| prefill kernel vs stock on the "
+          f"copy {err:.4f}")
+    assert err < 0.05 and torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_static_fp8_decode_is_captured_in_a_cuda_graph(ext):
