@@ -11,7 +11,8 @@ synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks
 (llm_attn.ops.decode_fp8_kv: e4m3 bytes to shared memory, the split combine): tails, GQA/MQA, q_len > 1, seqused_k,
 a static cache's unused capacity, each split count forced; then the prefill kernel over the cache (more than 32
 packed rows: Q staged in the last pipeline stage, causal tile counts per row block), causal and not, q_len == kv_len,
-seqused_k below q_len (rows that see no key), a static cache's unused capacity.
+seqused_k below q_len (rows that see no key), a static cache's unused capacity; then the static cache's one-token
+append (kernels/fp8_cache_append.cu) over 125 device steps.
 """
 import itertools
 import math
@@ -109,6 +110,23 @@ if "--fp8kv" in sys.argv:
         out = ops.decode_fp8_kv(q, layer.fp8(), causal=causal, seqused_k=su, path="kernel")
         torch.cuda.synchronize()
         assert not out.isnan().any()
+    # The static cache's one-token append (kernels/fp8_cache_append.cu) across block 0's end and a later block,
+    # both dtypes and head_dims, batch 2 x 3 KV heads, 2 tokens past the 128-token capacity (clamped writes).
+    if ops.fp8_cache_append_available(ext):
+        class _Reads:
+            _attn_implementation = "llm_attn"
+
+        for dtype, d in itertools.product((torch.float16, torch.bfloat16), (64, 128)):
+            layer = Fp8StaticLayer(max_cache_len=128, device_position=True)
+            layer.attn_config = _Reads()
+            with torch.inference_mode():
+                layer.update(torch.randn(2, 3, 5, d, device="cuda", dtype=dtype),
+                             torch.randn(2, 3, 5, d, device="cuda", dtype=dtype))
+                for _ in range(125):
+                    layer.update(torch.randn(2, 3, 1, d, device="cuda", dtype=dtype),
+                                 torch.randn(2, 3, 1, d, device="cuda", dtype=dtype))
+            torch.cuda.synchronize()
+            assert layer._append_kernel
     print("sanitize shapes done (fp8kv)")
     sys.exit(0)
 
