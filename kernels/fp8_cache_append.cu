@@ -2,8 +2,8 @@
 // one thread per channel: each thread owns its channel's 64 slots of the open block, so only the block's amax needs
 // the other threads (one shared-memory reduction per operand).
 //
-// Bit-exactness with kv_cache_reference.quantize under --use_fast_math: the divisions are __fdiv_rn, the product
-// and difference __fmul_rn / __fsub_rn (never contracted), and e4m3 is rounded by e4m3_rn_sat below (round to
+// Bit-exactness with kv_cache_reference.quantize under --use_fast_math: 1 / scale is __fdiv_rn, the products and
+// the difference __fmul_rn / __fsub_rn (never contracted), and e4m3 is rounded by e4m3_rn_sat below (round to
 // nearest even, saturating at 448, NaN kept), which is what torch's float32 -> float8_e4m3fn cast does after the
 // reference's clamp.
 #include "fp8_cache_append.h"
@@ -15,6 +15,8 @@ namespace llm_attn {
 namespace {
 
 constexpr float kE4m3Max = 448.f;
+// float32(1 / 448), bits 0x3b124925: the scale is amax times it (kv_cache_reference.block_scales says why).
+__device__ __forceinline__ float inv_e4m3_max() { return __uint_as_float(0x3b124925u); }
 
 // float32 -> e4m3 (fn: no infinities, 0x7F NaN) bits, round to nearest even, |x| clamped to 448 first.
 __device__ __forceinline__ uint8_t e4m3_rn_sat(float x) {
@@ -83,7 +85,7 @@ __device__ __forceinline__ void quantize_block(const float* open, float shift, i
     // A NaN anywhere makes torch's amax NaN, and then `amax > 0` is false: scale 1 (carried here as +inf, which
     // no finite amax reaches).
     amax = block_amax<kThreads>(amax, red);
-    const float sc = amax > 0.f && amax != INFINITY ? __fdiv_rn(amax, kE4m3Max) : 1.f;
+    const float sc = amax > 0.f && amax != INFINITY ? __fmul_rn(amax, inv_e4m3_max()) : 1.f;
     const float inv = __fdiv_rn(1.f, sc);
 #pragma unroll
     for (int s = 0; s < kFp8CacheBlock; ++s) data[s * kThreads + d] = e4m3_rn_sat(__fmul_rn(x[s], inv));

@@ -9,8 +9,8 @@
 //   2. block 0 still open: k_shift = the per-channel lower median of k_open[0 .. slot] (kv_cache_reference
 //      .smoothing_shift: a median is one of the values, exact);
 //   3. the open block re-quantised from its originals exactly as kv_cache_reference.quantize does it (slots past
-//      the token count as zeros): scale = amax / 448 (1 when amax is 0), data = e4m3(clamp(x * (1 / scale), +-448)),
-//      with IEEE division and rounding to nearest even, so the bytes and scales equal the PyTorch path's bit for bit;
+//      the token count as zeros): scale = amax * float32(1 / 448) (1 when amax is 0), data = e4m3(clamp(x * (1 /
+//      scale), +-448)), with an IEEE division and rounding to nearest even, so the bytes and scales equal the PyTorch path's bit for bit;
 //      K is x = k_open - k_shift, V is x = v_open; all 64 rows of the block are written;
 //   4. used[b] = min(p + 1, max_cache_len) (int32: the decode kernel's seqused_k).
 // The caller advances the position afterwards (one add): the launch only reads it. The e4m3 rounding is done in

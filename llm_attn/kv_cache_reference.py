@@ -13,7 +13,7 @@ Layout of one layer (B batch, H KV heads, S tokens cached, C >= S the capacity, 
 
 One block of n <= 64 tokens (x: their K minus ``k_shift``, or their V, in float32):
 
-    amax  = max |x| over the n tokens and D channels;  scale = amax / 448, or 1 when amax == 0
+    amax  = max |x| over the n tokens and D channels;  scale = amax * float32(1 / 448), or 1 when amax == 0
     data  = e4m3(x * (1 / scale))     1 / scale an IEEE float32 division; e4m3 rounds to nearest even and
                                       saturates at +-448 (cvt.rn.satfinite), as kernels/quant_fp8.cuh does
 
@@ -84,13 +84,16 @@ def n_blocks(tokens: int) -> int:
 
 
 def block_scales(x: torch.Tensor) -> torch.Tensor:
-    """Scales of (B, H, S, D) float32 values per 64-token block: (B, H, ceil(S / 64)), amax / 448 (1 for an all-zero
+    """Scales of (B, H, S, D) float32 values per 64-token block: (B, H, ceil(S / 64)), amax x (1/448) (1 for an all-zero
     block). A partial last block's amax is over its own tokens."""
     b, h, s, d = x.shape
     nb = n_blocks(s)
     padded = torch.nn.functional.pad(x, (0, 0, 0, nb * BLOCK - s))  # zeros never raise an amax
     amax = padded.view(b, h, nb, BLOCK * d).abs().amax(dim=-1)
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # amax times the float32 reciprocal, not amax / 448: PyTorch divides a CUDA tensor by a scalar as a product with
+    # its reciprocal and a CPU tensor exactly, so the quotient would differ in the last bit between devices; the
+    # product is the same everywhere (and kernels/fp8_cache_append.cu computes exactly it).
+    return torch.where(amax > 0, amax * (1.0 / E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize(x: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

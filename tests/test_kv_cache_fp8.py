@@ -27,7 +27,7 @@ def _by_hand(x: torch.Tensor):
     for j in range(scales.shape[-1]):
         blk = x[:, :, 64 * j:64 * (j + 1)].float()
         amax = blk.abs().flatten(2).amax(-1)
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        scale = torch.where(amax > 0, amax * (1.0 / 448.0), torch.ones_like(amax))
         scales[:, :, j] = scale
         q = blk * (1.0 / scale)[:, :, None, None]
         data[:, :, 64 * j:64 * (j + 1)] = q.clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -518,7 +518,11 @@ def test_static_cache_decode_reads_the_bytes_through_generate(tiny):
         assert report.num_fallback_calls == 0
     finally:
         unpatch_model(tiny)
-    assert torch.equal(got, want) and (logits - want_logits).abs().max() < 1e-4
+    # Not bit-equal: the byte reader and stock's copy round float32 differently (~1e-7), and a later layer's K/V,
+    # quantised from the earlier layers' outputs, can then land one e4m3 step apart (a 6 % change of one element):
+    # measured up to 6e-4 on logits of magnitude 3.6 (seed 14; 5e-7 in a float64 model, whose noise crosses no
+    # rounding boundary).
+    assert torch.equal(got, want) and (logits - want_logits).abs().max() < 2e-3
 
 
 # -- accuracy: decode over the FP8 cache against float64, outlier-shaped K ---------------------------------------------
@@ -595,7 +599,7 @@ def test_granularity_per_head_vs_per_block_measured():
             b, h, s, d = x.shape
             blk = x.float().view(b, h, s // rows, rows * d)
             amax = blk.abs().amax(-1, keepdim=True)
-            scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+            scale = torch.where(amax > 0, amax * (1.0 / 448.0), torch.ones_like(amax))
             return ((blk * (1.0 / scale)).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).view(b, h, s, d)
         kd = fake(k.float() - shift.unsqueeze(2)) + shift.unsqueeze(2)
         out = torch.nn.functional.scaled_dot_product_attention(q.float(), kd, fake(v), enable_gqa=True)
