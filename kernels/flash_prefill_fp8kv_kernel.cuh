@@ -16,8 +16,12 @@
 // element. Blocks are issued last row block first, so the longest causal blocks start first.
 //
 // Q is staged in the last pipeline stage's buffer (the prologue fills stages 0 .. kStages - 2 only): Q's fp16 tile
-// (kRows x head_dim x 2 bytes) is exactly one stage's K + V bytes (2 x 64 x head_dim) for kRows = 64. Each warp
-// copies its Q fragments into registers on the first tile, and a barrier then hands the buffer to the pipeline.
+// (kRows x head_dim x 2 bytes) is exactly one stage's K + V bytes (2 x 64 x head_dim) for kRows = 64. It is staged
+// in fragment order: per (warp, k-step pair p, lane) the 8 words of the lane's two A fragments (the decode kernel's
+// channel mapping: row g and g + 8, channels 32 p + 8 t ..), so that each fragment is one 16-byte load into four
+// adjacent registers, the quad mma.sync reads (from the decode kernel's row-major tile, ptxas re-assembled the quad
+// with four moves before every Q K^T mma). Each warp loads its Q fragments on the first tile, and a barrier then
+// hands the buffer to the pipeline.
 #pragma once
 
 #include "flash_decode_fp8kv_kernel.cuh"  // e4m3x2_to_half2_scaled, e4m3_pair, to_half2, swz8, FlashDecodeFp8KvParams
@@ -61,7 +65,8 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* sScale = reinterpret_cast<float*>(smem_raw);                    // [kStages][2]
     unsigned char* sKV = smem_raw + Traits::kSmemScales;                   // [kStages][K, V][kBlockN][kHeadDim]
-    half* sQ = reinterpret_cast<half*>(sKV + (kStages - 1) * Traits::kSmemStage);  // [kRows][kHeadDim] swizzled
+    // [warps][kKP][32 lanes][8 words]: fragment order (the header comment)
+    uint32_t* sQ = reinterpret_cast<uint32_t*>(sKV + (kStages - 1) * Traits::kSmemStage);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row_block = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -116,8 +121,10 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
         if (s < n_tiles) load_kv(s, s);
         cp_async_commit();  // always commit: keeps the group count uniform for cp_async_wait
     }
-    // Q rows gathered from the group's heads as fp16 (bf16 converted here, once), swizzled per 16-byte chunk, into
-    // the last stage (not loaded yet); rows past num_rows are zeros (their outputs are never written).
+    // Q rows gathered from the group's heads as fp16 (bf16 converted here, once), in fragment order, into the last
+    // stage (not loaded yet); rows past num_rows are zeros (their outputs are never written). Row r's 8 channels
+    // 8 c .. (c = 4 p + t) are words 0-3 of lane (r % 8) * 4 + t's fragments of pair p, rows g (r % 16 < 8) or g + 8:
+    // word j goes to position 2 j + (r % 16) / 8.
     if (n_tiles > 0) {
         for (int idx = tid; idx < kRows * Traits::kQChunks; idx += Traits::kThreads) {
             const int r = idx / Traits::kQChunks, c = idx % Traits::kQChunks;
@@ -130,7 +137,8 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
                 const uint4 x = *reinterpret_cast<const uint4*>(src);
                 h = make_uint4(to_half2<T>(x.x), to_half2<T>(x.y), to_half2<T>(x.z), to_half2<T>(x.w));
             }
-            *reinterpret_cast<uint4*>(sQ + swz<kHeadDim>(r, c)) = h;
+            uint32_t* dst = sQ + (((r / 16) * kKP + c / 4) * 32 + (r % 8) * 4 + c % 4) * 8 + (r % 16) / 8;
+            dst[0] = h.x, dst[2] = h.y, dst[4] = h.z, dst[6] = h.w;
         }
     }
 
@@ -153,12 +161,12 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
         __syncthreads();  // tile i (and Q) visible to all; everyone is done with the stage about to be refilled
         if (i == 0) {
 #pragma unroll
-            for (int p = 0; p < kKP; ++p) {
-                const uint4 lo = *reinterpret_cast<const uint4*>(sQ + swz<kHeadDim>(warp * 16 + g, 4 * p + t));
-                const uint4 hi = *reinterpret_cast<const uint4*>(sQ + swz<kHeadDim>(warp * 16 + g + 8, 4 * p + t));
-                q_frag[p][0][0] = lo.x, q_frag[p][0][1] = hi.x, q_frag[p][0][2] = lo.y, q_frag[p][0][3] = hi.y;
-                q_frag[p][1][0] = lo.z, q_frag[p][1][1] = hi.z, q_frag[p][1][2] = lo.w, q_frag[p][1][3] = hi.w;
-            }
+            for (int p = 0; p < kKP; ++p)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint4 a = *reinterpret_cast<const uint4*>(sQ + ((warp * kKP + p) * 32 + lane) * 8 + 4 * h);
+                    q_frag[p][h][0] = a.x, q_frag[p][h][1] = a.y, q_frag[p][h][2] = a.z, q_frag[p][h][3] = a.w;
+                }
             __syncthreads();  // every warp holds its Q: the last stage may be refilled
         }
         if (i + kStages - 1 < n_tiles) load_kv(i + kStages - 1, (i + kStages - 1) % kStages);

@@ -12,10 +12,10 @@ namespace llm_attn {
 // One configuration on every device (PrefillFp8KvConfig<D>, kernel_tiles.h, from kernels/generate_kernels.py): 4 warps
 // x 16 packed rows, 64-key tiles, 3 stages. e4m3 tiles are half the bytes of fp16 ones and Q lives in the last stage,
 // so the shared memory is 128 + 3 x 2 x 64 x head_dim bytes: 48.1 KB at head_dim 128 (24.1 KB at 64). Two blocks fit
-// the 100 KB of an sm_86/sm_89 SM (99 KB per block: 4 stages, 64 KB, would fit one block only), three the 228 KB of
-// sm_90 at ~170 registers (registers, not shared memory, are then the limit), and a 4th stage buys nothing an 8-12
-// warp SM cannot hide with the other blocks. 16 rows per warp keep Q in registers (32 at head_dim 128) beside the
-// 64 O accumulators and the 32 of an S tile: 32 rows per warp would need 128 O accumulators plus 64 of S.
+// the 100 KB of an sm_86/sm_89 SM (99 KB per block; 4 stages, 64 KB, would fit one block only). Registers are the
+// limit elsewhere: head_dim 128 takes 186-210 registers (nvcc and NVRTC, sm_80-90), so two 4-warp blocks per SM on
+// every arch (bounding it to three blocks, 168 registers, spilled 48-96 bytes); head_dim 64 takes 125-139: 3-4. 16 rows per warp keep Q in registers (32 at head_dim 128) beside the
+// 64 O accumulators and the 32 of a 64-key S tile: 32 rows per warp would need 128 O accumulators plus 64 of S.
 template <typename T, typename Traits>
 cudaError_t launch_prefill_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
     constexpr int smem = Traits::kSmemBytes;

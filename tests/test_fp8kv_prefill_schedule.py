@@ -150,3 +150,40 @@ def test_schedule_and_epilogue_give_attention(heads, sq, n, used, causal):
     np.testing.assert_allclose(got, want, atol=1e-12)
     assert np.array_equal(np.isfinite(lse), np.isfinite(want_lse))
     np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], atol=1e-12)
+
+
+Q_LINES = (
+    "uint32_t* dst = sQ + (((r / 16) * kKP + c / 4) * 32 + (r % 8) * 4 + c % 4) * 8 + (r % 16) / 8;",
+    "dst[0] = h.x, dst[2] = h.y, dst[4] = h.z, dst[6] = h.w;",
+    "const uint4 a = *reinterpret_cast<const uint4*>(sQ + ((warp * kKP + p) * 32 + lane) * 8 + 4 * h);",
+    "q_frag[p][h][0] = a.x, q_frag[p][h][1] = a.y, q_frag[p][h][2] = a.z, q_frag[p][h][3] = a.w;",
+)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_q_staged_in_fragment_order_gives_the_decode_kernels_fragments(d):
+    """Q is staged in fragment order, not the decode kernel's row-major swizzled tile: every lane's two A fragments of
+    each k-step pair p must be the decode kernel's (its load_q: a[0] = lo.x, hi.x, lo.y, hi.y and a[1] = lo.z, hi.z,
+    lo.w, hi.w, lo / hi the 4 words of channels 32 p + 8 t .. of rows g / g + 8), which test_fp8kv_fragments.py checks
+    against the mma layouts; the 16 KB (hd 128) of the staged tile are written exactly once."""
+    text = " ".join(KERNEL.read_text().split())
+    for line in Q_LINES:
+        assert " ".join(line.split()) in text, line
+    kkp, qchunks = d // 32, d // 8
+    words = {(r, c, j): (r, c, j) for r in range(ROWS) for c in range(qchunks) for j in range(4)}  # Q's words
+    smem = [None] * (ROWS * d // 2)
+    for (r, c, j) in words:
+        pos = (((r // 16) * kkp + c // 4) * 32 + (r % 8) * 4 + c % 4) * 8 + (r % 16) // 8 + 2 * j
+        assert smem[pos] is None
+        smem[pos] = (r, c, j)
+    assert None not in smem
+    for warp in range(WARPS):
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for p in range(kkp):
+                lo = [(warp * 16 + g, 4 * p + t, j) for j in range(4)]
+                hi = [(warp * 16 + g + 8, 4 * p + t, j) for j in range(4)]
+                want = [[lo[0], hi[0], lo[1], hi[1]], [lo[2], hi[2], lo[3], hi[3]]]
+                for h in range(2):
+                    base = ((warp * kkp + p) * 32 + lane) * 8 + 4 * h
+                    assert smem[base:base + 4] == want[h], (warp, lane, p, h)
