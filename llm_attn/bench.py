@@ -4,6 +4,7 @@
     python -m llm_attn.bench --seqs 2048 4096 --dtypes bf16 --causal 1 --out bench.jsonl
     python -m llm_attn.bench --mode decode --kv 512 2048 8192 32768 --batch 1 4 16
     python -m llm_attn.bench --mode decode --kv 8192 32768 131072 --impls ours ours-fp8kv flash sdpa-fp8kv-copy
+    python -m llm_attn.bench --q-len 8192 --seqs 32768 131072 --impls ours ours-fp8kv ours-fp8kv-copy --causal 1
     python -m llm_attn.bench --mode backward --seqs 1024 4096 16384     # training: forward+backward, backward alone
     python -m llm_attn.bench --impls ours flash cudnn naive flex numba --seqs 2048 8192   # registry entries too
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
@@ -13,6 +14,10 @@
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
 sets so that short shapes are not timed out of L2.
+--q-len N: a chunk of a chunked prefill, q_len = min(N, S) over kv_len = S, causal bottom-right (row i sees
+S - N + i + 1 keys; FLOPs counted exactly), where ours-fp8kv times the prefill kernel over the FP8 cache against
+ours-fp8kv-copy (its dequantised copy per call, then our kernel) and ours on the unquantised cache (SDPA's is_causal
+is top-left, so the SDPA backends run without a mask at q_len < S: a different problem).
 Prefill timings are replays of a captured CUDA graph of back-to-back calls over rotating inputs (up to 20,
 ~2 ms per replay), divided by their number
 (kernel time: Python, launch and submission overhead removed for every implementation alike); `--graph 0` times
@@ -90,6 +95,9 @@ def main(argv=None):
     p.add_argument("--seqs", type=positive_int, nargs="+", default=None,
                    help="prefill: q_len = kv_len = S (default 512 .. 16384; host mode: 2048; accuracy: 1024 .. "
                         "131072 on a GPU, 64 256 on CPU)")
+    p.add_argument("--q-len", type=positive_int, default=None,
+                   help="prefill: queries per call (a chunk of a chunked prefill: q_len = min(N, S) over S keys; "
+                        "default S)")
     p.add_argument("--kv", type=positive_int, nargs="+", default=None,
                    help="decode: KV cache lengths (default 512 2048 8192 32768; host mode: 4096)")
     p.add_argument("--batch", type=positive_int, nargs="+", default=[1])
@@ -106,6 +114,8 @@ def main(argv=None):
                         "ours-fp8-128, ours-fp8-192: our FP8 kernel with that key tile forced (llm_attn_fp8: the "
                         "default tile); decode: ours-fp8kv, our decode kernel on the FP8 (e4m3) KV cache, and "
                         "sdpa-fp8kv-copy, SDPA on its dequantised copy made per call (their GB/s: FP8 bytes); "
+                        "prefill with --q-len: ours-fp8kv, the prefill kernel over the FP8 cache, and "
+                        "ours-fp8kv-copy, our kernel on its dequantised copy made per call; "
                         "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
                         f"function ({', '.join(entries)}; --plugin adds more). Default: ours flash cudnn efficient; "
                         f"accuracy: {' '.join(ACCURACY_DEFAULT_IMPLS)} (sdpa: the default SDPA backend; ours-fp8, "
@@ -148,6 +158,8 @@ def main(argv=None):
         args.seqs = [2048] if host else [512, 1024, 2048, 4096, 8192, 16384]
     if args.kv is None:
         args.kv = [4096] if host else [512, 2048, 8192, 32768]
+    if args.q_len and args.mode != "prefill":
+        p.error("--q-len is for --mode prefill (a chunk of a chunked prefill over S keys)")
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     problem = forced_build_problem()  # LLM_ATTN_BUILD / LLM_ATTN_BACKEND: misspelt, or forcing a missing build
@@ -189,7 +201,7 @@ def main(argv=None):
                 for b in args.batch:
                     lengths = args.kv if args.mode == "decode" else args.seqs
                     for s, graph, phase in ((s, g, ph) for s in lengths for g in graphs for ph in phases):
-                        sq = 1 if args.mode == "decode" else s
+                        sq = 1 if args.mode == "decode" else min(args.q_len or s, s)
                         rows = bench_point(args.mode, args.impls, b, args.heads, args.kv_heads, sq, s,
                                            args.head_dim, DTYPES[dt], bool(causal), args.warmup, args.repeats,
                                            graph=bool(graph), phase=phase)
@@ -204,7 +216,8 @@ def main(argv=None):
                                         f.close()  # closes even when the buffered line cannot be flushed
                                     p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
                                               f"{e.strerror or e}\n")
-                        table.append(_table_row(args.mode, rows, dt, causal, b, s, graph, phase))
+                        t = _table_row(args.mode, rows, dt, causal, b, s, graph, phase)
+                        table.append({"q_len": sq, **t} if args.q_len else t)
                         print(_fmt_last(table), flush=True)
     headers = list(table[0].keys())
     print()

@@ -26,3 +26,21 @@ def test_backward_phases_time_with_and_without_graphs(cuda_ext, graph, phase):
             continue  # this GPU has no SDPA flash backward
         assert row["status"] == "ok", row
         assert row["ms"] > 0 and row["max_abs_diff_vs_first"] < 0.05, row
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_chunk_over_the_fp8_cache_times_both_paths(cuda_ext, graph):
+    """bench --q-len: a 200-query chunk over 1000 keys, ours on the unquantised K/V, the prefill kernel over the FP8
+    cache and our kernel on its dequantised copy, all ok and within the cache's rounding of one another; the FLOPs
+    are the bottom-right causal count."""
+    from llm_attn import ops
+    from llm_attn.harness.kernel_bench import bench_point
+
+    if not ops.fp8_kv_prefill_available(cuda_ext):
+        pytest.skip("this build has no FP8-cache prefill kernel (fp8kv_prefill)")
+    rows = bench_point("prefill", ["ours", "ours-fp8kv", "ours-fp8kv-copy"], 1, 32, 8, 200, 1000, 128,
+                       torch.bfloat16, True, 1, 2, graph=graph)
+    flops = 4 * 32 * (200 * 800 + 200 * 201 // 2) * 128
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["max_abs_diff_vs_first"] < 0.1 and row["tflops"] == pytest.approx(flops / row["ms"] / 1e9), row

@@ -16,11 +16,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # tile; llm_attn.ops.force_fp8_tile) or its Q K^T in e4m3 rather than the default int8 (llm_attn.ops.force_fp8_qk):
 # A/B in one run, beside llm_attn_fp8 (the build's defaults). name -> (block_n, qk); 0 / "": the default.
 FP8_TILE_IMPLS = {"ours-fp8-128": (128, ""), "ours-fp8-192": (192, ""), "ours-fp8-e4m3qk": (0, "e4m3")}
-# Decode over the FP8 (e4m3) KV cache (llm_attn.models.kv_cache's format, quantised once before timing): ours reads
-# the e4m3 bytes (llm_attn.ops.decode_fp8_kv, kernels/flash_decode_fp8kv_kernel.cuh); sdpa-fp8kv-copy is what stock
-# attention does with that cache, every step: dequantise it to the query dtype, then SDPA (the honest baseline).
+# Attention over the FP8 (e4m3) KV cache (llm_attn.models.kv_cache's format, quantised once before timing): ours reads
+# the e4m3 bytes (llm_attn.ops.decode_fp8_kv: kernels/flash_decode_fp8kv_kernel.cuh for a decode call, the prefill
+# kernel kernels/flash_prefill_fp8kv_kernel.cuh for a chunk, --q-len); sdpa-fp8kv-copy is what stock attention does
+# with that cache, every step: dequantise it to the query dtype, then SDPA (the honest baseline); ours-fp8kv-copy the
+# same with our kernel (flash_attn_func: what the patched attention ran for a prefill before the prefill kernel).
 # Their GB/s count the FP8 bytes (K and V, one byte per element; the scales are 1/32 of that at head_dim 128).
-FP8_KV_IMPLS = ("ours-fp8kv", "sdpa-fp8kv-copy")
+FP8_KV_IMPLS = ("ours-fp8kv", "ours-fp8kv-copy", "sdpa-fp8kv-copy")
 BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS, *FP8_KV_IMPLS, "flash",
                "cudnn", "efficient", "math"]
 
@@ -106,6 +108,14 @@ def _fp8_kv_fn(impl: str, q, k, v, causal: bool):
     kv = layer.fp8()
     if impl == "ours-fp8kv":
         return (lambda: decode_fp8_kv(q, kv, causal=causal, path="kernel")), "FP8 KV cache, read as e4m3"
+    if impl == "ours-fp8kv-copy":
+        from llm_attn.ops import flash_attn_func
+
+        def copy_then_ours():
+            dk, dv = kv.dequantized(q.dtype)
+            return flash_attn_func(q, dk, dv, causal=causal, path="kernel")
+
+        return copy_then_ours, "FP8 KV cache, dequantised copy per call"
     gqa = q.shape[1] != k.shape[1]
     is_causal = causal and q.shape[2] == k.shape[2] and q.shape[2] > 1
 
@@ -196,6 +206,8 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
     sets = max(1, min(8, math.ceil(200e6 / per_set)))
     data = _inputs(b, hq, hkv, sq, sk, d, dtype, sets)
     flops = 4 * b * hq * sq * sk * d / (2 if causal and sq == sk else 1)
+    if causal and 1 < sq < sk:  # a chunk over a longer cache, bottom-right: row i sees sk - sq + i + 1 keys
+        flops = 4 * b * hq * (sq * (sk - sq) + sq * (sq + 1) // 2) * d
     flops *= {None: 1, "fwd+bwd": 3.5, "bwd": 2.5}[phase]
     douts = [torch.randn_like(q) for q, _, _ in data] if phase else None
     kv_bytes = 2 * b * hkv * sk * d * elem
