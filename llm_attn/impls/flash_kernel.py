@@ -8,6 +8,8 @@ it also provides the reference path the registry runs for ``backend='reference'`
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from llm_attn._ext import kernel_available
@@ -67,7 +69,11 @@ def fp8_kv_reader(impl: str, variant: str):
     to FP8_KV_MAX_ROWS packed rows, the prefill kernel above (a chunked prefill over the cache), where the build has
     them (the AOT and the NVRTC build; an extension built before the decode kernel: the copy for every call, before
     the prefill kernel: the copy for the prefill calls); 'reference': its blockwise PyTorch reference
-    (``kv_cache_reference.decode_attention``), every call on CPU. Other registry entries have none."""
+    (``kv_cache_reference.decode_attention``), every call on CPU. Other registry entries have none.
+    ``LLM_ATTN_FP8KV_PREFILL=copy`` (read when the reader is made, at the first call of a patched model) sends the
+    'cuda' prefill calls to the copy instead, to time one path against the other on a model (the prefill kernel is
+    predicted slower than the copy + our bf16 kernel for long chunks on an H100: kernels/NOTES.md); the patch report
+    says which path each call took either way."""
     if impl != "llm_attn" or variant not in ("cuda", "reference"):
         return None
     if variant == "reference":
@@ -78,7 +84,10 @@ def fp8_kv_reader(impl: str, variant: str):
         return read_reference
     if not fp8_kv_kernel_available():
         return None
-    prefill = fp8_kv_prefill_available()
+    choice = os.environ.get("LLM_ATTN_FP8KV_PREFILL", "kernel").strip().lower() or "kernel"
+    if choice not in ("kernel", "copy"):
+        raise ValueError(f"LLM_ATTN_FP8KV_PREFILL must be 'kernel' or 'copy', got {choice!r}")
+    prefill = choice == "kernel" and fp8_kv_prefill_available()
 
     def read(q, kv, causal, scale, seqused_k):
         if fp8_kv_rows(q, kv) <= FP8_KV_MAX_ROWS:
