@@ -15,6 +15,11 @@
 // limit (row i sees keys <= i + seqlen_k - seqlen_q); tiles crossing a row's limit or seqlen_k are masked per
 // element. Blocks are issued last row block first, so the longest causal blocks start first.
 //
+// On sm_89 and later the bytes become fp16 with the hardware's cvt.rn.f16x2.e4m3x2 (one instruction per pair instead
+// of the bit trick's four: the conversions are most of this kernel's issue slots): exact too, but the true values,
+// not x 2^-8. The x256 then leaves the score scale, P keeps it (the same fp16 P * v_scale * 256 as the reference), and
+// the output takes the 2^-8 back, all powers of two: the same numbers either way.
+//
 // Q is staged in the last pipeline stage's buffer (the prologue fills stages 0 .. kStages - 2 only): Q's fp16 tile
 // (kRows x head_dim x 2 bytes) is exactly one stage's K + V bytes (2 x 64 x head_dim) for kRows = 64. It is staged
 // in fragment order: per (warp, k-step pair p, lane) the 8 words of the lane's two A fragments (the decode kernel's
@@ -27,6 +32,44 @@
 #include "flash_decode_fp8kv_kernel.cuh"  // e4m3x2_to_half2_scaled, e4m3_pair, to_half2, swz8, FlashDecodeFp8KvParams
 
 namespace llm_attn {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kFp8KvHwCvt = true;  // cvt.rn.f16x2.e4m3x2 exists (sm_89, sm_90)
+// Bytes kLo and kLo + 1 of `w` (kLo 0 or 2) as a half2 of their e4m3 values (low half = byte kLo).
+template <int kLo>
+__device__ __forceinline__ uint32_t e4m3x2_to_half2_hw(uint32_t w) {
+    uint32_t r;
+    const unsigned short pair = static_cast<unsigned short>(w >> (8 * kLo));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
+    return r;
+}
+#else
+constexpr bool kFp8KvHwCvt = false;  // sm_80-87: the bit trick (e4m3x2_to_half2_scaled)
+template <int kLo>
+__device__ __forceinline__ uint32_t e4m3x2_to_half2_hw(uint32_t) {
+    return 0u;  // never runs: every caller takes the bit trick's branch where kFp8KvHwCvt is false
+}
+#endif
+
+// K's B operand: bytes kLo, kLo + 1 of `w` as fp16 (x 2^-8 with the bit trick, exact values with the hardware's).
+template <int kLo>
+__device__ __forceinline__ uint32_t k_pair(uint32_t w) {
+    if constexpr (kFp8KvHwCvt) {
+        return e4m3x2_to_half2_hw<kLo>(w);
+    } else {
+        return e4m3_pair<kLo, kLo + 1>(w, 0);
+    }
+}
+// V's B operand: byte b of `x` (low half) and of `y` (high half), as k_pair scales them (b a constant once unrolled).
+__device__ __forceinline__ uint32_t v_pair(uint32_t x, uint32_t y, int b) {
+    if constexpr (kFp8KvHwCvt) {
+        return e4m3x2_to_half2_hw<0>(__byte_perm(x, y, ((4 + b) << 4) | b));
+    } else {
+        return e4m3x2_to_half2_scaled(__byte_perm(x, y, ((4 + b) << 12) | (b << 4)));
+    }
+}
+// What an e4m3 MMA operand carries beyond its value: 2^-8 with the bit trick, nothing with the hardware's conversion.
+constexpr float kFp8KvOperandScale = kFp8KvHwCvt ? 1.f : 1.f / 256.f;
 
 template <int kHeadDim_, int kNWarps_, int kStages_>
 struct PrefillFp8KvTraits {
@@ -191,12 +234,10 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
                 // 8 bytes = channels 32 p + 8 t .. + 7 of this thread's two keys: k-steps 2p (bytes 0-3), 2p + 1.
                 const uint2 k0 = *reinterpret_cast<const uint2*>(cK + (16 * sl + k_row0) * kHeadDim + col);
                 const uint2 k1 = *reinterpret_cast<const uint2*>(cK + (16 * sl + k_row0 + 2) * kHeadDim + col);
-                mma_16816<half>(acc_s[0][2 * sl], q_frag[p][0], e4m3_pair<0, 1>(k0.x, 0), e4m3_pair<2, 3>(k0.x, 0));
-                mma_16816<half>(acc_s[0][2 * sl + 1], q_frag[p][0], e4m3_pair<0, 1>(k1.x, 0),
-                                e4m3_pair<2, 3>(k1.x, 0));
-                mma_16816<half>(acc_s[0][2 * sl], q_frag[p][1], e4m3_pair<0, 1>(k0.y, 0), e4m3_pair<2, 3>(k0.y, 0));
-                mma_16816<half>(acc_s[0][2 * sl + 1], q_frag[p][1], e4m3_pair<0, 1>(k1.y, 0),
-                                e4m3_pair<2, 3>(k1.y, 0));
+                mma_16816<half>(acc_s[0][2 * sl], q_frag[p][0], k_pair<0>(k0.x), k_pair<2>(k0.x));
+                mma_16816<half>(acc_s[0][2 * sl + 1], q_frag[p][0], k_pair<0>(k1.x), k_pair<2>(k1.x));
+                mma_16816<half>(acc_s[0][2 * sl], q_frag[p][1], k_pair<0>(k0.y), k_pair<2>(k0.y));
+                mma_16816<half>(acc_s[0][2 * sl + 1], q_frag[p][1], k_pair<0>(k1.y), k_pair<2>(k1.y));
             }
         }
         // Mask keys past seqlen_k and (causal) after each row's limit; only tiles that cross either.
@@ -214,7 +255,7 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
                             if (key0 + 16 * sl + 4 * t + 2 * n + e > limit) acc_s[0][2 * sl + n][2 * r + e] = -INFINITY;
             }
         }
-        st.update(acc_s, params.scale_log2 * k_scale * 256.f);
+        st.update(acc_s, params.scale_log2 * k_scale * (1.f / kFp8KvOperandScale));  // x 256 with the bit trick
         const float p_mul = v_scale * 256.f;
 
 #pragma unroll
@@ -241,9 +282,8 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
             for (int j = 0; j < kDT; ++j) {
                 // n-tile j: B column g is channel g kDT + j; k rows (2t, 2t + 1) are keys 4t, 4t + 1, (2t + 8,
                 // 2t + 9) keys 4t + 2, 4t + 3: byte j % 4 of word j / 4 of rows 0/1 and 2/3.
-                const uint32_t b0 = __byte_perm(vw[0][j / 4], vw[1][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));
-                const uint32_t b1 = __byte_perm(vw[2][j / 4], vw[3][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));
-                mma_16816<half>(st.acc_o[0][j], a, e4m3x2_to_half2_scaled(b0), e4m3x2_to_half2_scaled(b1));
+                mma_16816<half>(st.acc_o[0][j], a, v_pair(vw[0][j / 4], vw[1][j / 4], j % 4),
+                                v_pair(vw[2][j / 4], vw[3][j / 4], j % 4));
             }
         }
     }
@@ -256,7 +296,9 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
         const int row = wrow0 + g + 8 * r;
         const float total = quad_sum(st.row_sum[0][r]);
         if (row >= num_rows) continue;
-        const float inv = total > 0.f ? 1.f / total : 0.f;
+        // O holds 256 x kFp8KvOperandScale x the output (P carries v_scale x 256): 1 with the bit trick, 256 without.
+        constexpr float kOut = 1.f / (256.f * kFp8KvOperandScale);
+        const float inv = total > 0.f ? kOut / total : 0.f;
         const int head = kv_head * group + row % group, qi = row / group;
         T* o = reinterpret_cast<T*>(params.o) + batch * params.o_batch_stride + head * params.o_head_stride +
                static_cast<int64_t>(qi) * params.o_row_stride;
