@@ -112,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", choices=KV_CACHES, default="fp16",
                    help="the KV cache of ttft, both decodes and ttft_graph: fp16, transformers' own in the model's "
                         "dtype, or fp8, the FP8 (e4m3) cache of llm_attn.models.kv_cache: stock attention reads it "
-                        "through a dequantised copy (the honest baseline), llm_attn's decode steps read its bytes "
-                        "(the FP8-cache decode kernel; its prefill reads the copy); the graph measurements cannot "
-                        "capture it yet ('unsupported' on a GPU); rows carry kv_cache and how attention read it "
-                        "(default: fp16)")
+                        "through a dequantised copy (the honest baseline), llm_attn reads its bytes (the FP8-cache "
+                        "decode kernel for decode steps, the prefill kernel for the prompt or its chunks); the graph "
+                        "measurements cannot capture it yet ('unsupported' on a GPU); rows carry kv_cache and how "
+                        "attention read it (default: fp16)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "
                         f"{' '.join(DEFAULT_MEASUREMENTS)})")

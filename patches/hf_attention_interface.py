@@ -19,11 +19,12 @@ How each call is served (stock sdpa semantics, reproduced exactly):
   on the device, the verdict kept while the tensor is not written): the same, with ``seqused_k`` read off the mask.
 * Any other mask (left padding, packed sequences, other custom 4D masks): stock ``sdpa_attention_forward`` with the
   very mask stock would have built, counted in the report as a fallback.
-* K/V from the FP8 KV cache (``llm_attn.models.kv_cache``; ``kv_cache_reference.fp8_kv_of``): a decode call (no mask
-  or a tagged causal prefix, (query heads per KV head) x q_len <= 32) on llm_attn's own entry reads the FP8 bytes
-  directly (``llm_attn.ops.decode_fp8_kv``: the decode kernel, or its blockwise reference on CPU); every other call
-  (a long prefill, padding, another implementation, the stock path) reads the dequantised copy, made here when the
-  cache returned placeholders. The report counts each way (``PatchReport.kv_cache_reads``).
+* K/V from the FP8 KV cache (``llm_attn.models.kv_cache``; ``kv_cache_reference.fp8_kv_of``): a call with no mask or
+  a tagged causal prefix on llm_attn's own entry reads the FP8 bytes directly (``llm_attn.ops.decode_fp8_kv``: the
+  decode kernel up to 32 rows ((query heads per KV head) x q_len), the prefill kernel above, a prompt or a chunk of
+  a chunked prefill; their blockwise reference on CPU); every other call (padding, another implementation, the stock
+  path, a prefill on a build without the prefill kernel) reads the dequantised copy, made here when the cache
+  returned placeholders. The report counts each way (``PatchReport.kv_cache_reads``).
 
 Our mask function delegates to transformers' ``sdpa_mask`` (so the mask is bit-for-bit what stock sdpa gets) and only
 adds the analysis; when it cannot be sure it adds nothing and the call falls back. While ``torch.compile`` traces it

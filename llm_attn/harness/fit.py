@@ -36,8 +36,9 @@ D, V vocabulary, a = 2: fp16 activations):
     fits        when the peak <= memory_gib - reserved_gib of the device (experiments/devices.toml)
 
 Cache formats: ``fp16`` (DynamicCache), ``fp8-copy`` (``Fp8DynamicCache`` as it runs today: every layer's
-attention reads a dequantised fp16 copy), ``fp8`` (the same cache read in place by a kernel, issue 38: no copy;
-that kernel does not exist yet, so this column is a projection).
+attention reads a dequantised fp16 copy: stock attention, or a build without the prefill kernel over the cache),
+``fp8`` (the same cache read in place by llm_attn's decode and prefill kernels, issue 38: no copy; the prefill
+kernel's peak is not measured yet, so this column is a projection).
 
 Checked against the H100's measured peaks (``--check``; README): the 8B AWQ prefill at 8k-128k tokens is predicted
 to within a kilobyte of ``torch.cuda.max_memory_allocated``; at 2k the measured peak is 59 MB (1 %) higher, a
