@@ -255,10 +255,12 @@ def test_measure_decode_static_loop_runs_natively():
 # -- host cost ----------------------------------------------------------------------------------------------------------
 def test_host_cost_runs_every_path_and_the_patch_path_is_native():
     from llm_attn.harness.hostcost import HostShape, host_cost_table, measure_host_cost
+    from llm_attn.kv_cache_reference import FP8_READ_REFERENCE
 
     shapes = (HostShape("prefill 32", 1, 4, 2, 32, 32, 64), HostShape("decode kv 64", 1, 4, 2, 1, 64, 64))
     rows = measure_host_cost("cpu", torch.float32, shapes=shapes, calls=5, warmup=1, rounds=3)
-    assert len(rows) == 8 and all(r["us_per_call"] and r["us_per_call"] > 0 for r in rows), rows
+    # 4 paths per shape, and the decode on the FP8 cache for the decode shape
+    assert len(rows) == 9 and all(r["us_per_call"] and r["us_per_call"] > 0 for r in rows), rows
     # Interleaved rounds: every path has one sample per round; its number is their median, and every path but the
     # reference carries its paired cost ratio to torch SDPA.
     assert all(len(r["samples_us"]) == 3 and r["us_per_call"] == sorted(r["samples_us"])[1] for r in rows)
@@ -270,6 +272,8 @@ def test_host_cost_runs_every_path_and_the_patch_path_is_native():
             assert iv["n"] == 3 and iv["low"] <= iv["ratio"] <= iv["high"]
     patch = [r for r in rows if r["path"] == "llm_attn via the patch"]
     assert all(r["attention_calls"] == {"impl": 3 * (5 + 1), "stock_fallback": 0} for r in patch)
+    (fp8,) = [r for r in rows if r["path"] == "llm_attn via the patch, FP8 cache"]
+    assert fp8["shape"] == "decode kv 64" and fp8["fp8_cache_reads"] == {FP8_READ_REFERENCE: 3 * (5 + 1)}, fp8
     table = host_cost_table(rows)
     assert "prefill 32: host µs/call (torch SDPA / this path, >1 = faster)" in table and "(1.00x)" in table
     assert re.search(r"\(\d+\.\d+x \[\d+\.\d+, \d+\.\d+\] (no difference|faster|slower)\)", table)
@@ -284,7 +288,7 @@ def test_user_timing_runs_each_path_in_a_fresh_process_and_reports_failures():
     shape = HostShape("decode kv 64", 1, 4, 2, 1, 64, 64)
     rows = measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=2, warmup=0, rounds=1, user_timing=True,
                              user_processes=2)
-    assert len(rows) == 4
+    assert len(rows) == 5
     for r in rows:
         assert len(r["user_cold_samples_us"]) == len(r["user_warm_samples_us"]) == 2, r
         assert r["user_cold_us"] > 0 and r["user_warm_us"] > 0, r

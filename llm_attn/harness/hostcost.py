@@ -12,7 +12,10 @@ paired bootstrap interval over the rounds (harness/stats.py). The paths:
 - ``llm_attn via the patch``: the transformers attention-interface function (``llm_attn_attention_forward``) with
   a real ``LlamaAttention`` module of a patched model, exactly as a patched model calls it;
 - ``sdpa (transformers)``: stock ``sdpa_attention_forward`` with the same module, what an unpatched model runs;
-- ``torch SDPA``: ``F.scaled_dot_product_attention`` alone (GQA expanded by the op: ``enable_gqa``).
+- ``torch SDPA``: ``F.scaled_dot_product_attention`` alone (GQA expanded by the op: ``enable_gqa``);
+- ``llm_attn via the patch, FP8 cache`` (decode shapes): the patched call on K/V from the FP8 KV cache
+  (``llm_attn.models.kv_cache``; placeholders tagged with the cache's bytes and scales), which reads the bytes
+  (the FP8-cache decode kernel): its scales must add no host work (issue 38 item 5).
 
 On a GPU the N calls only enqueue kernels (N = 300 stays far below the launch queue's depth, so the host never
 waits for the device); on the CPU every call also computes, so CPU numbers are not host costs.
@@ -57,6 +60,8 @@ class HostShape:
     kv_len: int
     head_dim: int
 
+
+FP8_PATH = "llm_attn via the patch, FP8 cache"  # decode shapes only: the same call reading the FP8 KV cache's bytes
 
 # The shapes of issue 18: Llama 3 8B geometry (32 query heads over 8 KV heads, head_dim 128).
 PREFILL = HostShape("prefill 2048", 1, 32, 8, 2048, 2048, 128)
@@ -136,9 +141,12 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                 row["us_per_call"] = float(np.median(samples)) if samples else None
                 if samples and ref and name != "torch SDPA":
                     row["vs_torch_sdpa"] = paired_ratio_interval(ref, samples)
+                fp8_reads = dict(report.kv_cache_reads)  # the FP8 path's calls, by how each read the cache
                 if name == "llm_attn via the patch":
-                    row["attention_calls"] = {"impl": report.num_native_calls,
+                    row["attention_calls"] = {"impl": report.num_native_calls - sum(fp8_reads.values()),
                                               "stock_fallback": report.num_fallback_calls}
+                if name == FP8_PATH:
+                    row["fp8_cache_reads"] = fp8_reads
                 out.append(row)
             del model, module, paths
     if user_timing:
@@ -207,6 +215,15 @@ def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
         "sdpa (transformers)": lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
         "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c, enable_gqa=True),
     }
+    if shape.q_len == 1:  # a decode step on the FP8 cache, as a patched model makes it (issue 38 item 5)
+        from llm_attn.models.kv_cache import Fp8DynamicLayer  # noqa: PLC0415
+
+        layer = Fp8DynamicLayer()
+        layer.attn_config = module.config  # patched: the attention reads the bytes, update returns placeholders
+        with torch.inference_mode():
+            kp, vp = layer.update(k, v)
+        paths[FP8_PATH] = lambda m=module, q=q, kp=kp, vp=vp, s=scale: llm_attn_attention_forward(m, q, kp, vp, None,
+                                                                                              scaling=s)
     return model, module, report, paths
 
 
