@@ -203,9 +203,15 @@ def test_the_reader_takes_the_prefill_kernel_for_a_prefill_sized_call(monkeypatc
     monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL", "copy")  # the prefill calls read the copy; decode calls do not
     read = flash_kernel.fp8_kv_reader("llm_attn", "cuda")
     assert read(q40, kv, True, None, None) is None and read(q1, kv, True, None, None)[1] == ref.FP8_READ_KERNEL
-    monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL", "sometimes")
-    with pytest.raises(ValueError, match="'kernel' or 'copy'"):
-        flash_kernel.fp8_kv_reader("llm_attn", "cuda")
+    monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL", "40")  # the prefill kernel up to 40 queries, the copy above
+    read = flash_kernel.fp8_kv_reader("llm_attn", "cuda")
+    got = read(q40, kv, True, None, None)
+    assert got == ((q40, ref.FP8_READ_PREFILL_KERNEL) if has_prefill else None)
+    assert read(torch.randn(1, 4, 41, 64), kv, True, None, None) is None
+    for bad in ("sometimes", "0", "-3"):
+        monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL", bad)
+        with pytest.raises(ValueError, match="'kernel', 'copy' or a positive number"):
+            flash_kernel.fp8_kv_reader("llm_attn", "cuda")
     monkeypatch.undo()
     out, how = flash_kernel.fp8_kv_reader("llm_attn", "reference")(q40, kv, True, None, None)
     assert how == ref.FP8_READ_REFERENCE and torch.equal(out, ref.decode_attention(q40, kv, causal=True))

@@ -70,10 +70,11 @@ def fp8_kv_reader(impl: str, variant: str):
     them (the AOT and the NVRTC build; an extension built before the decode kernel: the copy for every call, before
     the prefill kernel: the copy for the prefill calls); 'reference': its blockwise PyTorch reference
     (``kv_cache_reference.decode_attention``), every call on CPU. Other registry entries have none.
-    ``LLM_ATTN_FP8KV_PREFILL=copy`` (read when the reader is made, at the first call of a patched model) sends the
-    'cuda' prefill calls to the copy instead, to time one path against the other on a model (the prefill kernel is
-    predicted slower than the copy + our bf16 kernel for long chunks on an H100: kernels/NOTES.md); the patch report
-    says which path each call took either way."""
+    ``LLM_ATTN_FP8KV_PREFILL`` (read when the reader is made, at the first call of a patched model) overrides that
+    for the 'cuda' prefill calls: ``copy`` sends them all to the copy, a number N only those with q_len > N (the
+    prefill kernel measured 3.4-3.6x slower than the copy + our bf16 kernel for 8192-query chunks on an H100, and is
+    predicted faster only below a few hundred queries: kernels/NOTES.md), ``kernel`` (the default) none; the patch
+    report says which path each call took either way."""
     if impl != "llm_attn" or variant not in ("cuda", "reference"):
         return None
     if variant == "reference":
@@ -85,14 +86,16 @@ def fp8_kv_reader(impl: str, variant: str):
     if not fp8_kv_kernel_available():
         return None
     choice = os.environ.get("LLM_ATTN_FP8KV_PREFILL", "kernel").strip().lower() or "kernel"
-    if choice not in ("kernel", "copy"):
-        raise ValueError(f"LLM_ATTN_FP8KV_PREFILL must be 'kernel' or 'copy', got {choice!r}")
-    prefill = choice == "kernel" and fp8_kv_prefill_available()
+    if choice not in ("kernel", "copy") and not (choice.isdigit() and int(choice) > 0):
+        raise ValueError(f"LLM_ATTN_FP8KV_PREFILL must be 'kernel', 'copy' or a positive number of queries (the "
+                         f"prefill kernel up to it, the copy above), got {choice!r}")
+    max_q = None if choice == "kernel" else 0 if choice == "copy" else int(choice)  # queries the kernel takes
+    prefill = max_q != 0 and fp8_kv_prefill_available()
 
     def read(q, kv, causal, scale, seqused_k):
         if fp8_kv_rows(q, kv) <= FP8_KV_MAX_ROWS:
             how = FP8_READ_KERNEL
-        elif prefill:
+        elif prefill and (max_q is None or q.shape[2] <= max_q):
             how = FP8_READ_PREFILL_KERNEL
         else:
             return None
