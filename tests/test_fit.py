@@ -57,6 +57,20 @@ def test_prediction_against_the_h100_peaks():
     assert "ttft_long_fp8.jsonl" in fit.check_table(list(checks.values()))
 
 
+def test_chunked_and_fp8_peaks_at_128k_against_the_h100():
+    """The 128k prefill in chunks of 8192 (H100, 2026-11-26): each row modelled with its cache as it ran (fp16; FP8
+    read in place by the prefill kernel; FP8 through the copy, from the row's kv_cache_reads), within 1 % for the
+    first two and above the measured peak (the safe side) for the copy."""
+    name = "ttft_128k_prefill_chunk.jsonl"
+    rows = [{**r, "_source": name} for r in iter_rows(H100 / name)]
+    checks = {(c["chunk"], c["cache"]): c for c in fit.check_rows(rows, "llama-3-8b")}
+    assert set(checks) == {(None, "fp16"), (8192, "fp16"), (8192, "fp8"), (8192, "fp8-copy")}, set(checks)
+    assert abs(checks[(None, "fp16")]["error_pct"]) < 0.01
+    assert abs(checks[(8192, "fp16")]["error_pct"]) < 1.5 and abs(checks[(8192, "fp8")]["error_pct"]) < 1.5
+    assert 0 < checks[(8192, "fp8-copy")]["error_pct"] < 5
+    assert [fit.row_cache(r) for r in rows] == ["fp16", "fp16", "fp8", "fp8-copy"]
+
+
 def test_longest_is_the_largest_prompt_that_fits():
     m = fit.MemoryModel(P8B, cache="fp16", arch="sm_89")
     budget = 15 * fit.GIB
@@ -70,11 +84,11 @@ def test_a_16_gb_card_takes_128k_tokens_with_the_fp8_cache_and_chunking(capsys):
                             "2048", "--decode", "1024"]) == 0
     out = capsys.readouterr().out
     lines = {tuple(c.strip() for c in ln.split("|")[3:5]): ln for ln in out.splitlines() if "| rtx-4060-ti" in ln}
-    assert "131072 (model max" in lines[("fp8 *", "2048")]          # the issue's target: >= 128k tokens
+    assert "131072 (model max" in lines[("fp8", "2048")]            # the issue's target: >= 128k tokens
     assert "131072 (model max" in lines[("fp8-copy", "2048")]       # and today's FP8 cache, on its copy
     fp16 = int(lines[("fp16", "none")].split("|")[5].split()[0])
     assert 30_000 < fp16 < 60_000  # the issue's "about 70k fit, fewer once the prefill's activations count"
-    assert "does not exist yet" in out
+    assert "read in place by llm_attn's decode and prefill kernels" in out
 
     rows = fit.fit_rows("llama-3-8b", "awq", [d for d in load_devices() if d.slug == "rtx-4060-ti"],
                         caches=("fp8",), chunks=(2048,), new_tokens=1024)

@@ -105,7 +105,8 @@ def test_bench_host_mode_on_cpu(tmp_path, capsys):
                        "--kv", "128", "--out", str(out)]) == 0
     rows = list(map(json.loads, out.read_text().splitlines()))
     paths = {"llm_attn.flash_attn_func", "llm_attn via the patch", "sdpa (transformers)", "torch SDPA"}
-    assert {(r["shape"], r["path"]) for r in rows} == {(s, p) for s in ("prefill 64", "decode kv 128") for p in paths}
+    assert {(r["shape"], r["path"]) for r in rows} == {(s, p) for s in ("prefill 64", "decode kv 128") for p in paths} | {
+        ("decode kv 128", "llm_attn via the patch, FP8 cache")}  # the decode on the FP8 cache: decode shapes only
     assert all(r["us_per_call"] > 0 and r["mode"] == "host" and r["command"] for r in rows)
     patched = [r for r in rows if r["path"] == "llm_attn via the patch"]
     assert all(r["attention_calls"]["impl"] > 0 and r["attention_calls"]["stock_fallback"] == 0 for r in patched)
@@ -119,8 +120,8 @@ def test_bench_host_mode_says_where_its_rows_went(tmp_path, capsys):
             "--kv", "16"]
     out = tmp_path / "host.jsonl"
     assert bench.main([*args, "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == f"8 rows appended to {out}"
-    assert len(out.read_text().splitlines()) == 8
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"9 rows appended to {out}"  # 4 + 5 paths
+    assert len(out.read_text().splitlines()) == 9
     assert bench.main(args) == 0
     assert "rows not saved: add --out FILE.jsonl" in capsys.readouterr().out.strip().splitlines()[-1]
 

@@ -149,9 +149,9 @@ def _fit(ap, args) -> int:
           f"column, with {args.decode} tokens decoded after it) fits the device's memory_gib - reserved_gib")
     print(fit.fit_table(rows))
     if "fp8" in args.cache:
-        print("* fp8: the FP8 cache read in place by a decode/prefill kernel (issue 38), which does not exist yet: "
-              "a projection. fp8-copy is the FP8 cache as it runs today (each layer's attention reads a dequantised "
-              "fp16 copy).")
+        print("fp8: the FP8 cache read in place by llm_attn's decode and prefill kernels; fp8-copy: each layer's "
+              "attention reads a dequantised fp16 copy (stock attention, a build without those kernels, "
+              "LLM_ATTN_FP8KV_PREFILL=copy).")
     print("The memory model and how it was checked: llm_attn/harness/fit.py (python -m llm_attn.models fit --check "
           "RESULTS.jsonl compares it with measured peaks).")
     return 0
