@@ -12,7 +12,8 @@
 # suite with the whole grid (python -m pytest -q -m full tests), timed; readme runs the README's default (a subset).
 # readme runs the README's two commands, read from README.md, in a clean copy of the tree, as a new user would
 # (after awq when both are given, so that the default ttft model can load; README_PART=cmd1 or tests splits them
-# over two calls; README_PART=tests_prebuilt: command 2 after command 1's install lines with the carried
+# over two calls; README_PYTEST_ADDOPTS adds pytest options to command 2, e.g. "--ignore-glob=tests/test_[a-o]*.py" to
+# finish a run that a call's time limit cut; README_PART=tests_prebuilt: command 2 after command 1's install lines with the carried
 # extension in place of command 1's build). awq installs gptqmodel and its
 # source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
 # PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 tokenicer==0.0.14
@@ -99,7 +100,7 @@ if has readme; then
    [ "$part" = cmd1 ] && exit "$rc"
    echo "README command 2: $cmd2"
    start=$(date +%s)
-   PYTEST_ADDOPTS="--durations=25 -rfE -v" LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | grep -v -E "PASSED|SKIPPED|^$" | tail -45
+   PYTEST_ADDOPTS="--durations=25 -rfE -v ${README_PYTEST_ADDOPTS:-}" LLM_ATTN_REQUIRE_BACKENDS=aot,nvrtc bash -c "$cmd2" 2>&1 | tee "$OUT/readme_pytest.log" | grep -v -E "PASSED|SKIPPED|^$" | tail -45
    echo "README command 2: $(( $(date +%s) - start )) s (must stay under 600)")
 fi
 if has test; then
