@@ -209,7 +209,7 @@ def test_fp8kv_decode_instantiations_compile_without_local_memory(arch, request)
 def test_fp8kv_prefill_instantiations_compile_without_local_memory(arch, request):
     """The prefill kernel over the FP8 KV cache on every arch it runs on (the device's own, as the decode kernel): per
     (head_dim, dtype) PrefillFp8KvConfig<D>::Tile, in programs that static_assert the FlashDecodeFp8KvParams mirror:
-    no stack, no spills (registers: kernels/NOTES_prefill_fp8kv.draft.md)."""
+    no stack, no spills (registers: kernels/NOTES.md "Prefill over the FP8 KV cache")."""
     cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.prefill_fp8kv_kernels()
