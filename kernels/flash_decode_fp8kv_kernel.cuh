@@ -13,6 +13,10 @@
 // (no lazy rescale), so P <= 1 and the fp16 P * v_scale * 256 = P * amax(V block) * 0.57 cannot overflow for any
 // |V| below 1e5. All MMAs are fp16 x fp16 -> fp32 for either query dtype: bf16 Q is converted to fp16 once, when
 // it is staged in shared memory (exact for |q| in [2^-14, 65504], the range of any real query).
+// On sm_89 and later the pairs go through the hardware's cvt.rn.f16x2.e4m3x2 instead (k_pair / v_pair: one
+// instruction per pair against the trick's four, and the conversions are most of the issue slots per tile). Those
+// operands are the true values, so the x256 leaves the score scale, P keeps its v_scale * 256, and the merge takes
+// the 2^-8 back from O: powers of two only, so both paths give the same numbers.
 //
 // Fragment layouts without ldmatrix (which moves 16-bit elements): a dot product may sum its terms in any order,
 // so each mma's 16 k-positions are mapped to head_dim channels such that a thread's four (2t, 2t+1, 2t+8, 2t+9)
@@ -74,6 +78,44 @@ template <int kLo, int kHi>
 __device__ __forceinline__ uint32_t e4m3_pair(uint32_t x, uint32_t y) {
     return e4m3x2_to_half2_scaled(__byte_perm(x, y, (kHi << 12) | (kLo << 4)));
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kFp8KvHwCvt = true;  // cvt.rn.f16x2.e4m3x2 exists (sm_89, sm_90)
+// Bytes kLo and kLo + 1 of `w` (kLo 0 or 2) as a half2 of their e4m3 values (low half = byte kLo).
+template <int kLo>
+__device__ __forceinline__ uint32_t e4m3x2_to_half2_hw(uint32_t w) {
+    uint32_t r;
+    const unsigned short pair = static_cast<unsigned short>(w >> (8 * kLo));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
+    return r;
+}
+#else
+constexpr bool kFp8KvHwCvt = false;  // sm_80-87: the bit trick (e4m3x2_to_half2_scaled)
+template <int kLo>
+__device__ __forceinline__ uint32_t e4m3x2_to_half2_hw(uint32_t) {
+    return 0u;  // never runs: every caller takes the bit trick's branch where kFp8KvHwCvt is false
+}
+#endif
+
+// K's B operand: bytes kLo, kLo + 1 of `w` as fp16 (x 2^-8 with the bit trick, exact values with the hardware's).
+template <int kLo>
+__device__ __forceinline__ uint32_t k_pair(uint32_t w) {
+    if constexpr (kFp8KvHwCvt) {
+        return e4m3x2_to_half2_hw<kLo>(w);
+    } else {
+        return e4m3_pair<kLo, kLo + 1>(w, 0);
+    }
+}
+// V's B operand: byte b of `x` (low half) and of `y` (high half), as k_pair scales them (b a constant once unrolled).
+__device__ __forceinline__ uint32_t v_pair(uint32_t x, uint32_t y, int b) {
+    if constexpr (kFp8KvHwCvt) {
+        return e4m3x2_to_half2_hw<0>(__byte_perm(x, y, ((4 + b) << 4) | b));
+    } else {
+        return e4m3x2_to_half2_scaled(__byte_perm(x, y, ((4 + b) << 12) | (b << 4)));
+    }
+}
+// What an e4m3 MMA operand carries beyond its value: 2^-8 with the bit trick, nothing with the hardware's conversion.
+constexpr float kFp8KvOperandScale = kFp8KvHwCvt ? 1.f : 1.f / 256.f;
 
 // Two T (half or bf16) as a half2 (identity for half).
 template <typename T>
@@ -210,10 +252,8 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
             const int col = (((2 * p + (t >> 1)) ^ ((2 * (k_row0 >> 2)) & (Traits::kChunks - 1))) << 4) + 8 * (t & 1);
             const uint2 k0 = *reinterpret_cast<const uint2*>(cK + k_row0 * kHeadDim + col);
             const uint2 k1 = *reinterpret_cast<const uint2*>(cK + (k_row0 + 2) * kHeadDim + col);
-            const uint32_t b[2][2][2] = {{{e4m3_pair<0, 1>(k0.x, 0), e4m3_pair<2, 3>(k0.x, 0)},
-                                          {e4m3_pair<0, 1>(k1.x, 0), e4m3_pair<2, 3>(k1.x, 0)}},
-                                         {{e4m3_pair<0, 1>(k0.y, 0), e4m3_pair<2, 3>(k0.y, 0)},
-                                          {e4m3_pair<0, 1>(k1.y, 0), e4m3_pair<2, 3>(k1.y, 0)}}};
+            const uint32_t b[2][2][2] = {{{k_pair<0>(k0.x), k_pair<2>(k0.x)}, {k_pair<0>(k1.x), k_pair<2>(k1.x)}},
+                                         {{k_pair<0>(k0.y), k_pair<2>(k0.y)}, {k_pair<0>(k1.y), k_pair<2>(k1.y)}}};
 #pragma unroll
             for (int m = 0; m < kMT; ++m) {
                 uint32_t qa[2][4];
@@ -248,7 +288,7 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
                             if (key0 + 4 * t + 2 * n + e > limit) acc_s[m][n][2 * r + e] = -INFINITY;
                 }
         }
-        st.update(acc_s, params.scale_log2 * k_scale * 256.f);
+        st.update(acc_s, params.scale_log2 * k_scale * (1.f / kFp8KvOperandScale));  // x 256 with the bit trick
         const float p_mul = v_scale * 256.f;
         uint32_t a[kMT][4];
 #pragma unroll
@@ -277,11 +317,10 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
         for (int j = 0; j < kDT; ++j) {
             // n-tile j: B column g is channel g kDT + j; k rows (2t, 2t + 1) are keys 4t, 4t + 1, (2t + 8, 2t + 9)
             // keys 4t + 2, 4t + 3: byte j % 4 of word j / 4 of rows 0/1 and 2/3.
-            const uint32_t b0 = __byte_perm(vw[0][j / 4], vw[1][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));
-            const uint32_t b1 = __byte_perm(vw[2][j / 4], vw[3][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));
+            const uint32_t b0 = v_pair(vw[0][j / 4], vw[1][j / 4], j % 4);
+            const uint32_t b1 = v_pair(vw[2][j / 4], vw[3][j / 4], j % 4);
 #pragma unroll
-            for (int m = 0; m < kMT; ++m)
-                mma_16816<half>(st.acc_o[m][j], a[m], e4m3x2_to_half2_scaled(b0), e4m3x2_to_half2_scaled(b1));
+            for (int m = 0; m < kMT; ++m) mma_16816<half>(st.acc_o[m][j], a[m], b0, b1);
         }
     }
     cp_async_wait<0>();
@@ -313,7 +352,9 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
             float total = 0.f;
 #pragma unroll
             for (int w = 0; w < Traits::kNWarps; ++w) total += s_sum[w][row] * exp2f(s_max[w][row] - mm);
-            const float f = total > 0.f ? exp2f(st.row_max[m][r] - mm) / total : 0.f;
+            // O holds 256 x kFp8KvOperandScale x the output (P carries v_scale x 256): 1 with the bit trick, 256 without.
+            constexpr float kOut = 1.f / (256.f * kFp8KvOperandScale);
+            const float f = total > 0.f ? exp2f(st.row_max[m][r] - mm) / total * kOut : 0.f;
             float* dst = s_o + (warp * kRows + row) * kHeadDim;
 #pragma unroll
             for (int j = 0; j < kDT; ++j) {  // C column 2t + e of n-tile j is channel (2t + e) kDT + j

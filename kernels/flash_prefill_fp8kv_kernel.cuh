@@ -29,47 +29,10 @@
 // hands the buffer to the pipeline.
 #pragma once
 
-#include "flash_decode_fp8kv_kernel.cuh"  // e4m3x2_to_half2_scaled, e4m3_pair, to_half2, swz8, FlashDecodeFp8KvParams
+#include "flash_decode_fp8kv_kernel.cuh"  // k_pair, v_pair, kFp8KvOperandScale, to_half2, swz8, FlashDecodeFp8KvParams
 
 namespace llm_attn {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-constexpr bool kFp8KvHwCvt = true;  // cvt.rn.f16x2.e4m3x2 exists (sm_89, sm_90)
-// Bytes kLo and kLo + 1 of `w` (kLo 0 or 2) as a half2 of their e4m3 values (low half = byte kLo).
-template <int kLo>
-__device__ __forceinline__ uint32_t e4m3x2_to_half2_hw(uint32_t w) {
-    uint32_t r;
-    const unsigned short pair = static_cast<unsigned short>(w >> (8 * kLo));
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(pair));
-    return r;
-}
-#else
-constexpr bool kFp8KvHwCvt = false;  // sm_80-87: the bit trick (e4m3x2_to_half2_scaled)
-template <int kLo>
-__device__ __forceinline__ uint32_t e4m3x2_to_half2_hw(uint32_t) {
-    return 0u;  // never runs: every caller takes the bit trick's branch where kFp8KvHwCvt is false
-}
-#endif
-
-// K's B operand: bytes kLo, kLo + 1 of `w` as fp16 (x 2^-8 with the bit trick, exact values with the hardware's).
-template <int kLo>
-__device__ __forceinline__ uint32_t k_pair(uint32_t w) {
-    if constexpr (kFp8KvHwCvt) {
-        return e4m3x2_to_half2_hw<kLo>(w);
-    } else {
-        return e4m3_pair<kLo, kLo + 1>(w, 0);
-    }
-}
-// V's B operand: byte b of `x` (low half) and of `y` (high half), as k_pair scales them (b a constant once unrolled).
-__device__ __forceinline__ uint32_t v_pair(uint32_t x, uint32_t y, int b) {
-    if constexpr (kFp8KvHwCvt) {
-        return e4m3x2_to_half2_hw<0>(__byte_perm(x, y, ((4 + b) << 4) | b));
-    } else {
-        return e4m3x2_to_half2_scaled(__byte_perm(x, y, ((4 + b) << 12) | (b << 4)));
-    }
-}
-// What an e4m3 MMA operand carries beyond its value: 2^-8 with the bit trick, nothing with the hardware's conversion.
-constexpr float kFp8KvOperandScale = kFp8KvHwCvt ? 1.f : 1.f / 256.f;
 
 template <int kHeadDim_, int kNWarps_, int kStages_>
 struct PrefillFp8KvTraits {
