@@ -160,7 +160,7 @@ torch.library.register_autograd("llm_attn::flash_fwd_quant", _no_quant_backward)
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, return_lse: bool = False,
                     seqused_k: torch.Tensor | None = None, path: Path = "auto", *, backend: Backend | None = None,
-                    precision: str = "native", deterministic: bool = False):
+                    precision: str = "native", deterministic: bool = False, fp8_qk: str = ""):
     """FlashAttention forward.
 
     Args:
@@ -184,12 +184,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         backend: the old name of ``path`` ('auto', 'cuda' = 'kernel', 'reference'); deprecated, still honoured.
         precision: 'native' (default: the inputs' fp16/bf16 throughout), 'fp8' or 'int8', both quantising inside
            the call (per-block scales, K smoothed by its channel mean), with fp32 accumulation and softmax and the
-           output in q's dtype. 'fp8': int8 Q K^T (or e4m3: ``force_fp8_qk``, ``LLM_ATTN_FP8_QK``) and e4m3 P V
+           output in q's dtype. 'fp8': int8 Q K^T (or e4m3: ``fp8_qk``) and e4m3 P V
            (``llm_attn.quant_reference``), kernel on compute capability 9.0 (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
            (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in both builds (AOT, NVRTC);
            the reference path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
            ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
 
+        fp8_qk: with precision='fp8', the operands of Q K^T: 'int8' (exact products of int8-rounded Q and K) or
+           'e4m3' (faster on the H100 by 4-10 %, less accurate on peaky rows); "" = ``force_fp8_qk``'s, else
+           ``LLM_ATTN_FP8_QK``'s, else 'int8'. Ignored by the other precisions.
         deterministic: a backward that gives the same bits on every run (no float32 atomics: dQ by its own kernel,
            split dK/dV partials summed in a fixed order; on compute capability 9.0 the portable backward kernel
            instead of the Hopper one, slower: kernels/NOTES.md). Also on whenever
@@ -211,7 +214,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         path = "kernel"
     use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
     if precision != "native":
-        return _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision)
+        return _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, fp8_qk)
     compiling = torch.compiler.is_compiling()
     ext = None
     if use_kernel and not compiling:  # traced code must not look up the build (the op does)
@@ -229,9 +232,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return (out, lse) if return_lse else out
 
 
-def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision):
+def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, qk=""):
     block_n = _fp8_block_n if precision == "fp8" else 0  # the FP8 kernel's key tile, as forced now
-    qk = _fp8_qk_forced if precision == "fp8" else ""    # and its Q K^T operands
+    if precision == "fp8":
+        qk = fp8_qk(qk) if qk else _fp8_qk_forced  # its Q K^T operands: the argument, else as forced now
+    else:
+        qk = ""
     problem = quant_problem(precision, q, use_kernel) or (use_kernel and fp8_tile_problem(block_n, q.shape[-1]))
     if problem:
         raise ValueError(problem)

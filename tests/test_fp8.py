@@ -99,6 +99,32 @@ def test_registry_entry_on_cpu_runs_the_reference():
     assert torch.equal(out, qr.attention_fp8(q, k, k, causal=True, scale=0.125))
 
 
+def test_e4m3_entry_is_its_own_name_and_computes_e4m3_qk():
+    """llm_attn_fp8_e4m3 runs Q K^T in e4m3 (the reference of that algorithm, not the default's int8 one) and
+    reports its own variant, so its rows never pass for llm_attn_fp8's."""
+    from llm_attn import registry
+    from llm_attn.harness.agreement import low_precision_note
+
+    entry = registry.get("llm_attn_fp8_e4m3")
+    assert entry.choose(torch.device("cpu"), torch.bfloat16, 128) == ("reference-fp8-e4m3qk", None)
+    assert not entry.default and low_precision_note(entry.info())
+    torch.manual_seed(5)
+    q = torch.randn(1, 4, 70, 64, dtype=torch.bfloat16) * 3
+    k = torch.randn(1, 2, 70, 64, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 70, 64, dtype=torch.bfloat16)
+    out = entry.fn(q, k, v, causal=True, scale=0.125, variant="reference-fp8-e4m3qk")
+    assert torch.equal(out, qr.attention_fp8(q, k, v, causal=True, scale=0.125, qk="e4m3"))
+    assert not torch.equal(out, qr.attention_fp8(q, k, v, causal=True, scale=0.125, qk="int8"))
+
+
+def test_fp8_qk_argument():
+    q = torch.randn(1, 2, 20, 64, dtype=torch.bfloat16)
+    a = flash_attn_func(q, q, q, precision="fp8", fp8_qk="e4m3")
+    assert torch.equal(a, qr.attention_fp8(q, q, q, qk="e4m3"))
+    with pytest.raises(ValueError, match="qk must be one of int8, e4m3"):
+        flash_attn_func(q, q, q, precision="fp8", fp8_qk="int4")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_lse_includes_the_smoothing_shift(causal):
     """Smoothing K shifts every score of a row by scale q . mean(K): the softmax is unchanged, the lse is not; the

@@ -4,14 +4,17 @@ harness (``bench --mode accuracy`` against float64, the ``correctness`` measurem
 - ``llm_attn_fp8``: FP8 prefill attention (``flash_attn_func(..., precision='fp8')``): Q and K in int8 (or e4m3:
   ``LLM_ATTN_FP8_QK=e4m3``), P and V in e4m3, quantised inside each call (per-block scales, K smoothed), fp32
   accumulation and softmax; the Hopper kernel on its FP8/INT8 tensor cores.
+- ``llm_attn_fp8_e4m3``: the same kernel with Q and K in e4m3 too (``flash_attn_func(..., fp8_qk="e4m3")``): 4-10 % faster than
+  int8 Q K^T on the H100, less accurate on peaky rows (kernels/NOTES.md "FP8 forward v4/v5"). A separate name, so
+  that its rows and its accuracy never pass for the default's.
 - ``llm_attn_int8``: INT8 Q K^T (K smoothed, per-block scales), P V in e4m3 on sm_89 and in the input dtype
   elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin, A100, H100).
 
 What each serves: prefill-shaped calls (more than ``DECODE_MAX_Q_LEN`` query rows) in low precision; decode-shaped calls (one
 token, or a few) keep the native fp16/bf16 kernel, whose cost is reading the cache, not arithmetic (an FP8 KV
 cache is the lever there). No backward: training through these entries raises. Variants counted in the patch
-report: ``fp8`` / ``int8`` (the kernel, either build) and ``reference-fp8`` / ``reference-int8`` (the same algorithm in
-PyTorch: CPU tensors, or ``backend='reference'``).
+report: ``fp8`` / ``fp8-e4m3qk`` / ``int8`` (the kernel, either build) and ``reference-`` the same (the same algorithm
+in PyTorch: CPU tensors, or ``backend='reference'``).
 """
 
 from __future__ import annotations
@@ -45,25 +48,30 @@ def _cuda_problem(device: torch.device, precision: str) -> str | None:
     return None
 
 
-def _entry(precision: str):
+def _entry(precision: str, qk: str = ""):
+    """select and run of one entry; ``qk`` (fp8 only): its Q K^T operands, "" = the default (``ops.fp8_qk``)."""
+    kind = f"{precision}-{qk}qk" if qk else precision
+
     def select(device, dtype, head_dim, requested):
         if requested == "reference" or device.type != "cuda":
             if requested == "cuda":
                 return None, f"backend='cuda' needs the model on a CUDA device, it is on {device}"
             why = reference_problem(dtype)
-            return (None, why) if why else (f"reference-{precision}", None)
+            return (None, why) if why else (f"reference-{kind}", None)
         why = kernel_problem(dtype, head_dim) or _cuda_problem(device, precision)
-        return (None, why) if why else (precision, None)
+        return (None, why) if why else (kind, None)
 
-    def run(q, k, v, *, causal, scale, seqused_k=None, variant=precision):
+    def run(q, k, v, *, causal, scale, seqused_k=None, variant=kind):
         path = "reference" if variant.startswith("reference") else "kernel"
         lowp = "native" if q.shape[2] <= DECODE_MAX_Q_LEN and path == "kernel" else precision
-        return flash_attn_func(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, path=path, precision=lowp)
+        return flash_attn_func(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k, path=path, precision=lowp,
+                               fp8_qk=qk)
 
     return select, run
 
 
 _fp8_select, _fp8_run = _entry("fp8")
+_fp8_e4m3_select, _fp8_e4m3_run = _entry("fp8", qk="e4m3")
 _int8_select, _int8_run = _entry("int8")
 register_attention("llm_attn_fp8", _fp8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
                    devices=("cuda", "cpu"), supports_seqused_k=True,
@@ -71,6 +79,12 @@ register_attention("llm_attn_fp8", _fp8_run, dtypes=KERNEL_DTYPES + (torch.float
                                "stays native "
                                "(low precision: accuracy in bench --mode accuracy)",
                    select=_fp8_select)
+register_attention("llm_attn_fp8_e4m3", _fp8_e4m3_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
+                   devices=("cuda", "cpu"), supports_seqused_k=True,
+                   description="FP8 prefill attention of this project's Hopper kernel with e4m3 Q K^T (faster, less "
+                               "accurate than llm_attn_fp8's int8 Q K^T); decode stays native "
+                               "(low precision: accuracy in bench --mode accuracy)",
+                   select=_fp8_e4m3_select)
 register_attention("llm_attn_int8", _int8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
                    devices=("cuda", "cpu"), supports_seqused_k=True,
                    description="INT8 Q K^T prefill attention of this project's portable kernel (P V in e4m3 on sm_89); "
