@@ -12,12 +12,15 @@ What it does, end to end:
   8B-shaped model is created directly on the GPU in ``--dtype``, 16 GB, no checkpoint on disk), attention dropout 0;
 * wraps it with peft LoRA (q/k/v/o projections, rank ``--lora-r``, LoRA dropout 0, adapters in float32 as peft
   keeps them) and remembers the adapters' initial values;
-* for each entry of ``--impl`` (``sdpa`` = the stock attention, unpatched; any other name = ``patch_model(model,
-  impl=name)``, e.g. ``llm_attn``, ours) it restores the same initial adapters, builds a fresh AdamW and runs the
-  same batches: forward, ``loss.backward()`` (through ``llm_attn::flash_bwd`` for ours), optimizer step;
+* each entry of ``--impl`` (``sdpa`` = the stock attention, unpatched; any other name = ``patch_model(model,
+  impl=name)``, e.g. ``llm_attn``, ours) starts from the same initial adapters with its own AdamW and runs the
+  same batches: forward, ``loss.backward()`` (through ``llm_attn::flash_bwd`` for ours), optimizer step. The
+  entries take turns step by step (each swaps its own adapters in and out around its step), so their step times
+  are measured side by side and pair up by step;
 * prints per step the step time and loss of each implementation and the relative loss difference to the first
   one, then the median step time (steps 2..N) with its ratio to the first one's (the first's median / this one's,
-  so above 1 = faster, as every ratio of llm_attn), the max relative loss difference over the run, the gradient
+  so above 1 = faster, as every ratio of llm_attn) and its paired 95 % interval over those steps, the max relative
+  loss difference over the run, the gradient
   agreement of the LoRA gradients at step 1 and at the last step (cosine similarity, and the worst tensor's
   max |g - g_ref| / max |g_ref|), and the patch report's call counters.
 
@@ -212,54 +215,92 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
-def run_impl(impl: str, args, peft_model, base, trainable, init, batches):
-    """Train from the initial adapters on ``batches`` with ``impl``; returns per-step times/losses and grads."""
-    import torch
+class ImplRun:
+    """One implementation's training: its own copy of the adapters, its AdamW and GradScaler, its step times, losses
+    and gradients. The implementations share one model and take turns step by step (``train_interleaved``), each
+    restoring its adapters before its step and saving them after, so they train the same trajectory from the same
+    init but their steps are timed side by side."""
 
-    from llm_attn.patches import patch_model, unpatch_model
+    def __init__(self, impl: str, args, trainable: dict, init: dict):
+        import torch
 
-    with torch.no_grad():
-        for n, p in trainable.items():
-            p.copy_(init[n])
-            p.grad = None
-    fp16 = args.dtype == "fp16"
-    opt = torch.optim.AdamW(list(trainable.values()), lr=args.lr, weight_decay=0.0)
-    scaler = torch.amp.GradScaler(args.device, init_scale=2.0**12, enabled=fp16)
-    report = None
-    if impl != "sdpa":
-        report = patch_model(base, impl=impl, on_unsupported="error", backend=args.backend)
-    times, losses, skipped, grads = [], [], [], {}
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        for step, ids in enumerate(batches, 1):
+        self.impl, self.args, self.trainable = impl, args, trainable
+        self.values = {n: t.clone() for n, t in init.items()}  # this implementation's adapters between its steps
+        self.fp16 = args.dtype == "fp16"
+        self.opt = torch.optim.AdamW(list(trainable.values()), lr=args.lr, weight_decay=0.0)
+        self.scaler = torch.amp.GradScaler(args.device, init_scale=2.0**12, enabled=self.fp16)
+        self.times, self.losses, self.skipped, self.grads = [], [], [], {}
+        self.native, self.fallback, self.peak = {}, {}, 0.0
+
+    def step(self, step: int, ids, base, peft_model, last: int):
+        import torch
+
+        from llm_attn.patches import patch_model, unpatch_model
+
+        args = self.args
+        with torch.no_grad():
+            for n, p in self.trainable.items():
+                p.copy_(self.values[n])
+                p.grad = None
+        report = None
+        if self.impl != "sdpa":
+            report = patch_model(base, impl=self.impl, on_unsupported="error", backend=args.backend)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
             ids = ids.to(args.device)
             _sync(args.device)
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=True)
             loss = peft_model(input_ids=ids, labels=ids).loss
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            scale_before = scaler.get_scale() if fp16 else None
-            scaler.step(opt)
-            scaler.update()
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
+            scale_before = self.scaler.get_scale() if self.fp16 else None
+            self.scaler.step(self.opt)
+            self.scaler.update()
             _sync(args.device)
-            times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
-            if fp16 and scaler.get_scale() < scale_before:
-                skipped.append(step)  # inf/nan gradients: GradScaler skipped the update and lowered the scale
-            if step in (1, len(batches)):
-                grads[step] = {n: p.grad.detach().float().clone() for n, p in trainable.items()}
-    finally:
-        if impl != "sdpa":
-            unpatch_model(base)
-    out = {"impl": impl, "step_s": times, "loss": losses, "skipped_steps": skipped}
-    if args.device == "cuda":
-        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if report is not None:
-        out["native_calls"] = dict(report.native_calls)
-        out["fallback_calls"] = {str(k): v for k, v in report.fallback_calls.items()}
-    return out, grads
+            self.times.append(time.perf_counter() - t0)
+            self.losses.append(loss.item())
+            if self.fp16 and self.scaler.get_scale() < scale_before:
+                self.skipped.append(step)  # inf/nan gradients: GradScaler skipped the update and lowered the scale
+            if step in (1, last):
+                self.grads[step] = {n: p.grad.detach().float().clone() for n, p in self.trainable.items()}
+        finally:
+            if report is not None:
+                unpatch_model(base)
+                for k, v in report.native_calls.items():
+                    self.native[k] = self.native.get(k, 0) + v
+                for k, v in report.fallback_calls.items():
+                    self.fallback[str(k)] = self.fallback.get(str(k), 0) + v
+        with torch.no_grad():
+            for n, p in self.trainable.items():
+                self.values[n].copy_(p)
+        if args.device == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated() / 2**30)
+
+    def result(self) -> dict:
+        out = {"impl": self.impl, "step_s": self.times, "loss": self.losses, "skipped_steps": self.skipped}
+        if self.args.device == "cuda":
+            out["peak_mem_gib"] = self.peak
+        if self.impl != "sdpa":
+            out["native_calls"] = dict(self.native)
+            out["fallback_calls"] = dict(self.fallback)
+        return out
+
+
+def train_interleaved(args, peft_model, base, trainable, init, batches) -> list[ImplRun]:
+    """Every implementation takes step i before any takes step i + 1, in the listed order on odd steps and the
+    reverse on even ones, so that drift (clocks, temperature, the allocator) hits them alike and the step times
+    pair up by step for the paired interval."""
+    runs = [ImplRun(impl, args, trainable, init) for impl in args.impl]
+    last = len(batches)
+    for step, ids in enumerate(batches, 1):
+        for run in (runs if step % 2 else runs[::-1]):
+            try:
+                run.step(step, ids, base, peft_model, last)
+            except NotImplementedError as e:  # e.g. a backward this build does not have
+                raise UsageError(f"--impl {run.impl}: {e}") from e
+    return runs
 
 
 def grad_agreement(got: dict, ref: dict) -> dict:
@@ -306,15 +347,8 @@ def train_and_compare(args) -> dict:
           f"{args.steps} steps x batch {args.batch} x seq {args.seq}"
           f"{'; gradient checkpointing' if args.gradient_checkpointing else ''}", flush=True)
 
-    runs, grads = [], []
-    for impl in args.impl:
-        try:
-            res, g = run_impl(impl, args, peft_model, base, trainable, init, batches)
-        except NotImplementedError as e:  # e.g. the backward kernel is not in the NVRTC backend
-            raise UsageError(f"--impl {impl}: {e}") from e
-        runs.append(res)
-        grads.append(g)
-        print(f"  {impl}: done, median step {_median_ms(res):.1f} ms", flush=True)
+    trained = train_interleaved(args, peft_model, base, trainable, init, batches)
+    runs, grads = [t.result() for t in trained], [t.grads for t in trained]
 
     ref = runs[0]
     rows = []
@@ -351,14 +385,19 @@ def summary_table(runs: list[dict], last: int) -> str:
     ``speed_vs_reference``; the loss and gradient agreement; the attention calls."""
     from tabulate import tabulate
 
-    from llm_attn.harness.stats import format_ratio, ratio_header, speed_ratio
+    from llm_attn.harness.stats import (format_ratio, format_ratio_interval, paired_ratio_interval, ratio_header,
+                                        speed_ratio)
 
     ref = runs[0]
     summary = []
     for r in runs:
         r["speed_vs_reference"] = speed_ratio(ref["median_step_ms"], r["median_step_ms"])
+        speed = format_ratio(r["speed_vs_reference"], 3, words=r is not ref)
+        if r is not ref and len(r["step_s"]) > 1:  # steps 2..N paired by step (the same batch, taken in turn)
+            r["speed_interval"] = paired_ratio_interval(ref["step_s"][1:], r["step_s"][1:])
+            speed = format_ratio_interval(r["speed_interval"])
         summary.append([
-            r["impl"], f"{r['median_step_ms']:.1f}", format_ratio(r["speed_vs_reference"], 3, words=r is not ref),
+            r["impl"], f"{r['median_step_ms']:.1f}", speed,
             r["max_rel_loss_diff"], r["grad_step1"]["cosine"], r["grad_step1"]["max_rel_diff"],
             r["grad_last"]["cosine"], r["grad_last"]["max_rel_diff"],
             f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-",
@@ -368,7 +407,9 @@ def summary_table(runs: list[dict], last: int) -> str:
         "grad max rel step 1", f"grad cos step {last}", f"grad max rel step {last}", "peak GiB", "attention calls",
         "skipped steps"])
     return table + (f"\n(reference: {ref['impl']}; median over steps 2..{last} when there are 2 or more; the ratio is "
-                    f"{ref['impl']}'s median step time / this one's; gradients are the LoRA gradients after unscaling; "
+                    f"{ref['impl']}'s median step time / this one's, with its 95 % paired-bootstrap interval over "
+                    f"those steps (the implementations took every step in turn, on the same batch); gradients are the "
+                    f"LoRA gradients after unscaling; "
                     f"at step 1 lora_A gradients are 0 for every implementation because lora_B starts at 0)")
 
 

@@ -133,3 +133,16 @@ def test_gpu_tiny_fp16_kernel_matches_sdpa(example, capsys):
     print(capsys.readouterr().out)
     _check_agreement(result, rtol=1e-2, native_key="cuda", calls_per_step=2, grad_rtol=2e-2,
                      last_rtol=1e-1, cos_tol=1e-3)
+
+
+def test_implementations_take_turns_step_by_step(example, monkeypatch):
+    """Every implementation takes step i before any takes step i + 1, the order reversed on every other step, so
+    that the step times pair up by step (the paired interval) and drift hits all alike."""
+    order = []
+    monkeypatch.setattr(example.ImplRun, "step", lambda self, step, ids, *a: order.append((step, self.impl)))
+    args = example.resolve_args(example.build_parser().parse_args(["--device", "cpu", "--impl", "sdpa", "llm_attn",
+                                                                   "--steps", "3"]))
+    w = torch.nn.Parameter(torch.zeros(2))
+    runs = example.train_interleaved(args, None, None, {"w": w}, {"w": w.detach().clone()}, [None] * 3)
+    assert [r.impl for r in runs] == ["sdpa", "llm_attn"]
+    assert order == [(1, "sdpa"), (1, "llm_attn"), (2, "llm_attn"), (2, "sdpa"), (3, "sdpa"), (3, "llm_attn")]
