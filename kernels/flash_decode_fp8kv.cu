@@ -1,12 +1,21 @@
 // Runtime -> compile-time dispatch of the attention over the FP8 KV cache (flash_decode_fp8kv.h): the split-KV decode
-// kernel for up to kDecodeMaxRows packed rows, the prefill kernel (flash_prefill_fp8kv_kernel.cuh) above.
+// kernel for up to kDecodeMaxRows packed rows, the prefill kernel (flash_prefill_fp8kv_kernel.cuh; v2 unless
+// LLM_ATTN_FP8KV_PREFILL_V=1) above.
 #include "flash_decode_fp8kv.h"
 #include "flash_fwd_config.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <cstring>
+
 namespace llm_attn {
+
+int flash_prefill_fp8kv_version() {
+    const char* v = std::getenv("LLM_ATTN_FP8KV_PREFILL_V");
+    return v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 2;
+}
 
 int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) {
     return use_decode_kernel(p.base) ? flash_fwd_num_splits(p.base, num_sms) : 1;

@@ -33,6 +33,11 @@ cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t 
 // for a decode call, 1 for a prefill call.
 int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& params, int num_sms);
 
+// The prefill kernel's version for the next call: 1 where LLM_ATTN_FP8KV_PREFILL_V is "1", else 2 (the default; v2
+// converts each K/V tile to fp16 once per block, kernels/NOTES.md "Prefill over the FP8 KV cache v2"). Read per call,
+// so that one process can time both; llm_attn/_plan.py's prefill_fp8kv_version mirrors it.
+int flash_prefill_fp8kv_version();
+
 // One instantiation file per (head_dim, dtype of q and o) and kernel (generated): flash_decode_fp8kv_hdim{D}_{dtype}.cu,
 // flash_prefill_fp8kv_hdim{D}_{dtype}.cu.
 template <typename T, int kHeadDim>

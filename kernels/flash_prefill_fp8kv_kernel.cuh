@@ -1,3 +1,7 @@
+// v1 of the prefill over the FP8 KV cache (LLM_ATTN_FP8KV_PREFILL_V=1); v2, the default, converts each tile to fp16
+// once per block in shared memory (flash_prefill_fp8kv_v2.cuh; kernels/NOTES.md "Prefill over the FP8 KV cache v2").
+// This file holds the one kernel template of both (flash_prefill_fp8kv_kernel<T, Traits>, Traits::kVersion).
+//
 // Prefill over the FP8 (e4m3) KV cache: the chunked-prefill call (q_len < kv_len, or q_len == kv_len) that has more
 // packed rows than the decode kernel holds (kDecodeMaxRows). FlashAttention-2's structure (one block per (row
 // block, KV head, batch), each warp owns 16 packed rows and sees every key, one online-softmax update per 64-key
@@ -30,12 +34,14 @@
 #pragma once
 
 #include "flash_decode_fp8kv_kernel.cuh"  // k_pair, v_pair, kFp8KvOperandScale, to_half2, swz8, FlashDecodeFp8KvParams
+#include "flash_prefill_fp8kv_v2.cuh"     // v2: PrefillFp8KvV2Traits, flash_prefill_fp8kv_v2_body
 
 namespace llm_attn {
 
 
 template <int kHeadDim_, int kNWarps_, int kStages_>
 struct PrefillFp8KvTraits {
+    static constexpr int kVersion = 1;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
@@ -283,9 +289,14 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
     }
 }
 
+// One kernel template for both versions (Traits::kVersion: PrefillFp8KvTraits v1, PrefillFp8KvV2Traits v2).
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) flash_prefill_fp8kv_kernel(const FlashDecodeFp8KvParams params) {
-    flash_prefill_fp8kv_body<T, Traits>(params);
+    if constexpr (Traits::kVersion == 2) {
+        flash_prefill_fp8kv_v2_body<T, Traits>(params);
+    } else {
+        flash_prefill_fp8kv_body<T, Traits>(params);
+    }
 }
 
 }  // namespace llm_attn

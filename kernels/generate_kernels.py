@@ -11,7 +11,7 @@
   kernels/flash_fwd_int8_hdim{D}_{dtype}_{causal}.cu   portable INT8 forward (mma.sync s8/e4m3), run_flash_fwd_int8_
   kernels/flash_fwd_fp8_sm90_hdim{D}_{dtype}_{causal}.cu  Hopper FP8 forward (wgmma e4m3), run_flash_fwd_fp8_
   kernels/kernel_tiles.h       the tile tables the launch templates read: FwdConfig<D>, DecodeConfig<D>, BwdTile<D>,
-                               Fp8Tiles<D>, DecodeFp8KvConfig<D>, PrefillFp8KvConfig<D>
+                               Fp8Tiles<D>, DecodeFp8KvConfig<D>, PrefillFp8KvConfig<D> (v1, v2)
   llm_attn/_kernel_table.py    the same tables for llm_attn/_plan.py (the NVRTC backend's mirror of the dispatch)
 
 so that the nvcc build (setup.py compiles kernels/*.cu), NVRTC (llm_attn/_nvrtc.py compiles _plan.all_kernels())
@@ -74,6 +74,10 @@ DECODE_FP8KV_TRAITS = (("OneTile", 1, 4), ("TwoTiles", 2, 3))
 # (flash_prefill_fp8kv_kernel.cuh), one tile on every device (PrefillFp8KvConfig<D>::Tile; flash_prefill_fp8kv_launch.cuh
 # says why): 4 warps x 16 packed rows, 3 stages of e4m3 K/V.
 PREFILL_FP8KV_TRAITS = (4, 3)
+# Its v2 (issue 38; the default, LLM_ATTN_FP8KV_PREFILL_V=1 selects v1): PrefillFp8KvV2Traits<D, kNWarps, kStages>
+# (flash_prefill_fp8kv_v2.cuh), PrefillFp8KvConfig<D>::V2: 8 warps x 16 packed rows (each tile converted to fp16
+# once per 128 rows), 2 stages of e4m3 bytes + 2 fp16 tiles (96.1 KB at head_dim 128: the 99 KB of sm_86/89).
+PREFILL_FP8KV_V2_TRAITS = (8, 2)
 # The backward: BwdTraits<D, kBlockM, kBlockN, kNWarps, kSplitDp> (flash_bwd_launch.cuh). Per head_dim the tile
 # (BwdTile<D>) and the narrow one (BwdTileNarrow<D>) that a device takes when its shared memory per block is below
 # the tile's (flash_bwd.cu): head_dim 128's 8-warp tile needs 104.5 KB, sm_86/89 give a block 99 KB.
@@ -196,10 +200,12 @@ def tiles_header() -> str:
             "template <int kHeadDim>", "struct DecodeFp8KvConfig {"]
     out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}>;" for name, mt, st in DECODE_FP8KV_TRAITS]
     out += ["};"]
-    out += ["", "// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): one tile.",
+    out += ["", "// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): v1's tile, v2's (the default).",
             "template <int kHeadDim_, int kNWarps_, int kStages_>", "struct PrefillFp8KvTraits;",
+            "template <int kHeadDim_, int kNWarps_, int kStages_>", "struct PrefillFp8KvV2Traits;",
             "template <int kHeadDim>", "struct PrefillFp8KvConfig {",
             f"    using Tile = PrefillFp8KvTraits<kHeadDim, {PREFILL_FP8KV_TRAITS[0]}, {PREFILL_FP8KV_TRAITS[1]}>;",
+            f"    using V2 = PrefillFp8KvV2Traits<kHeadDim, {PREFILL_FP8KV_V2_TRAITS[0]}, {PREFILL_FP8KV_V2_TRAITS[1]}>;",
             "};"]
     out += ["", "}  // namespace llm_attn", ""]
     return "\n".join(out)
@@ -233,6 +239,8 @@ def python_table() -> str:
               f"DECODE_FP8KV_TRAITS = {DECODE_FP8KV_TRAITS!r}",
               "# (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache",
               f"PREFILL_FP8KV_TRAITS = {PREFILL_FP8KV_TRAITS!r}",
+              "# (n_warps, stages) of PrefillFp8KvConfig<D>::V2: its v2 (the default; LLM_ATTN_FP8KV_PREFILL_V=1: v1)",
+              f"PREFILL_FP8KV_V2_TRAITS = {PREFILL_FP8KV_V2_TRAITS!r}",
               "# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default",
               f"FP8_BLOCK_N = {FP8_BLOCK_N!r}",
               "# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file",

@@ -93,12 +93,15 @@ struct DecodeFp8KvConfig {
     using TwoTiles = DecodeFp8KvTraits<kHeadDim, 2, 3>;
 };
 
-// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): one tile.
+// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): v1's tile, v2's (the default).
 template <int kHeadDim_, int kNWarps_, int kStages_>
 struct PrefillFp8KvTraits;
+template <int kHeadDim_, int kNWarps_, int kStages_>
+struct PrefillFp8KvV2Traits;
 template <int kHeadDim>
 struct PrefillFp8KvConfig {
     using Tile = PrefillFp8KvTraits<kHeadDim, 4, 3>;
+    using V2 = PrefillFp8KvV2Traits<kHeadDim, 8, 2>;
 };
 
 }  // namespace llm_attn

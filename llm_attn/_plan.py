@@ -10,7 +10,8 @@ code and must stay one: ``flash_fwd_num_splits`` / ``decode_num_splits`` (kernel
 smem formulas of ``FwdTraits`` / ``DecodeTraits``, and the Hopper kernel's choice and launch: ``use_sm90``
 (kernels/flash_fwd.cu), ``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh,
 flash_fwd_sm90_kernel.cuh), and the FP8-cache decode's (``decode_fp8kv_plan``: kernels/flash_decode_fp8kv.cu,
-flash_decode_fp8kv_launch.cuh, flash_prefill_fp8kv_launch.cuh). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+flash_decode_fp8kv_launch.cuh, flash_prefill_fp8kv_launch.cuh; ``prefill_fp8kv_version``: the prefill kernel's
+version, LLM_ATTN_FP8KV_PREFILL_V). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
 tests/test_nvrtc.py compiles every instantiation listed here and checks the Hopper choice against the C++ lines it
 mirrors. Pure Python: importable without CUDA.
 """
@@ -397,14 +398,14 @@ def decode_fp8kv_traits(s: Shape) -> DecodeFp8KvTraits:
     return DecodeFp8KvTraits(s.head_dim, *DECODE_FP8KV_CONFIGS["TwoTiles" if rows > 16 else "OneTile"])
 
 
-def decode_fp8kv_plan(s: Shape, dev: Device) -> Plan:
+def decode_fp8kv_plan(s: Shape, dev: Device, prefill_version: int | None = None) -> Plan:
     """run_flash_decode_fp8kv with the split count binding.cpp computes: one launch of the decode kernel, the fused
     combine in it (its split counters must be zero when it splits), or, above DECODE_MAX_ROWS packed rows, one launch
-    of the prefill kernel (never split)."""
+    of the prefill kernel (never split), the version ``prefill_version`` or else prefill_fp8kv_version()'s."""
     if s.head_dim not in CONFIGS:  # run_flash_decode_fp8kv: cudaErrorInvalidValue
         raise ValueError(f"the FP8-cache kernels take head_dim 64 or 128, got head_dim {s.head_dim}")
     if not use_decode_kernel(s):
-        t = PrefillFp8KvTraits(s.head_dim, *PREFILL_FP8KV_CONFIG)
+        t = prefill_fp8kv_traits(s.head_dim, prefill_fp8kv_version() if prefill_version is None else prefill_version)
         rows = s.num_heads // s.num_kv_heads * s.seqlen_q
         return Plan(1, False, (Launch(prefill_fp8kv_kernel_name(s.is_bf16, t),
                                       (_cdiv(rows, t.rows), s.num_kv_heads, s.batch), t.threads, t.smem_bytes),))
@@ -455,15 +456,59 @@ class PrefillFp8KvTraits:
         return f"llm_attn::PrefillFp8KvTraits<{self.head_dim}, {self.n_warps}, {self.stages}>"
 
 
-def prefill_fp8kv_kernel_name(is_bf16: bool, traits: PrefillFp8KvTraits) -> str:
+# v2 (the default): PrefillFp8KvConfig<D>::V2, each K/V tile converted to fp16 once per block in shared memory.
+PREFILL_FP8KV_V2_CONFIG = _table.PREFILL_FP8KV_V2_TRAITS  # (n_warps, stages)
+
+
+@dataclass(frozen=True)
+class PrefillFp8KvV2Traits:
+    """PrefillFp8KvV2Traits<kHeadDim, kNWarps, kStages> (kernels/flash_prefill_fp8kv_v2.cuh): n_warps x 16 packed
+    query rows, stages e4m3 byte stages and two fp16 tiles (fp16 Q staged in the second)."""
+
+    head_dim: int
+    n_warps: int
+    stages: int
+
+    block_n = 64
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.n_warps
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: the scales (128) + stages x (K + V) bytes + 2 x (K + V) fp16
+        return 128 + self.stages * 2 * self.block_n * self.head_dim + 2 * 2 * self.block_n * self.head_dim * 2
+
+    def cpp(self) -> str:
+        return f"llm_attn::PrefillFp8KvV2Traits<{self.head_dim}, {self.n_warps}, {self.stages}>"
+
+
+def prefill_fp8kv_version() -> int:
+    """flash_prefill_fp8kv_version (kernels/flash_decode_fp8kv.cu), read per call as there: 1 where
+    LLM_ATTN_FP8KV_PREFILL_V is "1", else 2."""
+    return 1 if os.environ.get("LLM_ATTN_FP8KV_PREFILL_V") == "1" else 2
+
+
+def prefill_fp8kv_traits(head_dim: int, version: int) -> PrefillFp8KvTraits | PrefillFp8KvV2Traits:
+    """run_flash_prefill_fp8kv_: PrefillFp8KvConfig<D>::Tile for version 1, ::V2 otherwise."""
+    if version == 1:
+        return PrefillFp8KvTraits(head_dim, *PREFILL_FP8KV_CONFIG)
+    return PrefillFp8KvV2Traits(head_dim, *PREFILL_FP8KV_V2_CONFIG)
+
+
+def prefill_fp8kv_kernel_name(is_bf16: bool, traits: PrefillFp8KvTraits | PrefillFp8KvV2Traits) -> str:
     return f"llm_attn::flash_prefill_fp8kv_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}>"
 
 
 def prefill_fp8kv_kernels() -> list[str]:
     """Every FP8-cache prefill instantiation the AOT build compiles (flash_prefill_fp8kv_hdim{D}_{dtype}.cu through
-    run_flash_prefill_fp8kv_): per (head_dim, dtype) PrefillFp8KvConfig<D>::Tile."""
-    return [prefill_fp8kv_kernel_name(tag == "bf16", PrefillFp8KvTraits(d, *PREFILL_FP8KV_CONFIG))
-            for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "prefill_fp8kv"]
+    run_flash_prefill_fp8kv_): per (head_dim, dtype) PrefillFp8KvConfig<D>::Tile (v1) and ::V2."""
+    return [prefill_fp8kv_kernel_name(tag == "bf16", prefill_fp8kv_traits(d, version))
+            for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "prefill_fp8kv" for version in (1, 2)]
 
 
 # -- the low-precision forwards ------------------------------------------------------------------------------------
