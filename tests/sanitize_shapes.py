@@ -10,12 +10,14 @@ synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks
 (128, 192: llm_attn/_kernel_table.py FP8_BLOCK_N). `--fp8kv` runs only the decode kernel over the FP8 KV cache
 (llm_attn.ops.decode_fp8_kv: e4m3 bytes to shared memory, the split combine): tails, GQA/MQA, q_len > 1, seqused_k,
 a static cache's unused capacity, each split count forced; then the prefill kernel over the cache (more than 32
-packed rows: Q staged in the last pipeline stage, causal tile counts per row block), causal and not, q_len == kv_len,
+packed rows), v1 (Q staged in the last pipeline stage) and v2 (byte stages, fp16 tiles converted by the whole block,
+LLM_ATTN_FP8KV_PREFILL_V), causal tile counts per row block, causal and not, q_len == kv_len,
 seqused_k below q_len (rows that see no key), a static cache's unused capacity; then the static cache's one-token
 append (kernels/fp8_cache_append.cu) over 125 device steps.
 """
 import itertools
 import math
+import os
 import sys
 
 import torch
@@ -78,6 +80,7 @@ FP8KV_PREFILL_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused): the 
     (2, 32, 8, 77, 1000, 1024, 128, [1000, 40]),  # a chunk over a longer cache; batch 1 sees fewer keys than q_len
     (1, 8, 8, 300, 4097, 4097, 128, None),      # MHA
     (2, 32, 1, 45, 129, 256, 64, [129, 0]),     # MQA, an empty sequence
+    (1, 32, 8, 130, 4099, 4160, 128, None),     # 520 rows: v2's last 128-row block has 8 real rows; a partial tile
 ]
 if "--fp8kv" in sys.argv:
     from llm_attn import ops
@@ -97,8 +100,11 @@ if "--fp8kv" in sys.argv:
             out = ops.decode_fp8_kv(q, layer.fp8(), causal=True, seqused_k=su, path="kernel")
         torch.cuda.synchronize()
         assert not out.isnan().any()
-    for dtype, (b, hq, hkv, sq, n, cap, d, used), causal in itertools.product(
-            (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES, (True, False)):
+    # Both versions of the prefill kernel (LLM_ATTN_FP8KV_PREFILL_V, read per call): v1, and v2's byte stages, fp16
+    # tiles and block-wide conversion.
+    for version, dtype, (b, hq, hkv, sq, n, cap, d, used), causal in itertools.product(
+            ("1", "2"), (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES, (True, False)):
+        os.environ["LLM_ATTN_FP8KV_PREFILL_V"] = version
         if not ops.fp8_kv_prefill_available(ext):
             sys.exit("--fp8kv: this build has no FP8-cache prefill kernel")
         layer = Fp8StaticLayer(max_cache_len=cap)
@@ -110,6 +116,7 @@ if "--fp8kv" in sys.argv:
         out = ops.decode_fp8_kv(q, layer.fp8(), causal=causal, seqused_k=su, path="kernel")
         torch.cuda.synchronize()
         assert not out.isnan().any()
+    os.environ.pop("LLM_ATTN_FP8KV_PREFILL_V")
     # The static cache's one-token append (kernels/fp8_cache_append.cu) across block 0's end and a later block,
     # both dtypes and head_dims, batch 2 x 3 KV heads, 2 tokens past the 128-token capacity (clamped writes).
     if ops.fp8_cache_append_available(ext):

@@ -13,8 +13,9 @@ block: both row tiles), odd cache lengths (1 .. 2049 keys around the 64-key tile
 different lengths (seqused_k), forced KV splits (the fused combine), a static cache with junk past its length, and
 a CUDA graph, and (in a child process) many graphs over forced split counts replayed after one another. The prefill
 kernel over the cache (kernels/flash_prefill_fp8kv_kernel.cuh: more than 32 packed rows, a chunk of a chunked prefill)
-the same way: q_len 33 .. 300 odd values and q_len == kv_len, kv_len not a multiple of 64, causal and not,
-seqused_k (rows that see no key), a static cache with junk, and the tiny model's chunked prefill. Printed with -s:
+the same way, v1 and v2 (flash_prefill_fp8kv_v2.cuh; LLM_ATTN_FP8KV_PREFILL_V per test) alike: q_len 33 .. 300 odd
+values and q_len == kv_len, kv_len not a multiple of 64, causal and not, seqused_k (rows that see no key), a static
+cache with junk, and the tiny model's chunked prefill (the default version). Printed with -s:
 the cosines.
 
     python -m pytest -s tests/test_kv_cache_fp8_gpu.py
@@ -195,8 +196,17 @@ def test_static_cache_junk_past_the_length_is_never_read(ext):
 
 
 # -- the prefill kernel over the cache (more than 32 packed rows: a chunk of a chunked prefill) ---------------------------
-# (q_len, cached tokens): odd q_len 33 .. 300, q_len == kv_len, kv_len around and not on the 64-key tile.
-PREFILL_LENGTHS = [(33, 33), (37, 100), (65, 65), (77, 1000), (129, 2049), (255, 300), (300, 300)]
+# (q_len, cached tokens): odd q_len 33 .. 300, q_len == kv_len, kv_len around and not on the 64-key tile; 130 over
+# 4099: many tiles, and (GQA, 520 rows) a last 128-row block of v2 with 8 real rows (seven padding warps).
+PREFILL_LENGTHS = [(33, 33), (37, 100), (65, 65), (77, 1000), (129, 2049), (255, 300), (300, 300), (130, 4099)]
+
+
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def prefill_version(request, monkeypatch):
+    """The prefill kernel's version for this test's calls: LLM_ATTN_FP8KV_PREFILL_V, which both builds read per call
+    (kernels/flash_decode_fp8kv.cu, llm_attn/_plan.py's prefill_fp8kv_version)."""
+    monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL_V", str(request.param))
+    return request.param
 
 
 def _prefill_cases():
@@ -208,7 +218,7 @@ def _prefill_cases():
 
 
 @pytest.mark.parametrize("dtype,d,heads,sq,n,causal", _prefill_cases())
-def test_prefill_over_the_fp8_cache_grid(prefill_ext, dtype, d, heads, sq, n, causal):
+def test_prefill_over_the_fp8_cache_grid(prefill_ext, prefill_version, dtype, d, heads, sq, n, causal):
     """The prefill kernel against float64 over the cache's values and over the unquantised K/V, and against
     kv_cache_reference.decode_attention(rounding="kernel"), output from NaN-poisoned memory."""
     hq, hkv = HEADS[heads]
@@ -216,7 +226,7 @@ def test_prefill_over_the_fp8_cache_grid(prefill_ext, dtype, d, heads, sq, n, ca
     seed = zlib.crc32(repr(("prefill", dtype, d, heads, sq, n, causal)).encode())
     q, k, v, kv = _inputs(2, hq, hkv, sq, n, d, DTYPES[dtype], seed)
     cos = _check(q, k, v, kv, causal=causal, used=None,
-                 label=f"prefill {dtype} hd{d} {heads} q_len={sq} n={n} causal={causal}")
+                 label=f"prefill v{prefill_version} {dtype} hd{d} {heads} q_len={sq} n={n} causal={causal}")
     if n >= 64:  # accuracy of the FP8 cache itself (a handful of keys is dominated by chance)
         assert cos >= 0.998, f"cosine vs the unquantised cache {cos:.5f}"
 
@@ -224,7 +234,7 @@ def test_prefill_over_the_fp8_cache_grid(prefill_ext, dtype, d, heads, sq, n, ca
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_batch_with_different_lengths(prefill_ext, dtype, d, causal):
+def test_prefill_batch_with_different_lengths(prefill_ext, prefill_version, dtype, d, causal):
     """Batch 3 over one cache of 1500 slots, lengths (seqused_k) 1500, 40 and 0, a 77-token chunk: batch 1 has fewer
     keys than queries (causal: its first 37 rows see no key, output 0 and lse -inf), batch 2 none at all. A forced
     split count changes nothing (the prefill kernel never splits)."""
@@ -235,7 +245,7 @@ def test_prefill_batch_with_different_lengths(prefill_ext, dtype, d, causal):
             _check(q, k, v, kv, causal=causal, used=used, label=f"prefill seqused_k, splits {splits}")
 
 
-def test_prefill_static_cache_junk_past_the_length_is_never_read(prefill_ext):
+def test_prefill_static_cache_junk_past_the_length_is_never_read(prefill_ext, prefill_version):
     """As the decode test above, with a 150-token chunk (600 rows): the prefill kernel reads n keys only."""
     q, k, v, kv = _inputs(1, 32, 8, 150, 300, 128, torch.float16, 12)
     cap = 512
@@ -250,15 +260,36 @@ def test_prefill_static_cache_junk_past_the_length_is_never_read(prefill_ext):
         _check(q, k, v, big, causal=causal, used=None, label=f"prefill, static cache with junk, causal={causal}")
 
 
+def test_prefill_version_switch_runs_the_named_kernel(prefill_ext, monkeypatch):
+    """LLM_ATTN_FP8KV_PREFILL_V picks the kernel per call (what the v1/v2 benchmark relies on): the profiler sees
+    PrefillFp8KvTraits (v1) under "1" and PrefillFp8KvV2Traits (v2) under "2" and unset; both outputs agree."""
+    q, _, _, kv = _inputs(1, 32, 8, 100, 1000, 128, torch.bfloat16, 5)
+    seen, outs = {}, {}
+    for v in ("1", "2", None):
+        if v is None:
+            monkeypatch.delenv("LLM_ATTN_FP8KV_PREFILL_V", raising=False)
+        else:
+            monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL_V", v)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            outs[v], _ = _run(q, kv)
+        seen[v] = {e.name for e in prof.events() if "flash_prefill_fp8kv_kernel" in e.name}
+    if not any(seen.values()):
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    assert all("PrefillFp8KvTraits" in n for n in seen["1"]) and seen["1"], seen
+    assert all("PrefillFp8KvV2Traits" in n for n in seen["2"]) and seen["2"] and seen[None] == seen["2"], seen
+    torch.testing.assert_close(outs["1"], outs["2"], rtol=2 ** -7, atol=2e-3)
+
+
 @pytest.mark.parametrize("d", [64, 128])
-def test_prefill_outlier_keys_cosine_against_float64(prefill_ext, d):
+def test_prefill_outlier_keys_cosine_against_float64(prefill_ext, prefill_version, d):
     """The issue's accuracy target on the prefill path: a 512-token chunk of Llama 3 8B's heads (32/8) over 4096
     outlier-shaped keys, causal, cosine >= 0.999 against float64 over the unquantised bf16 K/V."""
     q, k, v, kv = _inputs(1, 32, 8, 512, 4096, d, torch.bfloat16, 4)
     out, _ = _run(q, kv)
     want, _ = _float64(q, k, v, True, torch.full((1,), 4096, device="cuda"))
     cos = _cos(out, want)
-    print(f"\nhd{d} outlier K, 512 queries over 4096 keys: FP8-cache prefill kernel cosine vs float64 {cos:.6f}")
+    print(f"\nhd{d} outlier K, 512 queries over 4096 keys: FP8-cache prefill kernel v{prefill_version} cosine vs "
+          f"float64 {cos:.6f}")
     assert cos >= 0.999
 
 
