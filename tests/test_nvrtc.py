@@ -213,7 +213,7 @@ def test_fp8kv_prefill_instantiations_compile_without_local_memory(arch, request
     cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
     kernels = _plan.prefill_fp8kv_kernels()
-    assert len(kernels) == 4  # 2 head dims x 2 dtypes
+    assert len(kernels) == 8  # 2 head dims x 2 dtypes x (v1, v2)
     src = nvrtc.program_source(kernels)
     assert '#include "flash_prefill_fp8kv_kernel.cuh"' in src and "FlashDecodeFp8KvParams" in src
     assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
@@ -839,8 +839,11 @@ FP8KV_HOST_LINES = (
     ("flash_prefill_fp8kv_launch.cuh", "dim3 grid((rows + Traits::kRows - 1) / Traits::kRows, "
                                        "params.base.num_kv_heads, params.base.batch); flash_prefill_fp8kv_kernel<T, "
                                        "Traits><<<grid, Traits::kThreads, smem, stream>>>(params);"),
-    ("flash_prefill_fp8kv_launch.cuh", "return launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::Tile>("
-                                       "params, stream);"),
+    ("flash_prefill_fp8kv_launch.cuh", "if (flash_prefill_fp8kv_version() == 1) return launch_prefill_fp8kv<T, "
+                                       "typename PrefillFp8KvConfig<kHeadDim>::Tile>(params, stream); return "
+                                       "launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::V2>(params, "
+                                       "stream);"),
+    ("flash_decode_fp8kv.cu", 'return v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 2;'),
     ("binding.cpp", "p.tile = llm_attn::kTileAuto;"),
     ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);"),
     ("binding.cpp", "const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads; int* pooled = "
@@ -873,7 +876,9 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
         if rows > _plan.DECODE_MAX_ROWS:  # the prefill kernel: never split, whatever is forced
             p = _plan.decode_fp8kv_plan(shape, dev)
             assert (p.num_splits, p.decode, len(p.launches)) == (1, False, 1)
-            assert p.launches[0].grid == (-(-rows // 64), hkv, b) and "flash_prefill_fp8kv_kernel<" in p.launches[0].kernel
+            assert p.launches[0].grid == (-(-rows // 128), hkv, b) and "PrefillFp8KvV2Traits" in p.launches[0].kernel
+            p = _plan.decode_fp8kv_plan(shape, dev, 1)
+            assert p.launches[0].grid == (-(-rows // 64), hkv, b) and "PrefillFp8KvTraits" in p.launches[0].kernel
             continue
         assert _plan.decode_fp8kv_plan(shape, dev).num_splits == _plan.num_splits(shape, dev.num_sms)
     # MQA (32 rows): two row tiles, 3 stages, 72 KB (the merge buffer); 16 rows still one.
@@ -889,17 +894,22 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
         _plan.decode_fp8kv_plan(dataclasses.replace(s, head_dim=96), H100)
     with pytest.raises(ValueError, match="head_dim 96"):
         _plan.decode_fp8kv_plan(dataclasses.replace(s, head_dim=96, seqlen_q=100), H100)
-    # A chunked prefill of Llama 3 8B: 8192 queries x 4 heads per KV head = 512 row blocks of 64, 48.1 KB.
+    # A chunked prefill of Llama 3 8B: 8192 queries x 4 heads per KV head = 256 row blocks of 128 (v2, the default),
+    # 96.1 KB; v1 (LLM_ATTN_FP8KV_PREFILL_V=1): 512 row blocks of 64, 48.1 KB.
     p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_q=8192, decode_splits=7), H100)
+    assert p.launches[0] == _plan.Launch("llm_attn::flash_prefill_fp8kv_kernel<__nv_bfloat16, "
+                                         "llm_attn::PrefillFp8KvV2Traits<128, 8, 2>>", (256, 8, 1), 256,
+                                         128 + 2 * 2 * 64 * 128 + 2 * 2 * 64 * 128 * 2)
+    p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_q=8192, decode_splits=7), H100, 1)
     assert p.launches[0] == _plan.Launch("llm_attn::flash_prefill_fp8kv_kernel<__nv_bfloat16, "
                                          "llm_attn::PrefillFp8KvTraits<128, 4, 3>>", (512, 8, 1), 128,
                                          128 + 3 * 2 * 64 * 128)
     known = set(_plan.decode_fp8kv_kernels()) | set(_plan.prefill_fp8kv_kernels())
     seen = set()
-    for (b, hq, hkv), sq, d, bf16, dev in itertools.product(((1, 32, 8), (3, 8, 8), (1, 32, 1), (2, 16, 2)),
-                                                            (1, 2, 3, 33, 300), (64, 128), (False, True),
-                                                            (H100, RTX4060TI, ORIN)):
-        for launch in _plan.decode_fp8kv_plan(_plan.Shape(b, hq, hkv, sq, 777, d, True, bf16), dev).launches:
+    for (b, hq, hkv), sq, d, bf16, dev, version in itertools.product(
+            ((1, 32, 8), (3, 8, 8), (1, 32, 1), (2, 16, 2)), (1, 2, 3, 33, 300), (64, 128), (False, True),
+            (H100, RTX4060TI, ORIN), (1, 2)):
+        for launch in _plan.decode_fp8kv_plan(_plan.Shape(b, hq, hkv, sq, 777, d, True, bf16), dev, version).launches:
             assert launch.kernel in known and launch.smem <= dev.smem_per_block_optin
             assert min(launch.grid) > 0 and launch.grid[1] <= 65535 and launch.grid[2] <= 65535
             seen.add(launch.kernel)
@@ -990,6 +1000,11 @@ def test_fp8kv_decode_constants_match_cpp():
                  f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": t.rows,
                  f"llm_attn::PrefillFp8KvConfig<{d}>::Tile::kNWarps": t.n_warps,
                  f"llm_attn::PrefillFp8KvConfig<{d}>::Tile::kStages": t.stages}
+        t = _plan.PrefillFp8KvV2Traits(d, *_plan.PREFILL_FP8KV_V2_CONFIG)
+        want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
+                 f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": t.rows,
+                 f"llm_attn::PrefillFp8KvConfig<{d}>::V2::kNWarps": t.n_warps,
+                 f"llm_attn::PrefillFp8KvConfig<{d}>::V2::kStages": t.stages}
     for d, (mt, st) in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS.values()):
         t = _plan.DecodeFp8KvTraits(d, mt, st)
         want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
