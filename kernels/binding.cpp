@@ -503,17 +503,11 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     }
 
     const c10::cuda::CUDAGuard guard(q.device());
-    auto f32 = q.options().dtype(at::kFloat);
-    at::Tensor dq_accum;  // after the split: the separate dQ kernel needs none
-    at::Tensor dsum = at::empty({batch, num_heads, seqlen_q}, f32);
-    at::Tensor lse_log2 = at::empty({batch, num_heads, seqlen_q}, f32);
 
     llm_attn::FlashBwdParams p{};
     set_shared_params(p, q, k, v, out, lse, seqused_k, scale, causal);
     p.dout = dout.data_ptr(), p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
-    p.dsum = dsum.data_ptr<float>();
-    p.lse_log2 = lse_log2.data_ptr<float>();
     p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
     p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
     p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
@@ -528,19 +522,32 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     p.deterministic = deterministic;
     llm_attn::flash_bwd_set_splits(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount, g_bwd_splits,
                                    g_bwd_tile);
-    if (!p.dq_separate) {
-        dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32);
-        p.dq_accum = dq_accum.data_ptr<float>();
+    // Every float32 workspace in one allocation (each part on a 256-byte boundary), the accumulators zeroed by one
+    // memset: dsum | lse_log2 | dq_accum (unless the separate dQ kernel runs) | dk_accum | dv_accum (split launches;
+    // deterministic: one slab per split). One allocation and one memset node instead of five and three fill kernels:
+    // an eager backward is host-bound below ~2k tokens (kernels/NOTES.md "The eager backward's host cost").
+    const auto part = [](int64_t floats) { return (floats * 4 + 255) / 256 * 256; };
+    const int64_t rows = batch * num_heads * seqlen_q;
+    const int64_t slabs = p.num_splits > 1 ? (deterministic ? p.num_splits : 1) : 0;
+    const int64_t dq_bytes = p.dq_separate ? 0 : part(rows * head_dim);
+    const int64_t dkv_bytes = part(slabs * batch * num_kv_heads * seqlen_k * head_dim);
+    const int64_t zeroed = dq_bytes + 2 * dkv_bytes;
+    at::Tensor work = at::empty({2 * part(rows) + zeroed}, q.options().dtype(at::kByte));
+    char* base = static_cast<char*>(work.data_ptr());
+    p.dsum = reinterpret_cast<float*>(base);
+    p.lse_log2 = reinterpret_cast<float*>(base + part(rows));
+    char* acc = base + 2 * part(rows);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (zeroed > 0) {
+        const cudaError_t zerr = cudaMemsetAsync(acc, 0, zeroed, stream);
+        TORCH_CHECK(zerr == cudaSuccess, "llm_attn.mha_bwd: workspace memset failed: ", cudaGetErrorString(zerr));
     }
-    at::Tensor dk_accum, dv_accum;
-    if (p.num_splits > 1) {  // deterministic: one slab per split
-        const int64_t slabs = deterministic ? p.num_splits : 1;
-        dk_accum = at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32);
-        dv_accum = at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32);
-        p.dk_accum = dk_accum.data_ptr<float>();
-        p.dv_accum = dv_accum.data_ptr<float>();
+    if (!p.dq_separate) p.dq_accum = reinterpret_cast<float*>(acc);
+    if (slabs > 0) {
+        p.dk_accum = reinterpret_cast<float*>(acc + dq_bytes);
+        p.dv_accum = reinterpret_cast<float*>(acc + dq_bytes + dkv_bytes);
     }
-    const cudaError_t err = llm_attn::run_flash_bwd(p, at::cuda::getCurrentCUDAStream());
+    const cudaError_t err = llm_attn::run_flash_bwd(p, stream);
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_bwd: kernel launch failed: ", cudaGetErrorString(err));
 }
 

@@ -32,6 +32,29 @@ from llm_attn._ext import get_ext, kernel_build
 from llm_attn.kernel_contract import aligned16 as _aligned16
 
 
+def direct_call_allowed(*tensors: torch.Tensor) -> bool:
+    """Whether an eager call may skip the dispatcher of our custom ops (``llm_attn::flash_fwd``, its backward
+    ``llm_attn::flash_bwd``) and run their CUDA implementation directly, saving the op's round trip through the
+    dispatcher: plain tensors (no fake, functional or other subclass), no gradient wanted, no torch-function or
+    dispatch mode, no functorch transform (vmap, grad), no profiler (whose trace names the op), no torch.jit.trace.
+    The caller has checked that nothing is being compiled."""
+    for t in tensors:
+        if type(t) is not _Tensor:
+            return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return not (_torch_function_mode_enabled() or _dispatch_stack_len() or _functorch_active()
+                or _profiler_enabled() or _jit_tracing())
+
+
+_Tensor = torch.Tensor
+_torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+_profiler_enabled = torch.autograd._profiler_enabled
+_jit_tracing = torch.jit.is_tracing  # torch.jit.trace records ops through the dispatcher
+
+
 def _kernel_ready(t: torch.Tensor) -> bool:
     """The layout the kernels read and write: contiguous head_dim, 16-byte aligned rows and base."""
     return t.stride(-1) == 1 and _aligned16(t)
@@ -85,6 +108,9 @@ def _flash_bwd_fake(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
 def _setup_context(ctx, inputs, output):
     q, k, v, seqused_k, scale, causal, use_kernel, *rest = inputs
     out, lse = output
+    # An lse nobody differentiates stays None in the backward, not a tensor of zeros (one allocation, one fill kernel
+    # and a pass over it in the kernel saved per call); an unused out gets its zeros in _backward.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, seqused_k)
     ctx.scale, ctx.causal, ctx.use_kernel = scale, causal, use_kernel
     ctx.deterministic = bool(rest[0]) if rest else False  # the forward op's deterministic argument
@@ -100,8 +126,13 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     deterministic = ctx.deterministic or _DETERMINISTIC_ENV or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv = _flash_bwd(grad_out, q, k, v, out, lse, grad_lse, seqused_k, ctx.scale, ctx.causal,
-                            ctx.use_kernel, deterministic)
+    args = (grad_out, q, k, v, out, lse, grad_lse, seqused_k, ctx.scale, ctx.causal, ctx.use_kernel, deterministic)
+    if (ctx.use_kernel and q.is_cuda and not torch.compiler.is_compiling()
+            and direct_call_allowed(grad_out, q, k, v, out, lse)
+            and (grad_lse is None or type(grad_lse) is _Tensor)):
+        dq, dk, dv = _flash_bwd_cuda(*args)  # eager: the op's CUDA implementation without the dispatcher
+    else:
+        dq, dk, dv = _flash_bwd(*args)
     return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 

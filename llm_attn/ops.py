@@ -13,6 +13,7 @@ import torch
 
 from llm_attn import _ext as _ext_mod
 from llm_attn import backward, quant_reference, quant_reference_int8, reference
+from llm_attn.backward import direct_call_allowed
 from llm_attn._ext import KernelNotBuiltError, get_ext, kernel_build
 
 # The contract's names, re-exported for callers of llm_attn.ops.
@@ -262,25 +263,6 @@ def ext_quant_available(ext, precision: str) -> bool:
     return hasattr(ext, probe) and bool(getattr(ext, probe)())
 
 
-def direct_call_allowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether an eager call may skip the ``llm_attn::flash_fwd`` dispatcher: plain tensors (no fake, functional
-    or other subclass), no gradient wanted, no torch-function or dispatch mode, no functorch transform (vmap,
-    grad), no profiler (whose trace names the op), no torch.jit.trace. The caller has checked that nothing is
-    being compiled."""
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    return not (_torch_function_mode_enabled() or _dispatch_stack_len() or _functorch_active()
-                or _profiler_enabled() or _jit_tracing())
-
-
-_Tensor = torch.Tensor
-_torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
-_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
-_profiler_enabled = torch.autograd._profiler_enabled
-_jit_tracing = torch.jit.is_tracing  # torch.jit.trace records ops through the dispatcher
 
 # get_ext() resolved once per requested build (set_backend, LLM_ATTN_BUILD / LLM_ATTN_BACKEND): a failed import of
 # the extension, tried on every call where only NVRTC is available, is the costliest part of a lookup.

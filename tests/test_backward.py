@@ -107,6 +107,21 @@ def test_lse_gradient():
     assert torch.all(got[2] == 0)  # lse does not depend on v
 
 
+def test_an_unused_lse_gradient_stays_none(monkeypatch):
+    """The backward gets dlse=None, not a materialised tensor of zeros, when only out is differentiated (one
+    allocation, one fill kernel and a pass of the kernel over it saved per call); with lse used, its gradient."""
+    from llm_attn import backward
+
+    seen = []
+    real = backward._reference_bwd
+    monkeypatch.setattr(backward, "_reference_bwd", lambda *a: seen.append(a[6]) or real(*a))
+    q, k, v = _inputs(1, 4, 2, 7, 7, 8, seed=12)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, path="reference")
+    torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    assert seen[0] is None and seen[1] is not None and torch.all(seen[1] == 1)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_forward_and_backward_ops(causal):
     q, k, v = _inputs(1, 4, 2, 5, 7, 8, torch.float32, seed=2)
