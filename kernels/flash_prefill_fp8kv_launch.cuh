@@ -1,7 +1,7 @@
 // Launch template of the prefill over the FP8 KV cache (flash_prefill_fp8kv_kernel.cuh, v2 in
 // flash_prefill_fp8kv_v2.cuh); included by one instantiation file per (head_dim, dtype of q and o).
 // run_flash_decode_fp8kv (flash_decode_fp8kv.cu) calls it for the calls with more packed rows than the decode kernel
-// holds; flash_prefill_fp8kv_version() (LLM_ATTN_FP8KV_PREFILL_V, read per call) picks the version.
+// holds; flash_prefill_fp8kv_version (the grid against the SM count, or LLM_ATTN_FP8KV_PREFILL_V) picks the version.
 #pragma once
 
 #include "flash_prefill_fp8kv_kernel.cuh"
@@ -36,9 +36,14 @@ cudaError_t launch_prefill_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t st
 
 template <typename T, int kHeadDim>
 cudaError_t run_flash_prefill_fp8kv_(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
-    if (flash_prefill_fp8kv_version() == 1)
+    using V2 = typename PrefillFp8KvConfig<kHeadDim>::V2;
+    int device = 0, num_sms = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    if (flash_prefill_fp8kv_version(params, V2::kRows, num_sms) == 1)
         return launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::Tile>(params, stream);
-    return launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::V2>(params, stream);
+    return launch_prefill_fp8kv<T, V2>(params, stream);
 }
 
 }  // namespace llm_attn

@@ -34,7 +34,7 @@ And the decode over the FP8 KV cache, as the extension has it: ``mha_decode_fp8k
 messages, flash_decode_fp8kv_num_splits' split count with ``set_decode_splits`` forcing it, mha_fwd's split workspace
 and decode counter pool, run_flash_decode_fp8kv's one launch through ``llm_attn._plan.decode_fp8kv_plan``; the kernel
 for the device's arch, sm_80 and up: it needs no FP8 hardware; above ``decode_fp8kv_max_rows`` packed rows the
-prefill kernel over the cache, never split, v2 unless LLM_ATTN_FP8KV_PREFILL_V=1), ``decode_fp8kv_max_rows`` and
+prefill kernel over the cache, never split, v2 where its blocks fill the SMs, else v1), ``decode_fp8kv_max_rows`` and
 ``fp8kv_prefill``.
 """
 
@@ -993,9 +993,9 @@ def fp8kv_prefill() -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _decode_fp8kv_plan_for(index: int, shape: _plan.Shape, prefill_version: int = 2) -> _plan.Plan:
-    """The FP8-cache decode's plan per (device, shape, forced split, prefill kernel version): nothing to choose again
-    on a later layer."""
+def _decode_fp8kv_plan_for(index: int, shape: _plan.Shape, prefill_version: int = 0) -> _plan.Plan:
+    """The FP8-cache decode's plan per (device, shape, forced split, forced prefill kernel version (0: the grid
+    rule)): nothing to choose again on a later layer."""
     return _plan.decode_fp8kv_plan(shape, device_info(index)[1], prefill_version)
 
 
@@ -1017,7 +1017,7 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
         b, hq, sq, d = q.shape
         shape = _plan.Shape(b, hq, k_data.shape[1], sq, k_data.shape[2], d, bool(causal), q.dtype == torch.bfloat16,
                             decode_splits=_decode_splits)
-        plan = _decode_fp8kv_plan_for(index, shape, _plan.prefill_fp8kv_version())  # read per call, as the C++
+        plan = _decode_fp8kv_plan_for(index, shape, _plan.prefill_fp8kv_forced())  # read per call, as the C++
         fp = FlashDecodeFp8KvParams()
         p = fp.base  # a view of fp's memory: what is set on it is fp's
         _set_shapes(p, q, k_data, v_data, out, scale, causal)  # the k/v strides: bytes = elements

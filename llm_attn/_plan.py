@@ -11,7 +11,7 @@ smem formulas of ``FwdTraits`` / ``DecodeTraits``, and the Hopper kernel's choic
 (kernels/flash_fwd.cu), ``sm90::launch`` / ``launch_tile`` and ``Sm90Traits`` (kernels/flash_fwd_sm90_launch.cuh,
 flash_fwd_sm90_kernel.cuh), and the FP8-cache decode's (``decode_fp8kv_plan``: kernels/flash_decode_fp8kv.cu,
 flash_decode_fp8kv_launch.cuh, flash_prefill_fp8kv_launch.cuh; ``prefill_fp8kv_version``: the prefill kernel's
-version, LLM_ATTN_FP8KV_PREFILL_V). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
+version, by the grid or LLM_ATTN_FP8KV_PREFILL_V). tests/test_kernel_gpu.py checks ``num_splits`` against the extension's on the GPU;
 tests/test_nvrtc.py compiles every instantiation listed here and checks the Hopper choice against the C++ lines it
 mirrors. Pure Python: importable without CUDA.
 """
@@ -401,11 +401,12 @@ def decode_fp8kv_traits(s: Shape) -> DecodeFp8KvTraits:
 def decode_fp8kv_plan(s: Shape, dev: Device, prefill_version: int | None = None) -> Plan:
     """run_flash_decode_fp8kv with the split count binding.cpp computes: one launch of the decode kernel, the fused
     combine in it (its split counters must be zero when it splits), or, above DECODE_MAX_ROWS packed rows, one launch
-    of the prefill kernel (never split), the version ``prefill_version`` or else prefill_fp8kv_version()'s."""
+    of the prefill kernel (never split): version ``prefill_version`` if 1 or 2, else prefill_fp8kv_version's choice
+    (0: the grid rule; None: LLM_ATTN_FP8KV_PREFILL_V, then the grid rule)."""
     if s.head_dim not in CONFIGS:  # run_flash_decode_fp8kv: cudaErrorInvalidValue
         raise ValueError(f"the FP8-cache kernels take head_dim 64 or 128, got head_dim {s.head_dim}")
     if not use_decode_kernel(s):
-        t = prefill_fp8kv_traits(s.head_dim, prefill_fp8kv_version() if prefill_version is None else prefill_version)
+        t = prefill_fp8kv_traits(s.head_dim, prefill_fp8kv_version(s, dev, prefill_version))
         rows = s.num_heads // s.num_kv_heads * s.seqlen_q
         return Plan(1, False, (Launch(prefill_fp8kv_kernel_name(s.is_bf16, t),
                                       (_cdiv(rows, t.rows), s.num_kv_heads, s.batch), t.threads, t.smem_bytes),))
@@ -487,10 +488,22 @@ class PrefillFp8KvV2Traits:
         return f"llm_attn::PrefillFp8KvV2Traits<{self.head_dim}, {self.n_warps}, {self.stages}>"
 
 
-def prefill_fp8kv_version() -> int:
-    """flash_prefill_fp8kv_version (kernels/flash_decode_fp8kv.cu), read per call as there: 1 where
-    LLM_ATTN_FP8KV_PREFILL_V is "1", else 2."""
-    return 1 if os.environ.get("LLM_ATTN_FP8KV_PREFILL_V") == "1" else 2
+def prefill_fp8kv_forced() -> int:
+    """LLM_ATTN_FP8KV_PREFILL_V as flash_prefill_fp8kv_version reads it per call: "1" or "2" forces that version of
+    the FP8-cache prefill kernel; 0 (unset, anything else): the grid rule chooses."""
+    v = os.environ.get("LLM_ATTN_FP8KV_PREFILL_V")
+    return 1 if v == "1" else 2 if v == "2" else 0
+
+
+def prefill_fp8kv_version(s: Shape, dev: Device, forced: int | None = None) -> int:
+    """flash_prefill_fp8kv_version (kernels/flash_decode_fp8kv.cu): ``forced`` (None: prefill_fp8kv_forced()) if 1 or
+    2, else v2 where its 128-row blocks x KV heads x batch fill the device's SMs at least once, v1 otherwise."""
+    forced = prefill_fp8kv_forced() if forced is None else forced
+    if forced in (1, 2):
+        return forced
+    rows = s.num_heads // s.num_kv_heads * s.seqlen_q
+    blocks = _cdiv(rows, prefill_fp8kv_traits(s.head_dim, 2).rows) * s.num_kv_heads * s.batch
+    return 2 if blocks >= dev.num_sms else 1
 
 
 def prefill_fp8kv_traits(head_dim: int, version: int) -> PrefillFp8KvTraits | PrefillFp8KvV2Traits:

@@ -839,11 +839,12 @@ FP8KV_HOST_LINES = (
     ("flash_prefill_fp8kv_launch.cuh", "dim3 grid((rows + Traits::kRows - 1) / Traits::kRows, "
                                        "params.base.num_kv_heads, params.base.batch); flash_prefill_fp8kv_kernel<T, "
                                        "Traits><<<grid, Traits::kThreads, smem, stream>>>(params);"),
-    ("flash_prefill_fp8kv_launch.cuh", "if (flash_prefill_fp8kv_version() == 1) return launch_prefill_fp8kv<T, "
-                                       "typename PrefillFp8KvConfig<kHeadDim>::Tile>(params, stream); return "
-                                       "launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::V2>(params, "
-                                       "stream);"),
-    ("flash_decode_fp8kv.cu", 'return v != nullptr && std::strcmp(v, "1") == 0 ? 1 : 2;'),
+    ("flash_prefill_fp8kv_launch.cuh", "if (flash_prefill_fp8kv_version(params, V2::kRows, num_sms) == 1) return "
+                                       "launch_prefill_fp8kv<T, typename PrefillFp8KvConfig<kHeadDim>::Tile>(params, "
+                                       "stream); return launch_prefill_fp8kv<T, V2>(params, stream);"),
+    ("flash_decode_fp8kv.cu", 'if (v != nullptr && std::strcmp(v, "1") == 0) return 1; if (v != nullptr && '
+                              'std::strcmp(v, "2") == 0) return 2;'),
+    ("flash_decode_fp8kv.cu", "return blocks >= num_sms ? 2 : 1;"),
     ("binding.cpp", "p.tile = llm_attn::kTileAuto;"),
     ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);"),
     ("binding.cpp", "const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads; int* pooled = "
@@ -876,6 +877,11 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
         if rows > _plan.DECODE_MAX_ROWS:  # the prefill kernel: never split, whatever is forced
             p = _plan.decode_fp8kv_plan(shape, dev)
             assert (p.num_splits, p.decode, len(p.launches)) == (1, False, 1)
+            v2 = -(-rows // 128) * hkv * b >= dev.num_sms  # the grid rule: v2 where its blocks fill the SMs
+            want = ((-(-rows // 128), hkv, b), "PrefillFp8KvV2Traits") if v2 else ((-(-rows // 64), hkv, b),
+                                                                                   "PrefillFp8KvTraits<")
+            assert p.launches[0].grid == want[0] and want[1] in p.launches[0].kernel
+            p = _plan.decode_fp8kv_plan(shape, dev, 2)
             assert p.launches[0].grid == (-(-rows // 128), hkv, b) and "PrefillFp8KvV2Traits" in p.launches[0].kernel
             p = _plan.decode_fp8kv_plan(shape, dev, 1)
             assert p.launches[0].grid == (-(-rows // 64), hkv, b) and "PrefillFp8KvTraits" in p.launches[0].kernel
@@ -904,6 +910,12 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     assert p.launches[0] == _plan.Launch("llm_attn::flash_prefill_fp8kv_kernel<__nv_bfloat16, "
                                          "llm_attn::PrefillFp8KvTraits<128, 4, 3>>", (512, 8, 1), 128,
                                          128 + 3 * 2 * 64 * 128)
+    # A 256-token chunk: 8 row blocks of 128 x 8 KV heads = 64 blocks, under one wave of the H100's 132 SMs: v1 (its
+    # 128 blocks of 64 rows); on a 34-SM RTX 4060 Ti the same 64 blocks fill the SMs: v2. Forced: as forced.
+    chunk = dataclasses.replace(s, seqlen_q=256)
+    assert "PrefillFp8KvTraits<128, 4, 3>" in _plan.decode_fp8kv_plan(chunk, H100).launches[0].kernel
+    assert "PrefillFp8KvV2Traits<128, 8, 2>" in _plan.decode_fp8kv_plan(chunk, RTX4060TI).launches[0].kernel
+    assert "PrefillFp8KvV2Traits<128, 8, 2>" in _plan.decode_fp8kv_plan(chunk, H100, 2).launches[0].kernel
     known = set(_plan.decode_fp8kv_kernels()) | set(_plan.prefill_fp8kv_kernels())
     seen = set()
     for (b, hq, hkv), sq, d, bf16, dev, version in itertools.product(
@@ -916,10 +928,11 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     assert seen == known, known - seen
 
 
-def test_fp8kv_decode_splits_are_the_cpp(tmp_path):
+def test_fp8kv_decode_splits_are_the_cpp(tmp_path, monkeypatch):
     """decode_fp8kv_num_splits against kernels/flash_decode_fp8kv.cu's flash_decode_fp8kv_num_splits itself (with
     flash_fwd.cu's rule it calls): the host C++ compiler builds both (stand-in CUDA headers, the kernels' launches
     stubbed) and runs them on every (shape, SM count, forced split count) case below."""
+    monkeypatch.delenv("LLM_ATTN_FP8KV_PREFILL_V", raising=False)  # the grid rule, in the C++ process and here
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to run flash_decode_fp8kv_num_splits with")
@@ -963,7 +976,8 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path):
                 llm_attn::FlashFwdParams& p = fp.base;
                 p.batch = b, p.num_heads = hq, p.num_kv_heads = hkv, p.seqlen_q = sq, p.seqlen_k = sk, p.head_dim = d;
                 p.tile = llm_attn::kTileAuto;
-                std::printf("%d\\n", llm_attn::flash_decode_fp8kv_num_splits(fp, sms));
+                std::printf("%d %d\\n", llm_attn::flash_decode_fp8kv_num_splits(fp, sms),
+                            llm_attn::flash_prefill_fp8kv_version(fp, 128, sms));
             }
         }
     """))
@@ -981,12 +995,19 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path):
                     f"{s.decode_splits}\n" for s, sms in cases)
     run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    got = run.stdout.split()
-    assert len(got) == len(cases)
+    out = run.stdout.split()
+    got, versions = out[0::2], out[1::2]
+    assert len(got) == len(versions) == len(cases)
     bad = [(s, sms, g, _plan.decode_fp8kv_num_splits(s, sms)) for (s, sms), g in zip(cases, got)
            if int(g) != _plan.decode_fp8kv_num_splits(s, sms)]
     assert not bad, f"{len(bad)} of {len(cases)} cases differ (shape, SMs, C++, Python), e.g. {bad[:3]}"
     assert {int(g) for g in got} >= {1, 2, 7, 16, 128}  # the rule's branches were all reached
+    # The prefill kernel's version (v2's 128-row blocks against the SM count; LLM_ATTN_FP8KV_PREFILL_V unset here).
+    assert all(_plan.prefill_fp8kv_traits(d, 2).rows == 128 for d in (64, 128))
+    want = [_plan.prefill_fp8kv_version(s, dataclasses.replace(H100, num_sms=sms), 0) for s, sms in cases]
+    bad = [(s, sms, v, w) for (s, sms), v, w in zip(cases, versions, want) if int(v) != w]
+    assert not bad, f"{len(bad)} prefill versions differ (shape, SMs, C++, Python), e.g. {bad[:3]}"
+    assert set(want) == {1, 2}
 
 
 def test_fp8kv_decode_constants_match_cpp():
@@ -1211,11 +1232,12 @@ BWD_HOST_LINES = (
                                   "p.num_kv_heads, p.batch * p.num_splits); flash_bwd_sm90_kernel<T, Traits, kCausal>"
                                   "<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
     ("tma_host.h", "const cuuint32_t box[4] = {128 / sizeof(T), static_cast<cuuint32_t>(box_rows), 1, 1};"),
-    ("binding.cpp", "if (!p.dq_separate) { dq_accum = at::zeros({batch, num_heads, seqlen_q, head_dim}, f32); "
-                    "p.dq_accum = dq_accum.data_ptr<float>(); } at::Tensor dk_accum, dv_accum; if (p.num_splits > 1) "
-                    "{ // deterministic: one slab per split const int64_t slabs = deterministic ? p.num_splits : 1; "
-                    "dk_accum = at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32); dv_accum = "
-                    "at::zeros({slabs * batch, num_kv_heads, seqlen_k, head_dim}, f32);"),
+    ("binding.cpp", "const int64_t slabs = p.num_splits > 1 ? (deterministic ? p.num_splits : 1) : 0; const int64_t "
+                    "dq_bytes = p.dq_separate ? 0 : part(rows * head_dim); const int64_t dkv_bytes = part(slabs * "
+                    "batch * num_kv_heads * seqlen_k * head_dim);"),
+    ("binding.cpp", "if (!p.dq_separate) p.dq_accum = reinterpret_cast<float*>(acc); if (slabs > 0) { p.dk_accum = "
+                    "reinterpret_cast<float*>(acc + dq_bytes); p.dv_accum = reinterpret_cast<float*>(acc + dq_bytes + "
+                    "dkv_bytes); }"),
     ("binding.cpp", "CHECK_BWD(!deterministic || g_bwd_tile < llm_attn::kBwdHopper || g_bwd_tile > "
                     "llm_attn::kBwdHopperSharedDq, \"deterministic=True, but the Hopper backward was forced "
                     "(force_bwd_tile('hopper...')): its dQ is summed \" \"in no fixed order; force 'auto', "
