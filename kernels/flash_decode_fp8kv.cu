@@ -1,6 +1,6 @@
 // Runtime -> compile-time dispatch of the attention over the FP8 KV cache (flash_decode_fp8kv.h): the split-KV decode
 // kernel for up to kDecodeMaxRows packed rows, the prefill kernel (flash_prefill_fp8kv_kernel.cuh; v2 where its
-// blocks fill the SMs at least once, else v1; LLM_ATTN_FP8KV_PREFILL_V=1 or 2 forces one) above.
+// blocks fill more than half the SMs, else v1; LLM_ATTN_FP8KV_PREFILL_V=1 or 2 forces one) above.
 #include "flash_decode_fp8kv.h"
 #include "flash_fwd_config.h"
 
@@ -18,7 +18,7 @@ int flash_prefill_fp8kv_version(const FlashDecodeFp8KvParams& p, int v2_rows, in
     if (v != nullptr && std::strcmp(v, "2") == 0) return 2;
     const int rows = p.base.num_heads / p.base.num_kv_heads * p.base.seqlen_q;
     const int64_t blocks = static_cast<int64_t>((rows + v2_rows - 1) / v2_rows) * p.base.num_kv_heads * p.base.batch;
-    return blocks >= num_sms ? 2 : 1;
+    return 2 * blocks > num_sms ? 2 : 1;
 }
 
 int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) {

@@ -35,9 +35,10 @@ int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& params, int num_
 
 // The prefill kernel's version for a call: LLM_ATTN_FP8KV_PREFILL_V "1" or "2" forces one (read per call, so that one
 // process can time both); otherwise v2 (each K/V tile converted to fp16 once per 128-row block) where its blocks,
-// ceil(rows / v2_rows) x KV heads x batch, fill the `num_sms` SMs at least once, and v1 (64-row blocks, two per SM)
-// on smaller grids, where v2 leaves SMs idle: measured on the H100 v1 1.47x v2 at 64 blocks, v2 1.08-1.12x v1 from
-// 256 (kernels/NOTES.md "Prefill over the FP8 KV cache v2"). llm_attn/_plan.py's prefill_fp8kv_version mirrors it.
+// ceil(rows / v2_rows) x KV heads x batch, are more than half the `num_sms` SMs, and v1 on smaller grids: there v1's
+// twice as many 64-row blocks still get an SM each, while v2 leaves SMs idle. Measured on the H100 (132 SMs): v1 1.47x
+// v2 at 64 blocks, v2 1.12x v1 at 128 and 1.08-1.12x from 256 (kernels/NOTES.md "Prefill over the FP8 KV cache
+// v2"). llm_attn/_plan.py's prefill_fp8kv_version mirrors it.
 int flash_prefill_fp8kv_version(const FlashDecodeFp8KvParams& params, int v2_rows, int num_sms);
 
 // One instantiation file per (head_dim, dtype of q and o) and kernel (generated): flash_decode_fp8kv_hdim{D}_{dtype}.cu,

@@ -34,8 +34,8 @@ And the decode over the FP8 KV cache, as the extension has it: ``mha_decode_fp8k
 messages, flash_decode_fp8kv_num_splits' split count with ``set_decode_splits`` forcing it, mha_fwd's split workspace
 and decode counter pool, run_flash_decode_fp8kv's one launch through ``llm_attn._plan.decode_fp8kv_plan``; the kernel
 for the device's arch, sm_80 and up: it needs no FP8 hardware; above ``decode_fp8kv_max_rows`` packed rows the
-prefill kernel over the cache, never split, v2 where its blocks fill the SMs, else v1), ``decode_fp8kv_max_rows`` and
-``fp8kv_prefill``.
+prefill kernel over the cache, never split, v2 where its blocks fill over half the SMs, else v1),
+``decode_fp8kv_max_rows`` and ``fp8kv_prefill``.
 """
 
 from __future__ import annotations

@@ -497,13 +497,14 @@ def prefill_fp8kv_forced() -> int:
 
 def prefill_fp8kv_version(s: Shape, dev: Device, forced: int | None = None) -> int:
     """flash_prefill_fp8kv_version (kernels/flash_decode_fp8kv.cu): ``forced`` (None: prefill_fp8kv_forced()) if 1 or
-    2, else v2 where its 128-row blocks x KV heads x batch fill the device's SMs at least once, v1 otherwise."""
+    2, else v2 where its 128-row blocks x KV heads x batch are more than half the device's SMs, v1 otherwise (v1's
+    twice as many 64-row blocks then still get an SM each)."""
     forced = prefill_fp8kv_forced() if forced is None else forced
     if forced in (1, 2):
         return forced
     rows = s.num_heads // s.num_kv_heads * s.seqlen_q
     blocks = _cdiv(rows, prefill_fp8kv_traits(s.head_dim, 2).rows) * s.num_kv_heads * s.batch
-    return 2 if blocks >= dev.num_sms else 1
+    return 2 if 2 * blocks > dev.num_sms else 1
 
 
 def prefill_fp8kv_traits(head_dim: int, version: int) -> PrefillFp8KvTraits | PrefillFp8KvV2Traits:

@@ -844,7 +844,7 @@ FP8KV_HOST_LINES = (
                                        "stream); return launch_prefill_fp8kv<T, V2>(params, stream);"),
     ("flash_decode_fp8kv.cu", 'if (v != nullptr && std::strcmp(v, "1") == 0) return 1; if (v != nullptr && '
                               'std::strcmp(v, "2") == 0) return 2;'),
-    ("flash_decode_fp8kv.cu", "return blocks >= num_sms ? 2 : 1;"),
+    ("flash_decode_fp8kv.cu", "return 2 * blocks > num_sms ? 2 : 1;"),
     ("binding.cpp", "p.tile = llm_attn::kTileAuto;"),
     ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);"),
     ("binding.cpp", "const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads; int* pooled = "
@@ -877,7 +877,7 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
         if rows > _plan.DECODE_MAX_ROWS:  # the prefill kernel: never split, whatever is forced
             p = _plan.decode_fp8kv_plan(shape, dev)
             assert (p.num_splits, p.decode, len(p.launches)) == (1, False, 1)
-            v2 = -(-rows // 128) * hkv * b >= dev.num_sms  # the grid rule: v2 where its blocks fill the SMs
+            v2 = 2 * -(-rows // 128) * hkv * b > dev.num_sms  # the grid rule: v2 where its blocks fill half the SMs
             want = ((-(-rows // 128), hkv, b), "PrefillFp8KvV2Traits") if v2 else ((-(-rows // 64), hkv, b),
                                                                                    "PrefillFp8KvTraits<")
             assert p.launches[0].grid == want[0] and want[1] in p.launches[0].kernel
@@ -910,8 +910,8 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     assert p.launches[0] == _plan.Launch("llm_attn::flash_prefill_fp8kv_kernel<__nv_bfloat16, "
                                          "llm_attn::PrefillFp8KvTraits<128, 4, 3>>", (512, 8, 1), 128,
                                          128 + 3 * 2 * 64 * 128)
-    # A 256-token chunk: 8 row blocks of 128 x 8 KV heads = 64 blocks, under one wave of the H100's 132 SMs: v1 (its
-    # 128 blocks of 64 rows); on a 34-SM RTX 4060 Ti the same 64 blocks fill the SMs: v2. Forced: as forced.
+    # A 256-token chunk: 8 row blocks of 128 x 8 KV heads = 64 blocks, under half the H100's 132 SMs: v1 (its 128
+    # blocks of 64 rows); on a 34-SM RTX 4060 Ti the same 64 blocks fill the SMs: v2. Forced: as forced.
     chunk = dataclasses.replace(s, seqlen_q=256)
     assert "PrefillFp8KvTraits<128, 4, 3>" in _plan.decode_fp8kv_plan(chunk, H100).launches[0].kernel
     assert "PrefillFp8KvV2Traits<128, 8, 2>" in _plan.decode_fp8kv_plan(chunk, RTX4060TI).launches[0].kernel
