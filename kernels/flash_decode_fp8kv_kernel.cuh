@@ -124,6 +124,39 @@ __device__ __forceinline__ uint32_t to_half2(uint32_t w) {
     return pack2<half>(f.x, f.y);
 }
 
+// Where one block of the prefill kernels over the FP8 cache (v1, v2) works: its packed query rows (row = qi x group +
+// head_in_group; the block's first is row0), the keys it reads (seqused_k clamped to [0, seqlen_k]), the causal offset
+// (row i sees keys <= i / group + causal_offset), the key tiles it visits (all of them, or up to its last row's causal
+// limit; none when that row sees no key) and the base pointers of its KV head's bytes and scales.
+struct Fp8KvPrefillBlock {
+    int group, num_rows, row0, seqlen_k, causal_offset, n_tiles;
+    const unsigned char* k_ptr;
+    const unsigned char* v_ptr;
+    const float* ks_ptr;
+    const float* vs_ptr;
+
+    __device__ __forceinline__ Fp8KvPrefillBlock(const FlashDecodeFp8KvParams& fp, int row_block, int kv_head,
+                                                 int batch, int rows_per_block, int block_n) {
+        const FlashFwdParams& p = fp.base;
+        group = p.num_heads / p.num_kv_heads;
+        num_rows = group * p.seqlen_q;
+        row0 = row_block * rows_per_block;
+        seqlen_k = p.seqused_k ? max(min(p.seqused_k[batch], p.seqlen_k), 0) : p.seqlen_k;
+        causal_offset = seqlen_k - p.seqlen_q;
+        n_tiles = (seqlen_k + block_n - 1) / block_n;
+        if (p.causal) {
+            const int last_row = min(row0 + rows_per_block, num_rows) - 1;
+            const int visible = max(last_row / group + causal_offset + 1, 0);  // keys 0 .. visible - 1
+            n_tiles = min(n_tiles, (visible + block_n - 1) / block_n);
+        }
+        n_tiles = max(n_tiles, 0);
+        k_ptr = reinterpret_cast<const unsigned char*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+        v_ptr = reinterpret_cast<const unsigned char*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+        ks_ptr = fp.k_scale + batch * fp.ks_batch_stride + kv_head * fp.ks_head_stride;
+        vs_ptr = fp.v_scale + batch * fp.vs_batch_stride + kv_head * fp.vs_head_stride;
+    }
+};
+
 template <typename T, typename Traits>
 __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvParams& fp) {
     constexpr int kHeadDim = Traits::kHeadDim;

@@ -82,28 +82,11 @@ __device__ __forceinline__ void flash_prefill_fp8kv_body(const FlashDecodeFp8KvP
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int row_block = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-    const int group = params.num_heads / params.num_kv_heads;
-    const int seqlen_q = params.seqlen_q;
-    const int num_rows = group * seqlen_q;
-    const int row0 = row_block * kRows;  // this block's first packed row
-    const int seqlen_k = params.seqused_k ? max(min(params.seqused_k[batch], params.seqlen_k), 0) : params.seqlen_k;
-    const int causal_offset = seqlen_k - seqlen_q;
-
-    // Key tiles: all of seqlen_k, or (causal) up to the block's last row's limit; none when that row sees no key.
-    int n_tiles = (seqlen_k + kBlockN - 1) / kBlockN;
-    if (params.causal) {
-        const int last_row = min(row0 + kRows, num_rows) - 1;
-        const int visible = max(last_row / group + causal_offset + 1, 0);  // keys 0 .. visible - 1
-        n_tiles = min(n_tiles, (visible + kBlockN - 1) / kBlockN);
-    }
-    n_tiles = max(n_tiles, 0);
-
-    const unsigned char* k_ptr = reinterpret_cast<const unsigned char*>(params.k) + batch * params.k_batch_stride +
-                                 kv_head * params.k_head_stride;
-    const unsigned char* v_ptr = reinterpret_cast<const unsigned char*>(params.v) + batch * params.v_batch_stride +
-                                 kv_head * params.v_head_stride;
-    const float* ks_ptr = fp.k_scale + batch * fp.ks_batch_stride + kv_head * fp.ks_head_stride;
-    const float* vs_ptr = fp.v_scale + batch * fp.vs_batch_stride + kv_head * fp.vs_head_stride;
+    const Fp8KvPrefillBlock blk(fp, row_block, kv_head, batch, kRows, kBlockN);
+    const int group = blk.group, seqlen_q = params.seqlen_q, num_rows = blk.num_rows, row0 = blk.row0;
+    const int seqlen_k = blk.seqlen_k, causal_offset = blk.causal_offset, n_tiles = blk.n_tiles;
+    const unsigned char *k_ptr = blk.k_ptr, *v_ptr = blk.v_ptr;
+    const float *ks_ptr = blk.ks_ptr, *vs_ptr = blk.vs_ptr;
 
     // As the decode kernel: thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep of K and V;
     // rows past the valid keys are zero-filled; thread 0 also copies the tile's two scales.

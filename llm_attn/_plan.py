@@ -440,6 +440,7 @@ class PrefillFp8KvTraits:
     stages: int
 
     block_n = 64
+    name = "PrefillFp8KvTraits"
 
     @property
     def threads(self) -> int:
@@ -454,38 +455,24 @@ class PrefillFp8KvTraits:
         return 128 + self.stages * 2 * self.block_n * self.head_dim
 
     def cpp(self) -> str:
-        return f"llm_attn::PrefillFp8KvTraits<{self.head_dim}, {self.n_warps}, {self.stages}>"
+        return f"llm_attn::{self.name}<{self.head_dim}, {self.n_warps}, {self.stages}>"
 
 
-# v2 (the default): PrefillFp8KvConfig<D>::V2, each K/V tile converted to fp16 once per block in shared memory.
+# v2: PrefillFp8KvConfig<D>::V2, each K/V tile converted to fp16 once per block in shared memory (on grids of more
+# than half a wave: prefill_fp8kv_version).
 PREFILL_FP8KV_V2_CONFIG = _table.PREFILL_FP8KV_V2_TRAITS  # (n_warps, stages)
 
 
 @dataclass(frozen=True)
-class PrefillFp8KvV2Traits:
-    """PrefillFp8KvV2Traits<kHeadDim, kNWarps, kStages> (kernels/flash_prefill_fp8kv_v2.cuh): n_warps x 16 packed
-    query rows, stages e4m3 byte stages and two fp16 tiles (fp16 Q staged in the second)."""
+class PrefillFp8KvV2Traits(PrefillFp8KvTraits):
+    """PrefillFp8KvV2Traits<kHeadDim, kNWarps, kStages> (kernels/flash_prefill_fp8kv_v2.cuh): v1's rows and key tile,
+    stages e4m3 byte stages and two fp16 tiles (fp16 Q staged in the second)."""
 
-    head_dim: int
-    n_warps: int
-    stages: int
-
-    block_n = 64
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.n_warps
-
-    @property
-    def rows(self) -> int:
-        return 16 * self.n_warps
+    name = "PrefillFp8KvV2Traits"
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: the scales (128) + stages x (K + V) bytes + 2 x (K + V) fp16
-        return 128 + self.stages * 2 * self.block_n * self.head_dim + 2 * 2 * self.block_n * self.head_dim * 2
-
-    def cpp(self) -> str:
-        return f"llm_attn::PrefillFp8KvV2Traits<{self.head_dim}, {self.n_warps}, {self.stages}>"
+        return super().smem_bytes + 2 * 2 * self.block_n * self.head_dim * 2
 
 
 def prefill_fp8kv_forced() -> int:
