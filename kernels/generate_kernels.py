@@ -239,7 +239,7 @@ def python_table() -> str:
               f"DECODE_FP8KV_TRAITS = {DECODE_FP8KV_TRAITS!r}",
               "# (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache",
               f"PREFILL_FP8KV_TRAITS = {PREFILL_FP8KV_TRAITS!r}",
-              "# (n_warps, stages) of PrefillFp8KvConfig<D>::V2: its v2 (the default; LLM_ATTN_FP8KV_PREFILL_V=1: v1)",
+              "# (n_warps, stages) of PrefillFp8KvConfig<D>::V2: v2 (over half a wave of blocks; LLM_ATTN_FP8KV_PREFILL_V forces)",
               f"PREFILL_FP8KV_V2_TRAITS = {PREFILL_FP8KV_V2_TRAITS!r}",
               "# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default",
               f"FP8_BLOCK_N = {FP8_BLOCK_N!r}",

@@ -37,7 +37,7 @@ BWD_NARROW = {
 DECODE_FP8KV_TRAITS = (('OneTile', 1, 4), ('TwoTiles', 2, 3))
 # (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache
 PREFILL_FP8KV_TRAITS = (4, 3)
-# (n_warps, stages) of PrefillFp8KvConfig<D>::V2: its v2 (the default; LLM_ATTN_FP8KV_PREFILL_V=1: v1)
+# (n_warps, stages) of PrefillFp8KvConfig<D>::V2: v2 (over half a wave of blocks; LLM_ATTN_FP8KV_PREFILL_V forces)
 PREFILL_FP8KV_V2_TRAITS = (8, 2)
 # per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
 FP8_BLOCK_N = {128: (192, 128), 64: (128, 192)}

@@ -4,9 +4,9 @@ harness (``bench --mode accuracy`` against float64, the ``correctness`` measurem
 - ``llm_attn_fp8``: FP8 prefill attention (``flash_attn_func(..., precision='fp8')``): Q and K in int8 (or e4m3:
   ``LLM_ATTN_FP8_QK=e4m3``), P and V in e4m3, quantised inside each call (per-block scales, K smoothed), fp32
   accumulation and softmax; the Hopper kernel on its FP8/INT8 tensor cores.
-- ``llm_attn_fp8_e4m3``: the same kernel with Q and K in e4m3 too (``flash_attn_func(..., fp8_qk="e4m3")``): 4-10 % faster than
-  int8 Q K^T on the H100, less accurate on peaky rows (kernels/NOTES.md "FP8 forward v4/v5"). A separate name, so
-  that its rows and its accuracy never pass for the default's.
+- ``llm_attn_fp8_e4m3``: the same kernel with Q and K in e4m3 too (``flash_attn_func(..., fp8_qk="e4m3")``):
+  4-10 % faster than int8 Q K^T on the H100, less accurate on peaky rows (kernels/NOTES.md "FP8 forward v4/v5"). A
+  separate name, so that its rows and its accuracy never pass for the default's.
 - ``llm_attn_int8``: INT8 Q K^T (K smoothed, per-block scales), P V in e4m3 on sm_89 and in the input dtype
   elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin, A100, H100).
 
