@@ -393,7 +393,7 @@ def summary_table(runs: list[dict], last: int) -> str:
     for r in runs:
         r["speed_vs_reference"] = speed_ratio(ref["median_step_ms"], r["median_step_ms"])
         speed = format_ratio(r["speed_vs_reference"], 3, words=r is not ref)
-        if r is not ref and len(r["step_s"]) > 1:  # steps 2..N paired by step (the same batch, taken in turn)
+        if r is not ref and len(r.get("step_s", ())) > 1:  # steps 2..N paired by step (the same batch, in turn)
             r["speed_interval"] = paired_ratio_interval(ref["step_s"][1:], r["step_s"][1:])
             speed = format_ratio_interval(r["speed_interval"])
         summary.append([

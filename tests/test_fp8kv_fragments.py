@@ -27,8 +27,11 @@ SOURCE_LINES = (
     "const int col = (((2 * p + (t >> 1)) ^ ((2 * (k_row0 >> 2)) & (Traits::kChunks - 1))) << 4) + 8 * (t & 1);",
     "const int vcol = kHeadDim == 128 ? (g ^ ((2 * (v_row0 >> 2)) & (Traits::kChunks - 1))) << 4 : (((g >> 1) ^ "
     "((2 * (v_row0 >> 2)) & (Traits::kChunks - 1))) << 4) + 8 * (g & 1);",
-    "const uint32_t b0 = __byte_perm(vw[0][j / 4], vw[1][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));",
-    "const uint32_t b1 = __byte_perm(vw[2][j / 4], vw[3][j / 4], ((4 + j % 4) << 12) | ((j % 4) << 4));",
+    "const uint32_t b0 = v_pair(vw[0][j / 4], vw[1][j / 4], j % 4);",
+    "const uint32_t b1 = v_pair(vw[2][j / 4], vw[3][j / 4], j % 4);",
+    # v_pair: byte b of x (low half) and of y (high half), by the bit trick or (sm_89+) the hardware's conversion
+    "return e4m3x2_to_half2_scaled(__byte_perm(x, y, ((4 + b) << 12) | (b << 4)));",
+    "return e4m3x2_to_half2_hw<0>(__byte_perm(x, y, ((4 + b) << 4) | b));",
     "a[0][0] = lo.x, a[0][1] = hi.x, a[0][2] = lo.y, a[0][3] = hi.y;",
     "a[1][0] = lo.z, a[1][1] = hi.z, a[1][2] = lo.w, a[1][3] = hi.w;",
     "dst[(2 * t) * kDT + j] = st.acc_o[m][j][2 * r] * f;",
