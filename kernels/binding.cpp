@@ -551,6 +551,81 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_bwd: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// ---- Eager autograd in C++ (llm_attn.ops.flash_attn_func when gradients are wanted, eager, plain tensors) --------
+// The torch.library op's autograd (llm_attn/backward.py) runs Python on both sides of a training step: the forward
+// through the dispatcher's Autograd key, the generated autograd.Function and a redispatch; the backward in a Python
+// node on the autograd engine's device thread, which has to take the GIL, then the checks, three gradient allocations
+// and the crossing into mha_bwd. A short eager backward is host-bound (kernels/NOTES.md "The eager backward's host
+// cost"), so this function does the same in C++: the same kernels, checks, saved tensors and gradients, a CppNode in
+// the graph. The op path stays for torch.compile, modes, subclasses, the profiler and the NVRTC build.
+bool kernel_ready(const at::Tensor& t) {  // llm_attn.backward._kernel_ready: contiguous head_dim, 16-byte rows and base
+    if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+    for (int d = 0; d < 3; ++d) {
+        if (t.stride(d) % 8 != 0 && t.size(d) != 1) return false;
+    }
+    return true;
+}
+
+// LLM_ATTN_BWD_DETERMINISTIC=1: every backward deterministic (read once, as llm_attn/backward.py reads it).
+const bool g_bwd_deterministic_env = [] {
+    const char* v = std::getenv("LLM_ATTN_BWD_DETERMINISTIC");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+}();
+
+struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
+    // q, k, v as the kernels read them (the caller's _readable); returns (out, lse), both differentiable.
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                  const at::Tensor& k, const at::Tensor& v,
+                                                  const std::optional<at::Tensor>& seqused_k, double scale,
+                                                  bool causal, bool deterministic) {
+        auto [out, lse] = mha_fwd_alloc(q, k, v, seqused_k, scale, causal);
+        // An unused gradient (out's or lse's) reaches backward undefined: no zeros made for an lse nobody uses.
+        ctx->set_materialize_grads(false);
+        ctx->save_for_backward({q, k, v, out, lse, seqused_k.has_value() ? *seqused_k : at::Tensor()});
+        ctx->saved_data["scale"] = scale;
+        ctx->saved_data["causal"] = causal;
+        ctx->saved_data["deterministic"] = deterministic;
+        return {out, lse};
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        // The kernels' gradients are not differentiable themselves: say so rather than return gradients that a
+        // second backward would silently treat as constants.
+        TORCH_CHECK(!at::GradMode::is_enabled(),
+                    "llm_attn: the attention backward ran with create_graph=True, but it is not differentiable "
+                    "(no double backward); call backward without create_graph");
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+        std::optional<at::Tensor> seqused_k;
+        if (saved[5].defined()) seqused_k = saved[5];
+        at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+        if (!kernel_ready(dout)) dout = dout.contiguous();  // e.g. an expanded gradient (stride 0 in head_dim)
+        std::optional<at::Tensor> dlse;
+        if (grads[1].defined()) dlse = grads[1].to(at::kFloat).contiguous();
+        const bool deterministic = ctx->saved_data["deterministic"].toBool() || g_bwd_deterministic_env ||
+                                   at::globalContext().deterministicAlgorithms();
+        at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+        // Gradients laid out like their inputs; where the kernel cannot write that layout, into a buffer it can.
+        at::Tensor wq = kernel_ready(dq) ? dq : at::empty(q.sizes(), q.options());
+        at::Tensor wk = kernel_ready(dk) ? dk : at::empty(k.sizes(), k.options());
+        at::Tensor wv = kernel_ready(dv) ? dv : at::empty(v.sizes(), v.options());
+        mha_bwd(dout, q, k, v, out, lse, dlse, wq, wk, wv, seqused_k, ctx->saved_data["scale"].toDouble(),
+                ctx->saved_data["causal"].toBool(), deterministic);
+        if (!wq.is_same(dq)) dq.copy_(wq);
+        if (!wk.is_same(dk)) dk.copy_(wk);
+        if (!wv.is_same(dv)) dv.copy_(wv);
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+};
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const std::optional<at::Tensor>& seqused_k, double scale,
+                                                    bool causal, bool deterministic) {
+    auto r = FlashAttnFunction::apply(q, k, v, seqused_k, scale, causal, deterministic);
+    return {r[0], r[1]};
+}
+
 // ---- Decode tuning overrides (llm_attn.ops.force_decode, experiments/decode_splits.py) ----------------------------
 // Force the decode kernel's KV split count (0 = automatic; clamped to the 64-key tiles) or its DecodeConfigId
 // (0 = automatic, kernels/kernel_tiles.h); each returns the previous value, or -1 (nothing changed) when out of range.
@@ -773,6 +848,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("mha_bwd", &mha_bwd, "FlashAttention backward into preallocated dq/dk/dv", py::arg("dout"), py::arg("q"),
           py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dlse"), py::arg("dq"), py::arg("dk"),
           py::arg("dv"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"), py::arg("deterministic") = false);
+    m.def("mha_fwd_autograd", &mha_fwd_autograd,
+          "FlashAttention forward whose backward (mha_bwd's kernels) is a C++ autograd node; returns (out, lse)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"),
+          py::arg("deterministic") = false);
     m.def("set_bwd_splits", &set_bwd_splits, "Force the backward's key-block split (0 auto); returns the previous");
     m.def("set_bwd_tile", &set_bwd_tile, "Force the backward's dK/dV kernel (a BwdTileId, 0 auto); returns the previous");
     m.def("bwd_splits", &bwd_splits, "(num_splits, iters_per_split) of the backward for these shapes");

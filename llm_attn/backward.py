@@ -18,6 +18,11 @@ anyway.
 
 Both ops have fake implementations, so ``torch.compile`` traces forward and backward without graph breaks.
 ``llm_attn.ops`` imports it and calls ``register_autograd`` on its forward op.
+
+An eager call with gradients on the compiled extension does not come here: ``llm_attn.ops.flash_attn_func`` records
+the extension's C++ autograd node instead (``mha_fwd_autograd``, kernels/binding.cpp ``FlashAttnFunction``: the
+same kernels, saved tensors and deterministic rule, no Python in the backward). This autograd serves the op:
+``torch.compile``, modes, subclasses, the profiler and the NVRTC build.
 """
 
 from __future__ import annotations
@@ -35,14 +40,20 @@ from llm_attn.kernel_contract import aligned16 as _aligned16
 def direct_call_allowed(*tensors: torch.Tensor) -> bool:
     """Whether an eager call may skip the dispatcher of our custom ops (``llm_attn::flash_fwd``, its backward
     ``llm_attn::flash_bwd``) and run their CUDA implementation directly, saving the op's round trip through the
-    dispatcher: plain tensors (no fake, functional or other subclass), no gradient wanted, no torch-function or
-    dispatch mode, no functorch transform (vmap, grad), no profiler (whose trace names the op), no torch.jit.trace.
-    The caller has checked that nothing is being compiled."""
+    dispatcher: ``eager_call_allowed`` and no gradient wanted. The caller has checked that nothing is being compiled."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return eager_call_allowed(*tensors)
+
+
+def eager_call_allowed(*tensors: torch.Tensor) -> bool:
+    """Whether nothing needs to see our custom ops: plain tensors (no fake, functional or other subclass), no
+    torch-function or dispatch mode, no functorch transform (vmap, grad), no profiler (whose trace names the op), no
+    torch.jit.trace. Gradients may be wanted (the extension's C++ autograd function then records the graph:
+    ``llm_attn.ops``). The caller has checked that nothing is being compiled."""
     for t in tensors:
         if type(t) is not _Tensor:
             return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
     return not (_torch_function_mode_enabled() or _dispatch_stack_len() or _functorch_active()
                 or _profiler_enabled() or _jit_tracing())
 

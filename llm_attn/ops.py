@@ -13,7 +13,7 @@ import torch
 
 from llm_attn import _ext as _ext_mod
 from llm_attn import backward, quant_reference, quant_reference_int8, reference
-from llm_attn.backward import direct_call_allowed
+from llm_attn.backward import direct_call_allowed, eager_call_allowed
 from llm_attn._ext import KernelNotBuiltError, get_ext, kernel_build
 
 # The contract's names, re-exported for callers of llm_attn.ops.
@@ -228,6 +228,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             out, lse = _kernel_impl(q, k, v, seqused_k, scale, causal, ext)
         else:
             out, lse = _reference_impl(q, k, v, seqused_k, scale, causal)
+    elif use_kernel and not compiling and _cpp_autograd and hasattr(ext, "mha_fwd_autograd") and \
+            eager_call_allowed(q, k, v):
+        # Eager with gradients wanted: the extension's C++ autograd function (kernels/binding.cpp FlashAttnFunction:
+        # the same kernels and saved tensors as the op's autograd, no Python in the backward); the NVRTC build, modes
+        # and torch.compile keep the op.
+        out, lse = ext.mha_fwd_autograd(_readable(q), _readable(k), _readable(v), seqused_k, scale, bool(causal),
+                                        bool(deterministic))
     else:
         out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel, bool(deterministic))
     return (out, lse) if return_lse else out
@@ -262,6 +269,24 @@ def ext_quant_available(ext, precision: str) -> bool:
     probe = {"fp8": "fp8_available", "int8": "int8_available"}[precision]
     return hasattr(ext, probe) and bool(getattr(ext, probe)())
 
+
+
+# Eager calls that want gradients run the extension's C++ autograd function (flash_attn_func above) unless
+# LLM_ATTN_CPP_AUTOGRAD=0 or ``cpp_autograd(False)`` keeps them on the torch.library op's Python autograd (A/B runs:
+# ``python -m llm_attn.bench --mode backward --impls ours ours-op``). Both run the same kernels.
+_cpp_autograd = os.environ.get("LLM_ATTN_CPP_AUTOGRAD", "1") != "0"
+
+
+@contextlib.contextmanager
+def cpp_autograd(enabled: bool):
+    """Process-wide: whether eager calls with gradients use the extension's C++ autograd function (True, the
+    default) or the op's Python autograd (False). Decided at the forward: a graph keeps the node it recorded."""
+    global _cpp_autograd
+    prev, _cpp_autograd = _cpp_autograd, bool(enabled)
+    try:
+        yield
+    finally:
+        _cpp_autograd = prev
 
 
 # get_ext() resolved once per requested build (set_backend, LLM_ATTN_BUILD / LLM_ATTN_BACKEND): a failed import of

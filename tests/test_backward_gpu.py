@@ -242,13 +242,35 @@ def test_backward_strided_transformers_layout(cuda_ext, dtype, causal, kernel):
     check_grads((dq, dk, dv), q, k, v, dout, causal)
 
 
+# -- the two eager autograd ways: the extension's C++ autograd function (binding.cpp FlashAttnFunction, the AOT
+# build's default) and the torch.library op's Python autograd (llm_attn/backward.py: the NVRTC build, or
+# cpp_autograd(False)). Both run the same kernels; each test checks which node it recorded.
+AUTOGRAD_WAYS = ["cpp", "op"]
+
+
+def autograd_way(ext, way):
+    from llm_attn.ops import cpp_autograd
+
+    if way == "cpp" and not hasattr(ext, "mha_fwd_autograd"):
+        pytest.skip("this build has no C++ autograd function (NVRTC): its gradients take the op's autograd")
+    return cpp_autograd(way == "cpp")
+
+
+def assert_node(out, way):
+    name = out.grad_fn.name()
+    assert ("FlashAttnFunction" in name) == (way == "cpp") and ("flash_fwd" in name) == (way == "op"), name
+
+
+@pytest.mark.parametrize("way", AUTOGRAD_WAYS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_autograd_public_api(cuda_ext, dtype):
+def test_autograd_public_api(cuda_ext, dtype, way):
     """flash_attn_func + .backward(): same gradients as the raw kernels; lse gradient through the kernel too."""
     dt = DTYPES[dtype]
     q, k, v, dout = _qkv(2, 16, 4, 333, 333, 64, dt, 3)
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attn_func(qq, kk, vv, causal=True, return_lse=True)
+    with autograd_way(cuda_ext, way):
+        out, lse = flash_attn_func(qq, kk, vv, causal=True, return_lse=True)
+    assert_node(out, way)
     dlse = torch.randn_like(lse)
     torch.autograd.backward((out, lse), (dout, dlse))
     assert not any(t.grad.isnan().any() for t in (qq, kk, vv))
@@ -265,10 +287,68 @@ def test_autograd_public_api(cuda_ext, dtype):
     # Without the lse gradient, autograd's dq/dk/dv are the raw kernels' (up to the dQ atomics' summation order).
     for t in (qq, kk, vv):
         t.grad = None
-    flash_attn_func(qq, kk, vv, causal=True).backward(dout)
+    with autograd_way(cuda_ext, way):
+        flash_attn_func(qq, kk, vv, causal=True).backward(dout)
     raw = run_raw(cuda_ext, q, k, v, dout, True)
     for t, r in zip((qq, kk, vv), raw, strict=True):
         torch.testing.assert_close(t.grad, r, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("way", AUTOGRAD_WAYS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,hq,hkv,sq,sk", [(128, 32, 8, 77, 200), (64, 6, 1, 129, 63), (128, 4, 4, 1, 300)])
+def test_autograd_strided_inputs_and_expanded_gradient(cuda_ext, way, dtype, causal, d, hq, hkv, sq, sk):
+    """Through flash_attn_func: q a (B, S, H, D) projection viewed as (B, H, S, D), K sliced out of a longer buffer,
+    V transposed; out.sum() gives an expanded (stride 0) output gradient. Gradients reach the leaves in their
+    layouts, against float64 (check_grads' bound), with no NaN; both autograd ways give the same values."""
+    dt = DTYPES[dtype]
+    torch.manual_seed(31 + sq)
+    qb = torch.randn(2, sq, hq, d, device="cuda", dtype=dt, requires_grad=True)
+    kb = torch.randn(2, hkv, sk + 37, d, device="cuda", dtype=dt, requires_grad=True)
+    vb = torch.randn(2, sk, hkv, d, device="cuda", dtype=dt, requires_grad=True)
+    q, k, v = qb.transpose(1, 2), kb[:, :, :sk], vb.transpose(1, 2)
+    with autograd_way(cuda_ext, way):
+        out = flash_attn_func(q, k, v, causal=causal)
+    assert_node(out, way)
+    out.sum().backward()  # the output gradient: ones expanded, stride 0 everywhere
+    assert qb.grad.shape == qb.shape and kb.grad.shape == kb.shape and vb.grad.shape == vb.shape
+    assert torch.count_nonzero(kb.grad[:, :, sk:]) == 0  # the keys past the slice got no gradient
+    got = (qb.grad.transpose(1, 2), kb.grad[:, :, :sk], vb.grad.transpose(1, 2))
+    check_grads(got, q.detach(), k.detach(), v.detach(), torch.ones_like(q), causal)
+
+
+def test_cpp_autograd_refuses_double_backward(cuda_ext):
+    """create_graph=True through the C++ autograd function: one clear error, never gradients that a second
+    backward would silently treat as constants."""
+    q, k, v, dout = _qkv(1, 4, 2, 64, 64, 64, torch.float16, 32)
+    q.requires_grad_()
+    with autograd_way(cuda_ext, "cpp"):
+        out = flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="create_graph=True, but it is not differentiable"):
+        torch.autograd.grad(out, q, dout, create_graph=True)
+
+
+@pytest.mark.parametrize("way", AUTOGRAD_WAYS)
+def test_autograd_under_activation_checkpointing(cuda_ext, way):
+    """torch.utils.checkpoint (non-reentrant: saved-tensor hooks; reentrant: a recomputed forward) gives the plain
+    backward's gradients on both autograd ways."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, dout = _qkv(2, 8, 2, 300, 300, 128, torch.bfloat16, 33)
+
+    def grads(wrap):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with autograd_way(cuda_ext, way):
+            out = wrap(lambda a, b, c: flash_attn_func(a, b, c, causal=True), *leaves)
+        out.backward(dout)
+        return [t.grad for t in leaves]
+
+    plain = grads(lambda f, *a: f(*a))
+    for reentrant in (False, True):
+        for g, r in zip(grads(lambda f, *a: checkpoint(f, *a, use_reentrant=reentrant)), plain, strict=True):
+            assert not g.isnan().any()
+            torch.testing.assert_close(g, r, atol=1e-2, rtol=1e-2)
 
 
 def test_backward_compile(cuda_ext):
@@ -508,16 +588,20 @@ def test_deterministic_backward_repeats_bit_for_bit(cuda_ext, tile, splits, caus
     check_grads(first, q, k, v, dout, causal)
 
 
-def test_deterministic_through_flash_attn_func_and_torch_flag(cuda_ext):
+@pytest.mark.parametrize("way", AUTOGRAD_WAYS)
+def test_deterministic_through_flash_attn_func_and_torch_flag(cuda_ext, way):
     """flash_attn_func(deterministic=True) and torch.use_deterministic_algorithms(True) (what a patched model
-    follows) both give the raw deterministic backward's bits, run after run."""
+    follows) both give the raw deterministic backward's bits, run after run, on both autograd ways."""
     q, k, v, dout = _qkv(1, 32, 8, 1024, 1024, 128, torch.bfloat16, 21)
     raw, _ = run_raw_det(cuda_ext, q, k, v, dout, True)
     torch.cuda.synchronize()
 
     def grads(**kw):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        flash_attn_func(*leaves, causal=True, **kw).backward(dout)
+        with autograd_way(cuda_ext, way):
+            out = flash_attn_func(*leaves, causal=True, **kw)
+        assert_node(out, way)
+        out.backward(dout)
         return [t.grad for t in leaves]
 
     for _ in range(3):

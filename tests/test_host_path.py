@@ -1,7 +1,8 @@
 """The host-cost fast paths of llm_attn.flash_attn_func and the patches' runtime (issue 18, item 5) keep every
 behaviour: the validation cache never lets bad input through, the dispatcher is skipped only where nothing needs it
-(autograd, torch.compile, modes and fakes still see the ``llm_attn::flash_fwd`` op), and the runtime's cached
-runners survive copying. Host time itself is measured by benchmarks, not here."""
+(torch.compile, modes and fakes still see the ``llm_attn::flash_fwd`` op; so does autograd, except an eager CUDA call
+on the compiled extension, which records its C++ autograd node: tests/test_backward_gpu.py checks both ways), and
+the runtime's cached runners survive copying. Host time itself is measured by benchmarks, not here."""
 
 from __future__ import annotations
 

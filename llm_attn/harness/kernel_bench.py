@@ -23,8 +23,8 @@ FP8_TILE_IMPLS = {"ours-fp8-128": (128, ""), "ours-fp8-192": (192, ""), "ours-fp
 # same with our kernel (flash_attn_func: what the patched attention ran for a prefill before the prefill kernel).
 # Their GB/s count the FP8 bytes (K and V, one byte per element; the scales are 1/32 of that at head_dim 128).
 FP8_KV_IMPLS = ("ours-fp8kv", "ours-fp8kv-copy", "sdpa-fp8kv-copy")
-BENCH_IMPLS = ["ours", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS, *FP8_KV_IMPLS, "flash",
-               "cudnn", "efficient", "math"]
+BENCH_IMPLS = ["ours", "ours-op", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS,
+               *FP8_KV_IMPLS, "flash", "cudnn", "efficient", "math"]
 
 
 def _sdpa_backends():
@@ -44,6 +44,14 @@ def make_fn(impl: str, q, k, v, causal: bool):
         from llm_attn.ops import flash_attn_func
 
         return (lambda: flash_attn_func(q, k, v, causal=causal, path="kernel")), ""
+    if impl == "ours-op":  # ours with gradients through the torch.library op's Python autograd (the NVRTC build's
+        from llm_attn.ops import cpp_autograd, flash_attn_func  # way), not the extension's C++ autograd function
+
+        def through_op():
+            with cpp_autograd(False):
+                return flash_attn_func(q, k, v, causal=causal, path="kernel")
+
+        return through_op, "op autograd"
     if impl in FP8_KV_IMPLS:
         return _fp8_kv_fn(impl, q, k, v, causal)
     if impl in FP8_TILE_IMPLS:  # set for each call/capture, as the forced prefill tiles below
