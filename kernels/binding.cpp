@@ -239,6 +239,25 @@ std::tuple<int64_t, std::vector<int64_t>> decode_counter_pool_state() {
     return {static_cast<int64_t>(values.size()), values};
 }
 
+// The layout the kernels read and write in place (llm_attn.kernel_contract.aligned16 and a contiguous head_dim):
+// cp.async and TMA move 16-byte chunks, so strides of batch/heads/seq must be multiples of 8 elements (a dim of size
+// 1 has any stride) and the base 16-byte aligned.
+bool kernel_ready(const at::Tensor& t) {
+    if (t.dim() != 4 || t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+    for (int d = 0; d < 3; ++d) {
+        if (t.stride(d) % 8 != 0 && t.size(d) != 1) return false;
+    }
+    return true;
+}
+
+// An input the kernels can read in place as it is, anything else (4-D) as a contiguous copy: any layout transformers
+// or a KV cache produces is read in place; others are copied once rather than rejected. Done here, not in Python,
+// because the check costs the host ~1-3 us per tensor there on every call (kernels/NOTES.md "Host cost").
+at::Tensor readable(const at::Tensor& t) {
+    // clone, not contiguous(): a contiguous tensor at a misaligned address would come back as itself.
+    return t.dim() != 4 || kernel_ready(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 // Fills FlashFwdParams for checked inputs, allocates the split-KV workspace and launches on the current stream.
 void launch_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                 const at::Tensor& lse, const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
@@ -285,8 +304,11 @@ void mha_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::
 
 // mha_fwd with its outputs made here (one Python -> C++ crossing per call instead of three): out in (B, Sq, Hq, D)
 // memory order viewed as (B, Hq, Sq, D), so that transformers' layout is a free view, and lse (B, Hq, Sq) float32.
-std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                 const std::optional<at::Tensor>& seqused_k, double scale, bool causal) {
+// Inputs in any layout (readable() copies what the kernels cannot read in place).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                 const at::Tensor& v_in, const std::optional<at::Tensor>& seqused_k,
+                                                 double scale, bool causal) {
+    const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
     check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
     at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
     at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -558,14 +580,6 @@ void mha_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, c
 // and the crossing into mha_bwd. A short eager backward is host-bound (kernels/NOTES.md "The eager backward's host
 // cost"), so this function does the same in C++: the same kernels, checks, saved tensors and gradients, a CppNode in
 // the graph. The op path stays for torch.compile, modes, subclasses, the profiler and the NVRTC build.
-bool kernel_ready(const at::Tensor& t) {  // llm_attn.backward._kernel_ready: contiguous head_dim, 16-byte rows and base
-    if (t.stride(3) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-    for (int d = 0; d < 3; ++d) {
-        if (t.stride(d) % 8 != 0 && t.size(d) != 1) return false;
-    }
-    return true;
-}
-
 // LLM_ATTN_BWD_DETERMINISTIC=1: every backward deterministic (read once, as llm_attn/backward.py reads it).
 const bool g_bwd_deterministic_env = [] {
     const char* v = std::getenv("LLM_ATTN_BWD_DETERMINISTIC");
@@ -600,7 +614,7 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         std::optional<at::Tensor> seqused_k;
         if (saved[5].defined()) seqused_k = saved[5];
         at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
-        if (!kernel_ready(dout)) dout = dout.contiguous();  // e.g. an expanded gradient (stride 0 in head_dim)
+        dout = readable(dout);  // e.g. an expanded gradient (stride 0 in head_dim)
         std::optional<at::Tensor> dlse;
         if (grads[1].defined()) dlse = grads[1].to(at::kFloat).contiguous();
         const bool deterministic = ctx->saved_data["deterministic"].toBool() || g_bwd_deterministic_env ||
@@ -622,7 +636,8 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
 std::tuple<at::Tensor, at::Tensor> mha_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const std::optional<at::Tensor>& seqused_k, double scale,
                                                     bool causal, bool deterministic) {
-    auto r = FlashAttnFunction::apply(q, k, v, seqused_k, scale, causal, deterministic);
+    // A copy readable() makes is recorded by autograd (grad mode is on here), so gradients reach the caller's tensors.
+    auto r = FlashAttnFunction::apply(readable(q), readable(k), readable(v), seqused_k, scale, causal, deterministic);
     return {r[0], r[1]};
 }
 

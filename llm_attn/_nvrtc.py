@@ -759,7 +759,9 @@ def decode_counter_pool_state() -> tuple[int, list[int]]:
 def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``mha_fwd`` with its outputs made here, as binding.cpp's ``mha_fwd_alloc``: out in (B, Sq, Hq, D) memory
-    order viewed as (B, Hq, Sq, D), lse (B, Hq, Sq) float32. For inputs that ``flash_attn_func`` has checked."""
+    order viewed as (B, Hq, Sq, D), lse (B, Hq, Sq) float32. For inputs that ``flash_attn_func`` has checked, in
+    any layout: one the kernels cannot read in place is copied (kernel_contract.readable)."""
+    q, k, v = kernel_contract.readable(q), kernel_contract.readable(k), kernel_contract.readable(v)
     out, lse = _empty_outputs(q)
     mha_fwd(q, k, v, out, lse, seqused_k, scale, causal)
     return out, lse

@@ -94,7 +94,8 @@ def _flash_bwd_cuda(dout, q, k, v, out, lse, dlse, seqused_k, scale, causal, use
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     # Inputs the kernel cannot read in place (e.g. an expanded gradient with stride 0) are copied once; so are
     # gradient buffers whose layout (that of an oddly strided input) it cannot write.
-    dout, q, k, v, out = (t if _kernel_ready(t) else t.contiguous() for t in (dout, q, k, v, out))
+    dout, q, k, v, out = (t if _kernel_ready(t) else t.clone(memory_format=torch.contiguous_format)
+                          for t in (dout, q, k, v, out))
     work = [t if _kernel_ready(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in grads]
     dlse = None if dlse is None else dlse.float().contiguous()
     ext = get_ext()

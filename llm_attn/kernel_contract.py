@@ -200,7 +200,21 @@ def fp8_tile_problem(block_n: int, head_dim: int | None = None) -> str | None:
 def aligned16(t: torch.Tensor) -> bool:
     """The layout cp.async reads in place: 16-byte aligned base, strides of batch/heads/seq multiples of 8 elements
     (a dim of size 1 has any stride). Other layouts are copied once by the op, never rejected."""
-    return t.data_ptr() % 16 == 0 and all(st % 8 == 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3]))
+    if t.data_ptr() % 16:
+        return False
+    if t.shape[-1] % 8 == 0 and t.is_contiguous():  # the common case, without the per-dim loop (a decode call's host
+        return True                                  # time counts every microsecond)
+    return all(st % 8 == 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3]))
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where the kernels can read it in place, else a contiguous copy. cp.async and TMA move 16-byte
+    chunks: strides must be multiples of 8 elements and bases 16-byte aligned. Any layout transformers or a KV cache
+    produces is; anything else is copied once rather than rejected. (The compiled extension's ``mha_fwd_alloc`` and
+    ``mha_fwd_autograd`` do the same in C++: binding.cpp ``readable``.)"""
+    # clone, not contiguous(): a contiguous tensor at a misaligned address (a view one element into its buffer) would
+    # come back as itself.
+    return t if aligned16(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------- what the launcher checks (kernels/binding.cpp's TORCH_CHECKs)

@@ -27,6 +27,7 @@ from llm_attn.kernel_contract import (  # noqa: E402,F401
     check_inputs,
     fp8_tile_problem,
     quant_problem,
+    readable,
 )
 
 Path = Literal["auto", "kernel", "reference"]
@@ -34,7 +35,6 @@ Backend = Literal["auto", "cuda", "reference"]  # the old keyword's values (depr
 _OLD_BACKEND = {"auto": "auto", "cuda": "kernel", "reference": "reference"}
 
 
-_aligned16 = aligned16
 
 
 def _empty_outputs(q: torch.Tensor):
@@ -45,11 +45,7 @@ def _empty_outputs(q: torch.Tensor):
     return out, lse
 
 
-def _readable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself where the kernels can read it in place, else a contiguous copy. cp.async and TMA move 16-byte
-    chunks: strides must be multiples of 8 elements and bases 16-byte aligned. Any layout transformers or a KV cache
-    produces is; anything else is copied once rather than rejected."""
-    return t if _aligned16(t) else t.contiguous()
+_readable = readable
 
 
 def _reference_impl(q, k, v, seqused_k, scale, causal):
@@ -77,9 +73,9 @@ def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel, deterministic
 
 
 def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
-    q, k, v = _readable(q), _readable(k), _readable(v)
-    # The build makes out (in _empty_outputs' layout) and lse: one crossing into C++ per call on the host-bound path
-    # (lse is kept: the kernels write it unconditionally, one small float32 (B, Hq, Sq) allocation).
+    # The build makes out (in _empty_outputs' layout) and lse, and copies an input the kernels cannot read in place
+    # (kernel_contract.readable): one crossing into C++ per call on the host-bound path, no Python layout checks (lse
+    # is kept: the kernels write it unconditionally, one small float32 (B, Hq, Sq) allocation).
     return (ext or _current_ext()).mha_fwd_alloc(q, k, v, seqused_k, float(scale), bool(causal))
 
 
@@ -233,8 +229,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         # Eager with gradients wanted: the extension's C++ autograd function (kernels/binding.cpp FlashAttnFunction:
         # the same kernels and saved tensors as the op's autograd, no Python in the backward); the NVRTC build, modes
         # and torch.compile keep the op.
-        out, lse = ext.mha_fwd_autograd(_readable(q), _readable(k), _readable(v), seqused_k, scale, bool(causal),
-                                        bool(deterministic))
+        out, lse = ext.mha_fwd_autograd(q, k, v, seqused_k, scale, bool(causal), bool(deterministic))
     else:
         out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel, bool(deterministic))
     return (out, lse) if return_lse else out
@@ -570,9 +565,10 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
         raise KernelNotBuiltError(f"this {kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv): an "
                                   f"extension built before it: rebuild it (python -m pip install --no-build-isolation "
                                   f"-e .), or LLM_ATTN_BUILD=nvrtc, or read the cache's dequantised copy")
-    n = kv.length
-    out, lse = ext.mha_decode_fp8kv(_readable(q), kv.k_data[:, :, :n], kv.v_data[:, :, :n], kv.k_scale, kv.v_scale,
-                                    seqused_k, scale, bool(causal))
+    n, kd, vd = kv.length, kv.k_data, kv.v_data
+    if kd.shape[2] != n:  # capacity past the valid tokens (two views cost the host ~3 us each: only when needed)
+        kd, vd = kd[:, :, :n], vd[:, :, :n]
+    out, lse = ext.mha_decode_fp8kv(_readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal))
     if not return_lse:
         return out
     # The kernel's lse leaves out K's smoothing shift (the same for every key of a row): add q . k_shift back.

@@ -318,6 +318,37 @@ def test_autograd_strided_inputs_and_expanded_gradient(cuda_ext, way, dtype, cau
     check_grads(got, q.detach(), k.detach(), v.detach(), torch.ones_like(q), causal)
 
 
+@pytest.mark.parametrize("way", AUTOGRAD_WAYS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_inputs_the_kernels_cannot_read_in_place(cuda_ext, way, causal):
+    """q at a misaligned base (one element into its buffer), K rows 68 elements apart, V heads 68 apart: each is
+    copied once (mha_fwd_alloc / mha_fwd_autograd in C++, the NVRTC launcher in Python), never rejected. The output
+    without gradients and the gradients (reaching the original buffers) match float64."""
+    dt, b, hq, hkv, sq, sk, d = torch.float16, 2, 4, 2, 37, 50, 64
+    torch.manual_seed(34)
+    qbuf = torch.randn(b * hq * sq * d + 1, device="cuda", dtype=dt, requires_grad=True)
+    kbuf = torch.randn(b, hkv, sk, d + 4, device="cuda", dtype=dt, requires_grad=True)
+    vbuf = torch.randn(b, sk, hkv, d + 4, device="cuda", dtype=dt, requires_grad=True)
+    q, k, v = qbuf[1:].view(b, hq, sq, d), kbuf[..., :d], vbuf[..., :d].transpose(1, 2)
+    from llm_attn.kernel_contract import aligned16
+
+    assert not (aligned16(q) or aligned16(k) or aligned16(v))
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, causal=causal)
+    ref, _ = attention_naive(q.detach(), k.detach(), v.detach(), causal=causal)
+    pt, _ = attention_naive(q.detach(), k.detach(), v.detach(), causal=causal, compute_dtype=dt)
+    assert not out.isnan().any()
+    assert (out.double() - ref).abs().max() <= 2 * (pt.double() - ref).abs().max() + 1e-4
+    dout = torch.randn(b, hq, sq, d, device="cuda", dtype=dt)
+    with autograd_way(cuda_ext, way):
+        out = flash_attn_func(q, k, v, causal=causal)
+    assert_node(out, way)
+    out.backward(dout)
+    got = (qbuf.grad[1:].view(b, hq, sq, d), kbuf.grad[..., :d], vbuf.grad[..., :d].transpose(1, 2))
+    assert qbuf.grad[0] == 0 and torch.count_nonzero(kbuf.grad[..., d:]) == 0
+    check_grads(got, q.detach(), k.detach(), v.detach(), dout, causal)
+
+
 def test_cpp_autograd_refuses_double_backward(cuda_ext):
     """create_graph=True through the C++ autograd function: one clear error, never gradients that a second
     backward would silently treat as constants."""
