@@ -35,17 +35,12 @@ Backend = Literal["auto", "cuda", "reference"]  # the old keyword's values (depr
 _OLD_BACKEND = {"auto": "auto", "cuda": "kernel", "reference": "reference"}
 
 
-
-
 def _empty_outputs(q: torch.Tensor):
     """Output in (B, Sq, Hq, D) memory order viewed as (B, Hq, Sq, D): transformers' layout is then a free view."""
     b, hq, sq, d = q.shape
     out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     return out, lse
-
-
-_readable = readable
 
 
 def _reference_impl(q, k, v, seqused_k, scale, causal):
@@ -118,7 +113,7 @@ def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, b
     if not hasattr(ext, name):
         raise KernelNotBuiltError(f"precision={precision!r}: this {kernel_build()} build has no {name} (an extension "
                                   f"built before it: rebuild it, or LLM_ATTN_BUILD=nvrtc)")
-    q, k, v = _readable(q), _readable(k), _readable(v)
+    q, k, v = readable(q), readable(k), readable(v)
     if precision == "fp8" and (block_n or qk):  # force_fp8_tile / force_fp8_qk; 0 / "": the defaults
         return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n), qk=qk)
     return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal))
@@ -263,7 +258,6 @@ def ext_quant_available(ext, precision: str) -> bool:
     in or compiled by NVRTC >= 12.0; INT8: sm_80-90)."""
     probe = {"fp8": "fp8_available", "int8": "int8_available"}[precision]
     return hasattr(ext, probe) and bool(getattr(ext, probe)())
-
 
 
 # Eager calls that want gradients run the extension's C++ autograd function (flash_attn_func above) unless
@@ -568,7 +562,7 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     n, kd, vd = kv.length, kv.k_data, kv.v_data
     if kd.shape[2] != n:  # capacity past the valid tokens (two views cost the host ~3 us each: only when needed)
         kd, vd = kd[:, :, :n], vd[:, :, :n]
-    out, lse = ext.mha_decode_fp8kv(_readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal))
+    out, lse = ext.mha_decode_fp8kv(readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal))
     if not return_lse:
         return out
     # The kernel's lse leaves out K's smoothing shift (the same for every key of a row): add q . k_shift back.
