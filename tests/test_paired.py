@@ -282,13 +282,14 @@ def test_host_cost_runs_every_path_and_the_patch_path_is_native():
 def test_user_timing_runs_each_path_in_a_fresh_process_and_reports_failures():
     """Issue 38 item 5: the host benchmark and a user's timing disagreed; user_timed times a path as such a script
     does (fresh process, no warm-up, wall time to a sync), cold and warm, and a child that fails is a reason in the
-    row, not an exception."""
+    row, not an exception. Two paths (one asked for, torch SDPA always: the reference), each in two fresh processes:
+    every process is a new Python with torch and transformers (~9 s); the test above runs all five in-process."""
     from llm_attn.harness.hostcost import HostShape, measure_host_cost, user_timed, user_timing_table
 
     shape = HostShape("decode kv 64", 1, 4, 2, 1, 64, 64)
     rows = measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=2, warmup=0, rounds=1, user_timing=True,
-                             user_processes=2)
-    assert len(rows) == 5
+                             user_processes=2, paths=("llm_attn.flash_attn_func",))
+    assert sorted(r["path"] for r in rows) == ["llm_attn.flash_attn_func", "torch SDPA"]
     for r in rows:
         assert len(r["user_cold_samples_us"]) == len(r["user_warm_samples_us"]) == 2, r
         assert r["user_cold_us"] > 0 and r["user_warm_us"] > 0, r
@@ -301,6 +302,8 @@ def test_user_timing_runs_each_path_in_a_fresh_process_and_reports_failures():
     with pytest.raises(ValueError, match="user_processes"):
         measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=1, warmup=0, rounds=1, user_timing=True,
                           user_processes=0)
+    with pytest.raises(ValueError, match=r"unknown host-cost path\(s\) \['flash'\]; known: llm_attn.flash_attn_func"):
+        measure_host_cost("cpu", torch.float32, shapes=(shape,), calls=1, warmup=0, rounds=1, paths=("flash",))
     bad = user_timed("no such path", shape, "cpu", torch.float32, calls=1)
     assert set(bad) == {"user_timing_why"} and "KeyError" in bad["user_timing_why"]
 

@@ -61,6 +61,8 @@ class HostShape:
     head_dim: int
 
 
+# The paths (module docstring), in the order of the tables; torch SDPA is every ratio's reference.
+PATHS = ("llm_attn.flash_attn_func", "llm_attn via the patch", "sdpa (transformers)", "torch SDPA")
 FP8_PATH = "llm_attn via the patch, FP8 cache"  # decode shapes only: the same call reading the FP8 KV cache's bytes
 
 # The shapes of issue 18: Llama 3 8B geometry (32 query heads over 8 KV heads, head_dim 128).
@@ -105,32 +107,38 @@ def _attention_module(shape: HostShape, device, dtype):
 def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16,
                       shapes: tuple[HostShape, ...] = SHAPES, calls: int = CALLS, warmup: int = WARMUP,
                       rounds: int = ROUNDS, seed: int = 0, user_timing: bool = False,
-                      user_processes: int = USER_PROCESSES) -> list[dict]:
+                      user_processes: int = USER_PROCESSES, paths: tuple[str, ...] | None = None) -> list[dict]:
     """One dict per (shape, path): ``{"shape", "path", "us_per_call" (median over rounds), "samples_us" (one per
     round, interleaved), "vs_torch_sdpa" (median(torch SDPA) / median(path) with its paired interval: > 1 = the
     path costs the host less, ``stats.paired_ratio_interval``), ...}``; a path that cannot run here gets
     ``us_per_call: None`` and why. ``user_timing``: also ``user_cold_us`` / ``user_warm_us`` (medians over
-    ``user_processes`` fresh processes, ``_user_timing_rounds``)."""
+    ``user_processes`` fresh processes, ``_user_timing_rounds``). ``paths``: only these (names as in the module
+    docstring; torch SDPA, the reference of every ratio, is always timed), default all."""
     from llm_attn.harness.stats import paired_ratio_interval  # noqa: PLC0415
 
     if user_timing and user_processes < 1:
         raise ValueError(f"user_processes must be >= 1, got {user_processes}")
+    known = (*PATHS, FP8_PATH)
+    if paths is not None and (bad := [p for p in paths if p not in known]):
+        raise ValueError(f"unknown host-cost path(s) {bad}; known: {', '.join(known)}")
     device = torch.device(device)
     order = random.Random(seed)
     out = []
     with torch.inference_mode():
         for shape in shapes:
-            model, module, report, paths = _paths(shape, device, dtype)
+            model, module, report, fns = _paths(shape, device, dtype)
+            if paths is not None:
+                fns = {name: fn for name, fn in fns.items() if name in paths or name == "torch SDPA"}
             rows = {name: {"shape": shape.name, "path": name, "calls": calls, "rounds": rounds,
                            "device": str(device), "dtype": str(dtype).replace("torch.", ""), **vars(shape),
-                           "samples_us": []} for name in paths}
+                           "samples_us": []} for name in fns}
             report.reset_counters()
-            live = list(paths)
+            live = list(fns)
             for _ in range(rounds):
                 order.shuffle(live)
                 for name in list(live):
                     try:
-                        rows[name]["samples_us"].append(host_us_per_call(paths[name], device, calls, warmup))
+                        rows[name]["samples_us"].append(host_us_per_call(fns[name], device, calls, warmup))
                     except Exception as e:  # noqa: BLE001 (a path this device cannot run: recorded, the others go on)
                         rows[name]["why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                         rows[name]["samples_us"] = []
@@ -148,7 +156,7 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                 if name == FP8_PATH:
                     row["fp8_cache_reads"] = fp8_reads
                 out.append(row)
-            del model, module, paths
+            del model, module, fns
     if user_timing:
         _user_timing_rounds(out, device, dtype, calls, user_processes, order)
     return out
@@ -209,12 +217,12 @@ def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
     model, module, report = _attention_module(shape, device, dtype)
     scale = shape.head_dim ** -0.5
     args = (module, q, k, v)
-    paths = {
-        "llm_attn.flash_attn_func": lambda a=args, c=causal: flash_attn_func(*a[1:], causal=c),
-        "llm_attn via the patch": lambda a=args, s=scale: llm_attn_attention_forward(*a, None, scaling=s),
-        "sdpa (transformers)": lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
-        "torch SDPA": lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c, enable_gqa=True),
-    }
+    paths = dict(zip(PATHS, (
+        lambda a=args, c=causal: flash_attn_func(*a[1:], causal=c),
+        lambda a=args, s=scale: llm_attn_attention_forward(*a, None, scaling=s),
+        lambda a=args, s=scale: sdpa_attention_forward(*a, None, scaling=s),
+        lambda a=args, c=causal: F.scaled_dot_product_attention(*a[1:], is_causal=c, enable_gqa=True),
+    ), strict=True))
     if shape.q_len == 1:  # a decode step on the FP8 cache, as a patched model makes it (issue 38 item 5)
         from llm_attn.models.kv_cache import Fp8DynamicLayer  # noqa: PLC0415
 
