@@ -283,7 +283,8 @@ def test_user_timing_runs_each_path_in_a_fresh_process_and_reports_failures():
     """Issue 38 item 5: the host benchmark and a user's timing disagreed; user_timed times a path as such a script
     does (fresh process, no warm-up, wall time to a sync), cold and warm, and a child that fails is a reason in the
     row, not an exception. Two paths (one asked for, torch SDPA always: the reference), each in two fresh processes:
-    every process is a new Python with torch and transformers (~9 s); the test above runs all five in-process."""
+    every process is a new Python with torch and transformers (~9 s on a CPU machine, ~15 s on the H100 one); the
+    test above runs all five in-process."""
     from llm_attn.harness.hostcost import HostShape, measure_host_cost, user_timed, user_timing_table
 
     shape = HostShape("decode kv 64", 1, 4, 2, 1, 64, 64)
