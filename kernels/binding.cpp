@@ -21,6 +21,7 @@
 #include "flash.h"
 #include "flash_decode_fp8kv.h"
 #include "fp8_cache_append.h"
+#include "fp8_cache_dequant.h"
 #include "flash_fp8.h"
 #include "flash_int8.h"
 
@@ -826,6 +827,55 @@ void fp8_cache_append(const at::Tensor& k_new, const at::Tensor& v_new, const at
 }
 #undef CHECK_APPEND
 
+// ---- The FP8 cache's dequantised copy (kernels/fp8_cache_dequant.h) -------------------------------------------------
+// k_data, v_data e4m3 (B, Hkv, C, D); k_scale, v_scale float32 (B, Hkv, NB), NB * 64 >= n; k_shift float32 (B, Hkv, D)
+// or None; k_out, v_out (B, Hkv, n, D) fp16/bf16. All contiguous. Writes k_out and v_out whole.
+#define CHECK_DEQUANT(cond, ...) TORCH_CHECK(cond, "llm_attn.fp8_cache_dequant: ", __VA_ARGS__)
+
+void fp8_cache_dequant(const at::Tensor& k_data, const at::Tensor& v_data, const at::Tensor& k_scale,
+                       const at::Tensor& v_scale, const std::optional<at::Tensor>& k_shift, const at::Tensor& k_out,
+                       const at::Tensor& v_out) {
+    CHECK_DEQUANT(k_data.is_cuda() && k_data.dim() == 4, "k_data must be a 4-D CUDA tensor (batch, kv_heads, "
+                  "capacity, head_dim)");
+    const int64_t b = k_data.size(0), h = k_data.size(1), c = k_data.size(2), d = k_data.size(3);
+    CHECK_DEQUANT(d == 64 || d == 128, "head_dim must be 64 or 128, got ", num(d));
+    CHECK_DEQUANT(b > 0 && h > 0 && b * h <= 65535, "batch x kv_heads must be in [1, 65535], got ", num(b * h));
+    CHECK_DEQUANT(k_out.dim() == 4, "k_out must be 4-D (batch, kv_heads, n, head_dim)");
+    const int64_t n = k_out.size(2), nb = k_scale.dim() == 3 ? k_scale.size(2) : -1;
+    CHECK_DEQUANT(n <= c, "k_out has ", num(n), " tokens, more than the cache's capacity ", num(c));
+    CHECK_DEQUANT(nb * 64 >= n, "k_scale must be (batch, kv_heads, >= ceil(n / 64)) float32, got ",
+                  shape(k_scale.sizes()));
+    auto same = [&](const at::Tensor& t, const char* name, std::vector<at::ScalarType> dts, std::vector<int64_t> sizes) {
+        CHECK_DEQUANT(t.device() == k_data.device(), name, " must be on k_data's device");
+        CHECK_DEQUANT(std::find(dts.begin(), dts.end(), t.scalar_type()) != dts.end(), name, " has dtype ",
+                      t.scalar_type(), ", not one this kernel takes");
+        CHECK_DEQUANT(t.sizes() == at::IntArrayRef(sizes), name, " must be ", shape(at::IntArrayRef(sizes)), ", got ",
+                      shape(t.sizes()));
+        CHECK_DEQUANT(t.is_contiguous(), name, " must be contiguous");
+        CHECK_DEQUANT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+    };
+    same(k_data, "k_data", {at::kFloat8_e4m3fn, at::kByte}, {b, h, c, d});
+    same(v_data, "v_data", {k_data.scalar_type()}, {b, h, c, d});
+    same(k_scale, "k_scale", {at::kFloat}, {b, h, nb});
+    same(v_scale, "v_scale", {at::kFloat}, {b, h, nb});
+    if (k_shift) same(*k_shift, "k_shift", {at::kFloat}, {b, h, d});
+    same(k_out, "k_out", {at::kHalf, at::kBFloat16}, {b, h, n, d});
+    same(v_out, "v_out", {k_out.scalar_type()}, {b, h, n, d});
+
+    const c10::cuda::CUDAGuard guard(k_data.device());
+    llm_attn::Fp8CacheDequantParams p{};
+    p.k_data = static_cast<const uint8_t*>(k_data.data_ptr()), p.v_data = static_cast<const uint8_t*>(v_data.data_ptr());
+    p.k_scale = k_scale.data_ptr<float>(), p.v_scale = v_scale.data_ptr<float>();
+    p.k_shift = k_shift ? k_shift->data_ptr<float>() : nullptr;
+    p.k_out = k_out.data_ptr(), p.v_out = v_out.data_ptr();
+    p.batch = static_cast<int>(b), p.kv_heads = static_cast<int>(h), p.head_dim = static_cast<int>(d);
+    p.capacity = static_cast<int>(c), p.scale_blocks = static_cast<int>(nb), p.n = static_cast<int>(n);
+    p.is_bf16 = k_out.scalar_type() == at::kBFloat16;
+    const cudaError_t err = llm_attn::run_fp8_cache_dequant(p, at::cuda::getCurrentCUDAStream());
+    CHECK_DEQUANT(err == cudaSuccess, "kernel launch failed: ", cudaGetErrorString(err));
+}
+#undef CHECK_DEQUANT
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -882,6 +932,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("k_new"), py::arg("v_new"), py::arg("k_open"), py::arg("v_open"), py::arg("k_shift"),
           py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"), py::arg("position"),
           py::arg("used"), py::arg("max_cache_len"));
+    m.def("fp8_cache_dequant", &fp8_cache_dequant,
+          "The FP8 cache's dequantised copy of tokens [0, n) into k_out / v_out (n = their length), one launch",
+          py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"), py::arg("k_shift"),
+          py::arg("k_out"), py::arg("v_out"));
     m.def("mha_decode_fp8kv", &mha_decode_fp8kv,
           "Decode attention over the FP8 (e4m3) KV cache, dequantised in registers; returns (out, lse without k_shift)",
           py::arg("q"), py::arg("k_data"), py::arg("v_data"), py::arg("k_scale"), py::arg("v_scale"),

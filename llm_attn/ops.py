@@ -604,3 +604,47 @@ def fp8_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_open: torch.Ten
         if first.startswith("llm_attn.fp8_cache_append:"):
             raise ValueError(first) from None
         raise
+
+
+def fp8_cache_dequant_available(ext=None) -> bool:
+    """Whether this kernel build has the FP8 cache's one-launch dequantised copy (kernels/fp8_cache_dequant.h): an
+    AOT build from the commit that added it on. Without it (the NVRTC build, an older extension, CPU) the copy is
+    ``kv_cache_reference.Fp8KV.dequantized``'s PyTorch ops: the same values, ~9x the memory traffic."""
+    try:
+        ext = ext or _current_ext()
+    except KernelNotBuiltError:
+        return False
+    return hasattr(ext, "fp8_cache_dequant")
+
+
+def fp8_kv_dequantized(kv, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of an FP8 cache layer's valid tokens, (B, H, length, D) in ``dtype``: ``kv.dequantized(dtype)``'s
+    values, bit for bit, in one launch where the build has the kernel and the cache is on a CUDA device (fp16/bf16,
+    head_dim 64 or 128, contiguous storage: what ``llm_attn.models.kv_cache`` makes); the PyTorch reference
+    otherwise. ``out``: (k, v) to write into (tests poison them first); the kernel path only."""
+    d, n = kv.k_data.shape[-1], kv.length
+    use_kernel = (kv.k_data.is_cuda and dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
+                  and kv.used is None and kv.k_data.shape[0] * kv.k_data.shape[1] <= 65535
+                  and all(t.is_contiguous() for t in (kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift))
+                  and fp8_cache_dequant_available())
+    if not use_kernel:
+        if out is not None:
+            raise ValueError("fp8_kv_dequantized(out=) needs the kernel path (a CUDA cache of fp16/bf16, head_dim 64 "
+                             "or 128, on a build with fp8_cache_dequant)")
+        return kv.dequantized(dtype)
+    b, h = kv.k_data.shape[:2]
+    if out is None:
+        out = (torch.empty((b, h, n, d), dtype=dtype, device=kv.k_data.device),
+               torch.empty((b, h, n, d), dtype=dtype, device=kv.k_data.device))
+    elif any(t.shape != (b, h, n, d) or t.dtype != dtype for t in out):
+        raise ValueError(f"fp8_kv_dequantized: out must be two {dtype} tensors of shape {(b, h, n, d)} (batch, heads, "
+                         f"the cache's length, head_dim), got {[(tuple(t.shape), t.dtype) for t in out]}")
+    try:
+        _current_ext().fp8_cache_dequant(kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift, *out)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else repr(e)
+        if first.startswith("llm_attn.fp8_cache_dequant:"):
+            raise ValueError(first) from None
+        raise
+    return out

@@ -13,7 +13,7 @@ a static cache's unused capacity, each split count forced; then the prefill kern
 packed rows), v1 (Q staged in the last pipeline stage) and v2 (byte stages, fp16 tiles converted by the whole block,
 LLM_ATTN_FP8KV_PREFILL_V), causal tile counts per row block, causal and not, q_len == kv_len,
 seqused_k below q_len (rows that see no key), a static cache's unused capacity; then the static cache's one-token
-append (kernels/fp8_cache_append.cu) over 125 device steps.
+append (kernels/fp8_cache_append.cu) over 125 device steps, and the dequantised copy (kernels/fp8_cache_dequant.cu).
 """
 import itertools
 import math
@@ -134,6 +134,18 @@ if "--fp8kv" in sys.argv:
                                  torch.randn(2, 3, 1, d, device="cuda", dtype=dtype))
             torch.cuda.synchronize()
             assert layer._append_kernel
+    # The dequantised copy in one launch (kernels/fp8_cache_dequant.cu): odd lengths, a static cache's capacity past
+    # them, both dtypes and head_dims.
+    if ops.fp8_cache_dequant_available(ext):
+        for dtype, d, (b, h, n, cap) in itertools.product((torch.float16, torch.bfloat16), (64, 128),
+                                                         ((1, 8, 1, 64), (2, 3, 65, 192), (1, 2, 1000, 1000))):
+            layer = Fp8StaticLayer(max_cache_len=cap)
+            with torch.inference_mode():
+                layer.update(torch.randn(b, h, n, d, device="cuda", dtype=dtype),
+                             torch.randn(b, h, n, d, device="cuda", dtype=dtype))
+                k, v = ops.fp8_kv_dequantized(layer.fp8(), dtype)
+            torch.cuda.synchronize()
+            assert not k.isnan().any() and not v.isnan().any()
     print("sanitize shapes done (fp8kv)")
     sys.exit(0)
 

@@ -608,3 +608,20 @@ def test_granularity_per_head_vs_per_block_measured():
           ", ".join(f"{n} cos {c:.6f} relL1 {r:.4f}" for n, (c, r) in results.items()))
     cosines = [c for c, _ in results.values()]
     assert min(cosines) >= 0.999 and max(cosines) - min(cosines) < 2e-4
+
+
+def test_the_copy_on_cpu_is_the_reference():
+    """``ops.fp8_kv_dequantized`` (the copy stock attention reads; one launch on a GPU build that has it) is the
+    reference's ops on CPU, and refuses ``out=`` there in one line."""
+    from llm_attn import ops
+    from llm_attn.models.kv_cache import Fp8DynamicLayer
+
+    layer = Fp8DynamicLayer()
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        dk, dv = layer.update(torch.randn(1, 2, 130, 64, generator=gen), torch.randn(1, 2, 130, 64, generator=gen))
+        k, v = ops.fp8_kv_dequantized(layer.fp8(), torch.float32)
+        rk, rv = layer.fp8().dequantized(torch.float32)
+    assert torch.equal(k, rk) and torch.equal(v, rv) and torch.equal(dk, rk) and torch.equal(dv, rv)
+    with pytest.raises(ValueError, match=r"^fp8_kv_dequantized\(out=\) needs the kernel path"):
+        ops.fp8_kv_dequantized(layer.fp8(), torch.float32, out=(k, v))

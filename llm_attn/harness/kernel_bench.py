@@ -108,7 +108,7 @@ def make_fn(impl: str, q, k, v, causal: bool):
 def _fp8_kv_fn(impl: str, q, k, v, causal: bool):
     """The FP8-cache decode callables: K/V quantised into the FP8 cache format once, here (not timed)."""
     from llm_attn.models.kv_cache import Fp8DynamicLayer
-    from llm_attn.ops import decode_fp8_kv
+    from llm_attn.ops import decode_fp8_kv, fp8_kv_dequantized
 
     layer = Fp8DynamicLayer()
     with torch.inference_mode():
@@ -120,7 +120,7 @@ def _fp8_kv_fn(impl: str, q, k, v, causal: bool):
         from llm_attn.ops import flash_attn_func
 
         def copy_then_ours():
-            dk, dv = kv.dequantized(q.dtype)
+            dk, dv = fp8_kv_dequantized(kv, q.dtype)
             return flash_attn_func(q, dk, dv, causal=causal, path="kernel")
 
         return copy_then_ours, "FP8 KV cache, dequantised copy per call"
@@ -128,7 +128,7 @@ def _fp8_kv_fn(impl: str, q, k, v, causal: bool):
     is_causal = causal and q.shape[2] == k.shape[2] and q.shape[2] > 1
 
     def copy_then_sdpa():
-        dk, dv = kv.dequantized(q.dtype)
+        dk, dv = fp8_kv_dequantized(kv, q.dtype)
         return torch.nn.functional.scaled_dot_product_attention(q, dk, dv, is_causal=is_causal, enable_gqa=gqa)
 
     return copy_then_sdpa, "FP8 KV cache, dequantised copy per call"
