@@ -192,6 +192,7 @@ def test_the_reader_takes_the_prefill_kernel_for_a_prefill_sized_call(monkeypatc
     monkeypatch.setattr(flash_kernel, "fp8_kv_kernel_available", lambda: True)
     monkeypatch.setattr(flash_kernel, "fp8_kv_prefill_available", lambda: has_prefill)
     monkeypatch.setattr(flash_kernel, "decode_fp8_kv", lambda q, kv, **kw: calls.append((q.shape[2], kw["path"])) or q)
+    monkeypatch.setattr(flash_kernel, "fp8_kv_copy_preferred", lambda: False)  # 'auto' on sm_80-89: the kernel
     _, _, kv = _cache(1, 2, 100, 64)
     read = flash_kernel.fp8_kv_reader("llm_attn", "cuda")
     q1, q40 = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 40, 64)
@@ -208,9 +209,16 @@ def test_the_reader_takes_the_prefill_kernel_for_a_prefill_sized_call(monkeypatc
     got = read(q40, kv, True, None, None)
     assert got == ((q40, ref.FP8_READ_PREFILL_KERNEL) if has_prefill else None)
     assert read(torch.randn(1, 4, 41, 64), kv, True, None, None) is None
+    monkeypatch.setattr(flash_kernel, "fp8_kv_copy_preferred", lambda: True)  # 'auto' where the copy is faster
+    for choice, prefill_reads in (("auto", None), ("", None), ("kernel", ref.FP8_READ_PREFILL_KERNEL)):
+        monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL", choice)
+        read = flash_kernel.fp8_kv_reader("llm_attn", "cuda")
+        got = read(q40, kv, True, None, None)
+        assert got == ((q40, prefill_reads) if prefill_reads and has_prefill else None), choice
+        assert read(q1, kv, True, None, None)[1] == ref.FP8_READ_KERNEL  # decode calls: always the decode kernel
     for bad in ("sometimes", "0", "-3"):
         monkeypatch.setenv("LLM_ATTN_FP8KV_PREFILL", bad)
-        with pytest.raises(ValueError, match="'kernel', 'copy' or a positive number"):
+        with pytest.raises(ValueError, match="'auto', 'kernel', 'copy' or a positive number"):
             flash_kernel.fp8_kv_reader("llm_attn", "cuda")
     monkeypatch.undo()
     out, how = flash_kernel.fp8_kv_reader("llm_attn", "reference")(q40, kv, True, None, None)

@@ -29,20 +29,22 @@ D, V vocabulary, a = 2: fp16 activations):
                                     copies of the chunk's K/V (20 Hkv D c B)
                                   + the mask transformers builds for a chunk that does not start at 0 (bool,
                                     B c (P + c)), for stock sdpa and for llm_attn's patch alike
-                                  + fp8-copy: the dequantised K and V of one layer with the float32 temporary
-                                    (8 Hkv D (P + c) B)
+                                  + fp8-copy: the dequantised K and V of one layer (4 Hkv D (P + c) B: the
+                                    one-launch copy of an AOT build)
     decode      weights + workspace + kv(S + N) + one layer's old K (the concatenation) + fp8-copy's dequantised
                 layer + one token's activations and float32 logits
     fits        when the peak <= memory_gib - reserved_gib of the device (experiments/devices.toml)
 
-Cache formats: ``fp16`` (DynamicCache), ``fp8-copy`` (``Fp8DynamicCache`` as it runs today: every layer's
-attention reads a dequantised fp16 copy: stock attention, or a build without the prefill kernel over the cache),
+Cache formats: ``fp16`` (DynamicCache), ``fp8-copy`` (``Fp8DynamicCache`` where every layer's attention reads a
+dequantised fp16 copy: stock attention, a build without the prefill kernel over the cache, or llm_attn's prefill
+calls on sm_90, where the one-launch copy and the Hopper kernel are faster: ``LLM_ATTN_FP8KV_PREFILL=auto``),
 ``fp8`` (the same cache read in place by llm_attn's decode and prefill kernels, issue 38: no copy).
 
 Checked against the H100's measured peaks (``--check``; README): the 8B AWQ prefill at 8k-128k tokens is predicted
 to within a kilobyte of ``torch.cuda.max_memory_allocated``; at 2k the measured peak is 59 MB (1 %) higher, a
 transient inside the AWQ GEMMs the model leaves out. At 128k in chunks of 8192: -0.9 % (fp16 cache), -1.0 % (FP8
-read in place), +3.2 % (FP8 through the copy, whose float32 temporary is counted whole). ``check_rows`` models each
+read in place), +0.04 % (FP8 through the PyTorch ops' copy) and +2.3 % (through the one-launch copy, 15.281 GiB
+measured: its copy is allocated after the cache's update has freed its temporaries). ``check_rows`` models each
 row's cache as it ran (``row_cache``).
 """
 
@@ -124,8 +126,9 @@ class MemoryModel:
         return past * row * b + 20 * row * chunk * b
 
     def dequant_copy_bytes(self, tokens: int) -> int:
-        """fp8-copy: one layer's K and V dequantised to fp16, with the float32 temporary."""
-        return 8 * self._row * tokens * self.batch if self.cache == "fp8-copy" else 0
+        """fp8-copy: one layer's K and V dequantised to fp16 (the one-launch copy, kernels/fp8_cache_dequant.h; the
+        PyTorch ops of a build without it hold a float32 temporary too: 8 bytes per element, not 4)."""
+        return 4 * self._row * tokens * self.batch if self.cache == "fp8-copy" else 0
 
     # -- the peaks ----------------------------------------------------------------------------------------------------
     def _chunk_peak(self, past: int, chunk: int) -> dict:

@@ -12,11 +12,11 @@ import os
 
 import torch
 
-from llm_attn._ext import kernel_available
+from llm_attn._ext import get_ext, kernel_available
 from llm_attn.kernel_contract import KERNEL_DTYPES, kernel_problem, reference_problem
 from llm_attn.kv_cache_reference import FP8_READ_KERNEL, FP8_READ_PREFILL_KERNEL, FP8_READ_REFERENCE
-from llm_attn.ops import (FP8_KV_MAX_ROWS, decode_fp8_kv, flash_attn_func, fp8_kv_kernel_available,
-                          fp8_kv_prefill_available, fp8_kv_rows)
+from llm_attn.ops import (FP8_KV_MAX_ROWS, decode_fp8_kv, flash_attn_func, fp8_cache_dequant_available,
+                          fp8_kv_kernel_available, fp8_kv_prefill_available, fp8_kv_rows)
 from llm_attn.registry import register_attention
 
 NOT_BUILT = ("the llm_attn CUDA extension is not built (python -m pip install --no-build-isolation -e . on a machine "
@@ -62,6 +62,14 @@ register_attention("llm_attn", _run, dtypes=KERNEL_DTYPES + (torch.float32, torc
                    default=True, select=_select, provides_reference=True)
 
 
+def fp8_kv_copy_preferred() -> bool:
+    """Whether a prefill over the FP8 cache is faster through its copy on the current device, by default: the copy
+    is one launch (``ops.fp8_cache_dequant_available``) and our Hopper kernel reads it (sm_90)."""
+    if not fp8_cache_dequant_available():  # an AOT build that has it (so its sm90_available is there too)
+        return False
+    return bool(get_ext().sm90_available())
+
+
 def fp8_kv_reader(impl: str, variant: str):
     """How llm_attn reads the FP8 KV cache directly on this variant: ``read`` or None (read the dequantised copy).
     ``read(q, kv, causal, scale, seqused_k)`` returns ((B, Hq, Sq, D), how it read: ``kv_cache_reference.FP8_READ_*``),
@@ -70,11 +78,12 @@ def fp8_kv_reader(impl: str, variant: str):
     them (the AOT and the NVRTC build; an extension built before the decode kernel: the copy for every call, before
     the prefill kernel: the copy for the prefill calls); 'reference': its blockwise PyTorch reference
     (``kv_cache_reference.decode_attention``), every call on CPU. Other registry entries have none.
-    ``LLM_ATTN_FP8KV_PREFILL`` (read when the reader is made, at the first call of a patched model) overrides that
-    for the 'cuda' prefill calls: ``copy`` sends them all to the copy, a number N only those with q_len > N (the
-    prefill kernel measured 3.4-3.6x slower than the copy + our bf16 kernel for 8192-query chunks on an H100, and is
-    predicted faster only below a few hundred queries: kernels/NOTES.md), ``kernel`` (the default) none; the patch
-    report says which path each call took either way."""
+    Which prefill calls take the kernel: ``LLM_ATTN_FP8KV_PREFILL`` (read when the reader is made, at the first call
+    of a patched model): ``kernel`` all of them, ``copy`` none (each reads the copy), a number N those with q_len <= N;
+    ``auto`` (the default) is ``copy`` where the copy is one launch (``ops.fp8_cache_dequant_available``) and feeds
+    the Hopper kernel (sm_90: there the copy + that kernel measured 1.6-2.5x the prefill kernel over the cache at
+    256-8192-query chunks with the same peak memory, kernels/NOTES.md "The FP8 cache's copy in one launch"), else
+    ``kernel`` (no copy: what a 16 GB card needs). The patch report says which path each call took either way."""
     if impl != "llm_attn" or variant not in ("cuda", "reference"):
         return None
     if variant == "reference":
@@ -85,10 +94,12 @@ def fp8_kv_reader(impl: str, variant: str):
         return read_reference
     if not fp8_kv_kernel_available():
         return None
-    choice = os.environ.get("LLM_ATTN_FP8KV_PREFILL", "kernel").strip().lower() or "kernel"
-    if choice not in ("kernel", "copy") and not (choice.isdigit() and int(choice) > 0):
-        raise ValueError(f"LLM_ATTN_FP8KV_PREFILL must be 'kernel', 'copy' or a positive number of queries (the "
-                         f"prefill kernel up to it, the copy above), got {choice!r}")
+    choice = os.environ.get("LLM_ATTN_FP8KV_PREFILL", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "kernel", "copy") and not (choice.isdigit() and int(choice) > 0):
+        raise ValueError(f"LLM_ATTN_FP8KV_PREFILL must be 'auto', 'kernel', 'copy' or a positive number of queries "
+                         f"(the prefill kernel up to it, the copy above), got {choice!r}")
+    if choice == "auto":
+        choice = "copy" if fp8_kv_copy_preferred() else "kernel"
     max_q = None if choice == "kernel" else 0 if choice == "copy" else int(choice)  # queries the kernel takes
     prefill = max_q != 0 and fp8_kv_prefill_available()
 
