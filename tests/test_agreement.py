@@ -151,3 +151,26 @@ def test_correctness_through_the_cli_on_prompts(tmp_path, capsys):
     (row,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert row["prompts"]["source"] == str(prompts)
     assert row["greedy_agreement_64"] == 1.0 and row["logit_kl"]["positions"] == 40 + 64
+
+
+def test_the_fp8_kv_cache_against_the_unquantised_cache(tiny):
+    """Issue 38: ``kv_cache="fp8"`` runs the implementation on the FP8 KV cache (prefill, decode and the teacher-forced
+    forward) and stock on transformers' own: stock against itself then measures the cache alone. The quantised K/V
+    must show (KL > 0, a logit difference: the same call on the unquantised cache gives exactly 0), within the
+    cache's accuracy, and llm_attn's calls read the bytes (its CPU reference), counted in the row."""
+    ids = _prompt(tiny)
+    same = measure_correctness(tiny, ids, 8, "sdpa", "sdpa", use_impl)
+    assert same["logit_kl"]["max"] == 0.0 and same["max_abs_logit_diff"] == 0.0 and "reference_kv_cache" not in same
+    r = measure_correctness(tiny, ids, 8, "sdpa", "sdpa", use_impl, kv_cache="fp8")
+    assert r["reference_kv_cache"] == "fp16"
+    assert 0 < r["logit_kl"]["mean"] < 0.05 and 0 < r["max_abs_logit_diff"] < 0.5
+    assert r["greedy_target"]["met"] == (r["greedy_agreement_64"] >= 0.99)  # near-ties of random weights may flip
+    ours = measure_correctness(tiny, ids, 8, "sdpa", "llm_attn", use_impl, kv_cache="fp8")
+    assert 0 < ours["logit_kl"]["mean"] < 0.05
+    assert sum(ours["attention_calls"]["kv_cache_reads"].values()) == ours["attention_calls"]["impl"] > 0
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        measure_correctness(tiny, ids, 8, "sdpa", "sdpa", use_impl, kv_cache="int4")
+    row = {**ours, "measurement": "correctness", "status": "ok", "impl": "llm_attn", "batch": 2, "seq": 24,
+           "kv_cache": "fp8", "model": {"name": "tiny"}, "dtype": "float32", "experiment": None, "model_spec": "tiny",
+           "new_tokens": 8}
+    assert "llm_attn (FP8 KV cache) | sdpa (unquantised cache)" in correctness_table([row])

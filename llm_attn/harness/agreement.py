@@ -36,13 +36,14 @@ def continuation_tokens(model, seq: int, tokens: int = AGREEMENT_TOKENS) -> int:
     return max(0, min(tokens, limit - seq))
 
 
-def next_token_logprobs(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
+def next_token_logprobs(model, ids: torch.Tensor, keep: int, cache_kwargs: dict | None = None) -> torch.Tensor:
     """log-softmax (float64, on the CPU: float32's rounding of log-probabilities near -ln(vocab) alone would put the
     KL of identical logits at ~1e-8) of the next-token logits at the last ``keep`` positions of ``ids``:
-    (B, keep, vocab). One forward without a cache."""
+    (B, keep, vocab). One forward, without a cache, or into the fresh cache ``cache_kwargs`` names (e.g. the FP8 KV
+    cache: then attention reads every key and value through it, as in a prefill)."""
     params = inspect.signature(type(model).forward).parameters
     name = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
-    out = model(input_ids=ids, use_cache=False, **({name: keep} if name else {}))
+    out = model(input_ids=ids, use_cache=bool(cache_kwargs), **(cache_kwargs or {}), **({name: keep} if name else {}))
     return torch.log_softmax(out.logits[:, -keep:].cpu().to(torch.float64), dim=-1)
 
 

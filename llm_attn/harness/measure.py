@@ -452,36 +452,45 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
     }
 
 
-def greedy_tokens(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    out = model.generate(input_ids, **_generate_kwargs(model, input_ids, new_tokens))
+def greedy_tokens(model, input_ids: torch.Tensor, new_tokens: int, kv_cache: str = "fp16") -> torch.Tensor:
+    """``new_tokens`` greedy tokens after the prompt, on transformers' own cache or (``kv_cache="fp8"``) a fresh FP8
+    KV cache."""
+    cache = {"past_key_values": new_cache(model, kv_cache)} if kv_cache != "fp16" else {}
+    out = model.generate(input_ids, **_generate_kwargs(model, input_ids, new_tokens), **cache)
     return out[:, input_ids.shape[1]:]
 
 
 def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, reference_impl: str, impl: str,
-                        switch: Callable) -> dict:
+                        switch: Callable, kv_cache: str = "fp16") -> dict:
     """Ours against a stock implementation on the same prompt: max |logit difference| at the last prompt position
     (float32) and the fraction of identical greedy tokens over ``new_tokens``; then the first 64 tokens' greedy
     agreement and the KL of the next-token distributions, teacher-forced on stock's continuation
     (``harness.agreement``). ``switch(model, name)`` is the context manager that puts the model on an
-    implementation (``impls.use_impl``)."""
+    implementation (``impls.use_impl``). ``kv_cache="fp8"``: the implementation runs on the FP8 KV cache (prefill,
+    decode and the teacher-forced forward all read K/V through it) and the reference on transformers' own cache, so
+    ``impl == reference_impl`` measures the cache alone (issue 38: against the fp16 cache)."""
+    _check_kv_cache(kv_cache)
     got, report, calls = {}, None, None
     n64 = continuation_tokens(model, input_ids.shape[1])
     prompt_kl = min(KL_PROMPT_POSITIONS, input_ids.shape[1])
     cont, logprobs = {}, {}
     with torch.inference_mode():
-        for name in (reference_impl, impl):  # the reference first: its continuation is what both are fed for KL
+        # The reference first: its continuation is what both are fed for KL.
+        for role, name, cache in (("ref", reference_impl, "fp16"), ("impl", impl, kv_cache)):
             with switch(model, name) as rep:
-                _, logits = prefill_first_token(model, input_ids)
-                tokens = greedy_tokens(model, input_ids, max(new_tokens, n64)).cpu()
-                got[name] = (logits.float().cpu(), tokens[:, :new_tokens])
-                cont[name] = tokens[:, :n64]
-                forced = torch.cat([input_ids, cont[reference_impl].to(input_ids.device)], dim=1)
-                logprobs[name] = next_token_logprobs(model, forced, prompt_kl + n64)
-                if name == impl and rep is not None:
+                _, logits = prefill_first_token(model, input_ids, kv_cache=cache)
+                tokens = greedy_tokens(model, input_ids, max(new_tokens, n64), kv_cache=cache).cpu()
+                got[role] = (logits.float().cpu(), tokens[:, :new_tokens])
+                cont[role] = tokens[:, :n64]
+                forced = torch.cat([input_ids, cont["ref"].to(input_ids.device)], dim=1)
+                fresh = cache_kwarg(model, new_cache(model, cache)) if cache != "fp16" else None
+                logprobs[role] = next_token_logprobs(model, forced, prompt_kl + n64, fresh)
+                if role == "impl" and rep is not None:
                     report = jsonable(rep)
                     calls = {"impl": rep.num_native_calls, "stock_fallback": rep.num_fallback_calls,
-                             "fallback_reasons": dict(rep.fallback_calls)}
-    (ref_logits, ref_tok), (our_logits, our_tok) = got[reference_impl], got[impl]
+                             "fallback_reasons": dict(rep.fallback_calls),
+                             **({"kv_cache_reads": dict(rep.kv_cache_reads)} if rep.kv_cache_reads else {})}
+    (ref_logits, ref_tok), (our_logits, our_tok) = got["ref"], got["impl"]
     same = ref_tok == our_tok
     mismatch_cols = (~same).any(dim=0).nonzero()
     return {
@@ -492,7 +501,8 @@ def measure_correctness(model, input_ids: torch.Tensor, new_tokens: int, referen
         "first_divergence": int(mismatch_cols[0, 0]) if mismatch_cols.numel() else None,
         "tokens_reference": ref_tok.tolist(),
         "tokens_impl": our_tok.tolist(),
-        **agreement_fields(cont[reference_impl], cont[impl], logprobs[reference_impl], logprobs[impl], prompt_kl),
+        **({"reference_kv_cache": "fp16"} if kv_cache != "fp16" else {}),
+        **agreement_fields(cont["ref"], cont["impl"], logprobs["ref"], logprobs["impl"], prompt_kl),
         # The patch counters (cumulative since patching): proof that the implementation really ran, and on which
         # variant, and how many of its calls took the stock path.
         "patch": report,

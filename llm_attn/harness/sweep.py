@@ -58,9 +58,9 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # The measurements whose prefill --prefill-chunk splits (and whose rows carry it); breakdown and correctness run the
 # prompt in one forward.
 PREFILL_CHUNKED = ("ttft", "decode_generate", "decode_graph", "ttft_graph", "ttft_graph_static")
-# The measurements that run on the --kv-cache format (and whose rows carry it): the same ones. breakdown and
-# correctness run on transformers' own cache.
-KV_CACHED = PREFILL_CHUNKED
+# The measurements that run on the --kv-cache format (and whose rows carry it): the same ones, and correctness (the
+# implementation on that cache against stock on transformers' own). breakdown runs on transformers' own cache.
+KV_CACHED = PREFILL_CHUNKED + ("correctness",)
 FP8_KV_NOTE = "FP8 KV cache (read via a dequantised copy)"
 # Reference implementation of the correctness check: the stock path the patched implementations are built on.
 CORRECTNESS_REFERENCE = BASE_IMPL
@@ -390,7 +390,10 @@ class Sweep:
                     left = [i for i in cfg.impls if self._key(m, i, b, s) not in self.done]
                     if left:
                         todo_paired.append((m, b, s, left))
-        checked = [i for i in cfg.impls if not is_stock(i)] if "correctness" in cfg.measurements else []
+        # Against stock: every patched implementation; on the FP8 cache stock too (stock on its copy against stock on
+        # the fp16 cache: the cache's own effect).
+        checked = ([i for i in cfg.impls if cfg.kv_cache != "fp16" or not is_stock(i)]
+                   if "correctness" in cfg.measurements else [])
         todo_corr = [(i, b, s) for i in checked for b in cfg.batches for s in cfg.seqs
                      if self._key("correctness", i, b, s) not in self.done]
         planned = len(cfg.impls) * len(cfg.batches) * len(cfg.seqs) * len(per_point)
@@ -413,7 +416,7 @@ class Sweep:
                 prompt = self._prompt(b, s)
                 base = self._base("correctness", impl, b, s, [CORRECTNESS_REFERENCE, impl])
                 self._guarded(base, lambda p=prompt, i=impl: measure_correctness(
-                    self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, i, use_impl))
+                    self.model, p, cfg.new_tokens, CORRECTNESS_REFERENCE, i, use_impl, kv_cache=cfg.kv_cache))
                 bar.update()
         return self.rows
 
@@ -697,8 +700,10 @@ def correctness_table(rows: list[dict], tablefmt: str = "github") -> str:
         if r["status"] != "ok":
             table.append([r["impl"], "", r["batch"], r["seq"], r["status"].upper(), "", "", ""])
             continue
-        table.append([r["impl"], r["reference_impl"], r["batch"], r["seq"], f"{r['max_abs_logit_diff']:.3g}",
-                      f"{100 * r['greedy_agreement']:.1f}%", *agreement_cells(r)])
+        fp8 = r.get("kv_cache") == "fp8"  # the implementation on the FP8 KV cache, stock on transformers' own
+        table.append([r["impl"] + (" (FP8 KV cache)" if fp8 else ""),
+                      r["reference_impl"] + (" (unquantised cache)" if fp8 else ""), r["batch"], r["seq"],
+                      f"{r['max_abs_logit_diff']:.3g}", f"{100 * r['greedy_agreement']:.1f}%", *agreement_cells(r)])
     if not table:
         return ""
     return "\n".join([tabulate(sorted(table, key=lambda x: (x[2], x[3])),
