@@ -110,11 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "over everything cached; activations scale with N, not the prompt) in ttft, both decodes' "
                         "prefills and ttft_graph; rows carry the chunk (default: the whole prompt in one forward)")
     p.add_argument("--kv-cache", choices=KV_CACHES, default="fp16",
-                   help="the KV cache of ttft, both decodes and ttft_graph: fp16, transformers' own in the model's "
-                        "dtype, or fp8, the FP8 (e4m3) cache of llm_attn.models.kv_cache: stock attention reads it "
-                        "through a dequantised copy (the honest baseline), llm_attn reads its bytes (the FP8-cache "
-                        "decode kernel for decode steps, the prefill kernel for the prompt or its chunks); the graph "
-                        "measurements cannot capture it yet ('unsupported' on a GPU); rows carry kv_cache and how "
+                   help="the KV cache of ttft, both decodes, ttft_graph and correctness: fp16, transformers' own in "
+                        "the model's dtype, or fp8, the FP8 (e4m3) cache of llm_attn.models.kv_cache: stock attention "
+                        "reads it through a dequantised copy (the honest baseline), llm_attn reads its bytes (the "
+                        "FP8-cache decode kernel for decode steps; the prompt or its chunks through the prefill "
+                        "kernel, or on sm_90 the one-launch copy: LLM_ATTN_FP8KV_PREFILL); correctness compares each "
+                        "implementation on it, stock included, with stock on the unquantised cache; the graph "
+                        "measurements cannot capture stock on it ('unsupported' on a GPU); rows carry kv_cache and how "
                         "attention read it (default: fp16)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "
