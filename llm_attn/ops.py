@@ -621,12 +621,13 @@ def fp8_kv_dequantized(kv, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Te
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of an FP8 cache layer's valid tokens, (B, H, length, D) in ``dtype``: ``kv.dequantized(dtype)``'s
     values, bit for bit, in one launch where the build has the kernel and the cache is on a CUDA device (fp16/bf16,
-    head_dim 64 or 128, contiguous storage: what ``llm_attn.models.kv_cache`` makes); the PyTorch reference
-    otherwise. ``out``: (k, v) to write into (tests poison them first); the kernel path only."""
+    head_dim 64 or 128, contiguous 16-byte-aligned storage: what ``llm_attn.models.kv_cache`` makes); the PyTorch
+    reference otherwise. ``out``: (k, v) to write into (tests poison them first); the kernel path only."""
     d, n = kv.k_data.shape[-1], kv.length
     use_kernel = (kv.k_data.is_cuda and dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
                   and kv.used is None and kv.k_data.shape[0] * kv.k_data.shape[1] <= 65535
-                  and all(t.is_contiguous() for t in (kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift))
+                  and all(t.is_contiguous() and t.data_ptr() % 16 == 0  # the kernel's 16-byte loads
+                          for t in (kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift))
                   and fp8_cache_dequant_available())
     if not use_kernel:
         if out is not None:
