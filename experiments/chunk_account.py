@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             profiles[name] = {"busy_ms": device_busy_ms(ev), "kernels": device_kernels_of(ev)}
 
     base = names[0]
-    print("\n| case | TTFT ms (median) | vs first | busy ms | peak GiB |")
+    print("\n| case | TTFT ms (median) | TTFT / first case's (> 1 = slower) | busy ms | peak GiB |")
     print("|---|---|---|---|---|")
     med = {n: statistics.median(times[n]) for n in names}
     for n in names:
