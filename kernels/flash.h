@@ -150,7 +150,8 @@ constexpr int bwd_smem_bytes(int head_dim, int block_m, int block_n) {
 // Which dK/dV kernel a backward runs (llm_attn.backward.force_bwd_tile; tests, benchmarks): kBwdAuto chooses by the
 // device; kBwdPortable the portable kernel with the device's tile; kBwdNarrow its narrow tile on any device;
 // kBwdHopper the sm_90a kernel (compute capability 9.0 only: the binding refuses it elsewhere), with its dQ way
-// chosen by the shapes, or forced: kBwdHopperOwnDq, kBwdHopperSharedDq (FlashBwdParams::dq_shared); the portable
+// shared by the block's warpgroups (the default), or forced: kBwdHopperOwnDq, kBwdHopperSharedDq
+// (FlashBwdParams::dq_shared); the portable
 // kernel's dQ by atomics is kBwdPortable's, without them kBwdPortableSeparateDq.
 enum BwdTileId : int {
     kBwdAuto = 0,

@@ -54,11 +54,15 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
     if (force_splits > 0) {
         splits = force_splits;
     } else if (p.causal && blocks < 2 * slots) {
-        // Causal key blocks are unequal (the first see every query): below 2 waves, split them into ~4 waves of
-        // blocks of about equal work, at least 8 steps each (amortises the K/V load and the atomic epilogue).
-        // H100, B=1 32/8 hd128 bf16, backward: S=2048 0.83 ms split (v2) vs 1.10 unsplit (v1); S=8192 (3.9 waves)
-        // 6.87 split in 3 vs 6.65 unsplit (kernels/NOTES.md, Backward).
-        const long per = std::max((total + 4 * slots - 1) / (4 * slots), 8L);
+        // Causal key blocks are unequal (the first see every query): below 2 waves, split them into shares of at
+        // least 8 steps (amortises the K/V load and the atomic epilogue). The portable kernels: ~4 waves of shares
+        // of about equal work (H100, B=1 32/8 hd128 bf16: S=2048 0.83 ms split vs 1.10 unsplit; S=8192, 3.9 waves,
+        // 6.87 split in 3 vs 6.65 unsplit; kernels/NOTES.md, Backward). The Hopper kernel (one 8-warp block an SM,
+        // a 64 KB K/V load and 128 KB of float32 dK/dV atomics a share): one wave, the longest share at most 1.25x
+        // the mean SM's work (H100, 32/8 hd128: S=1024 3 shares 103 us vs 4-wave 134, S=2048 2 shares 263 vs 379,
+        // S=4096 unsplit 791 vs 876; kernels/NOTES.md, "The Hopper backward's split rule").
+        const long per = p.hopper ? std::max((5 * total + 4 * slots - 1) / (4 * slots), 8L)
+                                  : std::max((total + 4 * slots - 1) / (4 * slots), 8L);
         splits = (max_iters + per - 1) / per;
     } else if (!p.causal && blocks * 5 < slots * 4) {
         // Equal blocks that leave SMs idle: as many whole copies of the grid as fit one wave. A full wave is not
@@ -68,11 +72,11 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
     splits = std::max(1L, std::min({splits, max_iters, 65535L / p.batch}));
     p.iters_per_split = static_cast<int>((max_iters + splits - 1) / splits);
     p.num_splits = static_cast<int>((max_iters + p.iters_per_split - 1) / p.iters_per_split);
-    // The Hopper kernel's dQ over the block's 128 keys by one warpgroup a step, where L2 is what limits: more than
-    // one wave of blocks of at least 32 steps. H200, hd128 32/8 heads, against each warpgroup adding its own keys'
-    // share: 1.04-1.15x at S 4096-16384, 0.72-0.83x at S 1024-2048 (one wave, or split blocks of 8-16 steps).
-    p.dq_shared = force_tile == kBwdHopperSharedDq ||
-                  (force_tile != kBwdHopperOwnDq && p.iters_per_split >= 32 && blocks * p.num_splits > num_sms);
+    // The Hopper kernel's dQ over the block's 128 keys by one warpgroup a step (half the dQ bytes through L2), unless
+    // forced to each warpgroup's own 64 keys. H100, 32/8 hd128 and 4 x 32 hd64, S 1024-8192, at every split count
+    // 1-4: shared 0.78-1.01x own's time (one wave at S=2048 non-causal: 364 vs 459 us); kernels/NOTES.md, "The
+    // Hopper backward's split rule". (HB4 chose own at short S from H200 runs of an earlier kernel.)
+    p.dq_shared = force_tile != kBwdHopperOwnDq;
     // The portable kernels' dQ without atomics (flash_bwd_dq_kernel) only when forced: measured against the atomics
     // on the H200 (portable kernels forced, bf16, 32/8 heads hd128 and 4 x 32 heads hd64), it is 0.92-0.96x at
     // S 2048-4096 (it recomputes S and dP) and within the benchmark's run-to-run spread at S 512-1024 (medians

@@ -300,13 +300,13 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             // dQ of the step: dQ[m0 .. m0 + 64, 64 h .. 64 h + 64] = dS K, one 64-column slab at a time (head_dim 128
             // has no registers for both), into this warpgroup's dQ tile (float32 boxes of 64 rows x 32 columns in
             // the 128-byte swizzle: TMA's layout; a warp's float2 stores take the minimum two wavefronts); one
-            // thread then has the copy engine add the tile into the float32 dQ buffer. Two ways (dq_shared, chosen
-            // per launch by flash_bwd_set_splits):
+            // thread then has the copy engine add the tile into the float32 dQ buffer. Two ways (dq_shared: shared
+            // unless force_bwd_tile("hopper_own_dq"), flash_bwd_set_splits):
             //   shared: over the block's 128 keys (8 k-steps of 16) by one warpgroup, the two taking turns by step
             //     parity (the other runs ahead into the next step's S^T and dP^T). Half the bytes through L2 of
             //     each warpgroup adding the share of its own keys, which left L2 87 % busy at long S.
-            //   own: each warpgroup over its own 64 keys every step (4 k-steps), no block barrier: blocks of few
-            //     steps and grids of at most one wave, where L2 is not the limit and the lock-step costs.
+            //   own: each warpgroup over its own 64 keys every step (4 k-steps), no block barrier; measured no faster
+            //     on the H100 at any shape tried (kernels/NOTES.md, "The Hopper backward's split rule").
             if (dq_shared && (i & 1) != wg) {
                 wgmma_wait<0>();  // dV, dK and the reads of Q, dO, lse, dsum are done: this thread releases the slot
                 fence_regs(dk_flat);

@@ -893,15 +893,14 @@ def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
     if s.force_splits > 0:
         splits = s.force_splits
     elif s.causal and blocks < 2 * slots:
-        per = max(_cdiv(total, 4 * slots), 8)
+        per = max(_cdiv(5 * total, 4 * slots) if hopper else _cdiv(total, 4 * slots), 8)
         splits = _cdiv(max_iters, per)
     elif not s.causal and blocks * 5 < slots * 4:
         splits = slots // blocks
     splits = max(1, min(splits, max_iters, 65535 // s.batch))
     iters = _cdiv(max_iters, splits)
     num_splits = _cdiv(max_iters, iters)
-    dq_shared = s.force_tile == BWD_HOPPER_SHARED_DQ or (
-        s.force_tile != BWD_HOPPER_OWN_DQ and iters >= 32 and blocks * num_splits > dev.num_sms)
+    dq_shared = s.force_tile != BWD_HOPPER_OWN_DQ
     return BwdSplits(hopper, narrow, num_splits, iters, dq_shared,
                      not hopper and (s.force_tile == BWD_PORTABLE_SEPARATE_DQ or s.deterministic))
 

@@ -1260,17 +1260,18 @@ def test_backward_launches_mirror_the_cpp_host_code():
     for name, line in BWD_HOST_LINES:
         assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py"
     # Llama 3 8B, 2048 tokens, causal bf16 on an H100 running the Hopper kernel: 16 key blocks x 8 KV heads = 128
-    # blocks < 2 x 132: split into 8 shares of 16 steps, then the dQ and dK/dV conversions.
+    # blocks < 2 x 132, 8704 steps: shares of at most 1.25 x 8704 / 132 -> 83 steps, so the 128 steps of the first
+    # key block split in 2 shares of 64, dQ shared by the warpgroups; then the dQ and dK/dV conversions.
     s = _plan.BwdShape(1, 32, 8, 2048, 2048, 128, True, True)
     p = _plan.bwd_plan(s, H100_SM90)
-    assert (p.splits.hopper, p.splits.num_splits, p.splits.iters_per_split, p.splits.dq_shared) == (True, 8, 16, False)
+    assert (p.splits.hopper, p.splits.num_splits, p.splits.iters_per_split, p.splits.dq_shared) == (True, 2, 64, True)
     assert [x.kernel for x in p.launches] == [
         "llm_attn::flash_bwd_preprocess_kernel<__nv_bfloat16, 128>",
         "llm_attn::sm90::flash_bwd_sm90_kernel<__nv_bfloat16, llm_attn::sm90::Sm90BwdTraits<128, 2>, true>",
         "llm_attn::flash_bwd_convert_dq_kernel<__nv_bfloat16, 128>",
         "llm_attn::flash_bwd_convert_dkdv_kernel<__nv_bfloat16, 128>"]
     assert p.preprocess.grid == (2048 * 32 * 16 // 128, 1, 1) and p.convert_dkdv.grid == (8 * 2048 * 16 // 256, 1, 1)
-    assert (p.dkdv.grid, p.dkdv.threads, p.dkdv.smem) == ((8, 16, 8), 384, _plan.Sm90BwdTraits(128).smem_bytes)
+    assert (p.dkdv.grid, p.dkdv.threads, p.dkdv.smem) == ((8, 16, 2), 384, _plan.Sm90BwdTraits(128).smem_bytes)
     assert p.sm90 == _plan.Sm90BwdTraits(128)
     # The same on an RTX 4060 Ti (99 KB a block): the narrow tile, 4 warps x 64 keys, two blocks an SM.
     p = _plan.bwd_plan(s, RTX4060TI)
