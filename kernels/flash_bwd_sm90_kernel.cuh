@@ -5,11 +5,12 @@
 //
 // One thread block = 3 warpgroups:
 //   warpgroup 0, the producer: one thread loads K and V once, then Q and dO of each step (64 query rows of one query
-//     head) into a kStages-deep ring of shared-memory slots by TMA; warp 1 copies the step's 64 lse and dsum values
+//     head at head_dim 128, 128 at head_dim 64: Sm90BwdTraits::kBlockM) into a kStages-deep ring of shared-memory
+//     slots by TMA; warp 1 copies the step's 64 lse and dsum values
 //     next to them. A slot's "full" mbarrier completes on the TMA bytes plus warp 1's 32 arrivals, its "empty" one
 //     when all 256 consumer threads are done with it.
-//   warpgroups 1-2, the consumers: 64 keys each (wgmma's M). Per step, for its keys x the step's 64 queries:
-//     S^T  = K Q^T       wgmma m64n64k16, both from shared memory
+//   warpgroups 1-2, the consumers: 64 keys each (wgmma's M). Per step, for its keys x the step's queries:
+//     S^T  = K Q^T       wgmma m64n{64,128}k16, both from shared memory
 //     dP^T = V dO^T      the same
 //     P^T  = exp2(S^T scale log2e - lse), masked on the causal diagonal and past the keys
 //     dV  += P^T dO      wgmma m64n{head_dim}k16, P^T from registers (A), dO MN-major from shared memory
@@ -17,7 +18,8 @@
 //     dK  += dS^T Q      the same with Q
 //     dQ  += dS K        dS^T stored to shared memory, read back as a transposed A operand, K MN-major; 64-column
 //                        wgmmas: over the block's 128 keys by one warpgroup per step, the two taking turns (one
-//                        block barrier a step), or each warpgroup over its own 64 keys (FlashBwdParams::dq_shared).
+//                        block barrier a step), or each warpgroup over its own 64 keys (FlashBwdParams::dq_shared);
+//                        with 128 queries a step, each warpgroup over the 128 keys for its half of the queries.
 //                        The float32 result goes to the warpgroup's dQ tile in shared memory, and one thread has the
 //                        copy engine add it into the float32 dQ buffer (TMA reduce-add: whole 128-byte rows at L2,
 //                        instead of 16-byte atomics from every thread, which kept L2 87 % busy).
@@ -40,8 +42,14 @@ template <int kHeadDim_, int kStages_>
 struct Sm90BwdTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kStages = kStages_;
-    static constexpr int kBlockM = 64;   // query rows per step: wgmma's N for S^T and dP^T
+    // Query rows per step (wgmma's N for S^T and dP^T): 64 at head_dim 128; 128 at head_dim 64, where a 64-row step's
+    // GEMMs are too short for the step's waits and barriers (the same registers: S^T and dP^T of 64 floats each beside
+    // dK and dV of 32, where head_dim 128 has 32 and 64). With 128 rows each consumer computes the dQ of its own half
+    // of the step's rows over all 128 keys (kDqSplitRows); with 64, FlashBwdParams::dq_shared chooses.
+    static constexpr int kBlockM = kHeadDim_ == 64 ? 128 : 64;
     static constexpr int kBlockN = 128;  // keys per block, 64 (wgmma's M) per consumer warpgroup
+    static constexpr bool kDqSplitRows = kBlockM == 128;
+    static constexpr int kDqRows = 64;  // rows of one consumer's dQ tile (wgmma's M for dQ = dS K)
     static constexpr int kConsumers = 2;
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kConsumerWarps = 4 * kConsumers;
@@ -50,9 +58,10 @@ struct Sm90BwdTraits {
     static constexpr int kSlabBytesKV = kBlockN * 128;
     static constexpr int kTileBytesQ = kSlabs * kSlabBytesQ;    // Q or dO of one step
     static constexpr int kTileBytesKV = kSlabs * kSlabBytesKV;  // K or V of the block
-    static constexpr int kTileBytesDS = kBlockN * kBlockM * 2;  // a step's dS^T: 128 keys x 64 queries
-    static constexpr int kBoxBytesDQ = kBlockM * 128;           // a float32 dQ box: 64 rows x 32 columns
-    static constexpr int kTileBytesDQ = kBlockM * kHeadDim * 4;  // one consumer's float32 dQ: kHeadDim / 32 boxes
+    static constexpr int kSlabBytesDS = kBlockN * 128;          // 128 keys x 64 queries of dS^T
+    static constexpr int kTileBytesDS = kBlockN * kBlockM * 2;  // a step's dS^T: kBlockM / 64 slabs
+    static constexpr int kBoxBytesDQ = kDqRows * 128;           // a float32 dQ box: 64 rows x 32 columns
+    static constexpr int kTileBytesDQ = kDqRows * kHeadDim * 4;  // one consumer's float32 dQ: kHeadDim / 32 boxes
     static constexpr int kNumBarriers = 1 + 2 * kStages;
     // K, V; kStages x (Q, dO); two dS^T buffers; per consumer a dQ tile; kStages x (lse, dsum); barriers; 1 KB
     // to align to the swizzle atom.
@@ -278,20 +287,22 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             // g, g + 8 is k-step nt / 2's A fragment registers (nt % 2) * 2 + r. The buffer's last reader, the dQ
             // wgmma two steps back, has finished: shared dQ, its warpgroup waited for it before the previous step's
             // block barrier; own dQ, it was this warpgroup's own, waited for in that step.
+            // With 128 queries a step (head_dim 64) the buffer is two such slabs, queries 0-63 then 64-127.
             const uint32_t ds_tile = ds_base + (i & 1) * Traits::kTileBytesDS + wg * 64 * 128;
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = warp * 16 + g + 8 * r;
-                    sts_u32(ds_tile + row * 128 + ((nt ^ (row % 8)) * 16) + t * 4, dsa[nt / 2][0][(nt % 2) * 2 + r]);
+                    sts_u32(ds_tile + (nt / 8) * Traits::kSlabBytesDS + row * 128 + (((nt % 8) ^ (row % 8)) * 16) + t * 4,
+                            dsa[nt / 2][0][(nt % 2) * 2 + r]);
                 }
             fence_proxy_async();
             // This warpgroup's previous dQ tile has been read by its reduce-add (it may be rewritten below), and
             // the dS^T that the dQ wgmma reads is written: both warpgroups' (shared dQ: one block barrier), or this
             // warpgroup's own (each its own dQ: its own barrier).
             if (tid == 0) bulk_wait_read<0>();
-            if (dq_shared) {
+            if (dq_shared || Traits::kDqSplitRows) {
                 named_barrier_sync(1, 256);
             } else {
                 named_barrier_sync(2 + wg, 128);
@@ -307,21 +318,23 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
             //     each warpgroup adding the share of its own keys, which left L2 87 % busy at long S.
             //   own: each warpgroup over its own 64 keys every step (4 k-steps), no block barrier; measured no faster
             //     on the H100 at any shape tried (kernels/NOTES.md, "The Hopper backward's split rule").
-            if (dq_shared && (i & 1) != wg) {
+            //   split rows (kDqSplitRows, 128 queries a step): each warpgroup over all 128 keys for its own 64 of the
+            //     step's rows, every step; both read both halves of dS^T (the block barrier above).
+            if (!Traits::kDqSplitRows && dq_shared && (i & 1) != wg) {
                 wgmma_wait<0>();  // dV, dK and the reads of Q, dO, lse, dsum are done: this thread releases the slot
                 fence_regs(dk_flat);
                 fence_regs(dv_flat);
                 mbar_arrive(&sm.empty[stage]);
                 continue;
             }
-            const SmemDesc a_ds = at_ds + (i & 1) * Traits::kTileBytesDS;
+            const SmemDesc a_ds = at_ds + (i & 1) * Traits::kTileBytesDS + (Traits::kDqSplitRows ? wg * Traits::kSlabBytesDS : 0);
 #pragma unroll
             for (int h = 0; h < Traits::kSlabs; ++h) {
-                float acc_dq[kNT][4];
+                float acc_dq[8][4];  // 64 rows x 64 columns of dQ
                 float(&dq_flat)[32] = *reinterpret_cast<float(*)[32]>(&acc_dq[0][0]);
                 const SmemDesc b_k = bt_k + h * Traits::kSlabBytesKV;
                 wgmma_fence();
-                if (dq_shared) {
+                if (dq_shared || Traits::kDqSplitRows) {
 #pragma unroll
                     for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
                         Wgmma<T, 64>::template ss<1, 1>(dq_flat, (a_ds + kk * 16 * 128).u64(),
@@ -344,7 +357,7 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
                     mbar_arrive(&sm.empty[stage]);
                 }
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
+                for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const int row = warp * 16 + g + 8 * r;
@@ -360,7 +373,7 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
 #pragma unroll
                 for (int bx = 0; bx < kHeadDim / 32; ++bx) {
                     tma_reduce_add_4d(&params.tma_dq, sm.dq + wg * Traits::kTileBytesDQ + bx * Traits::kBoxBytesDQ,
-                                      bx * 32, m0, step.x, b.batch);
+                                      bx * 32, m0 + (Traits::kDqSplitRows ? wg * Traits::kDqRows : 0), step.x, b.batch);
                 }
                 bulk_commit();
             }

@@ -11,8 +11,9 @@
 namespace llm_attn {
 namespace sm90 {
 
-// 128 keys x 64 query rows a step, two stages of Q/dO: head_dim 128 K 32 KB + V 32 KB + 2 x (Q 16 + dO 16) + dS^T
-// 16 KB + dQ 64 KB (+ lse/dsum, barriers, alignment) = 210 KB; head_dim 64 114 KB.
+// 128 keys x 64 query rows a step (head_dim 128) or x 128 (head_dim 64), two stages of Q/dO: head_dim 128 K 32 KB +
+// V 32 KB + 2 x (Q 16 + dO 16) + 2 dS^T 16 KB + dQ 64 KB (+ lse/dsum, barriers, alignment) = 210 KB; head_dim 64
+// K 16 + V 16 + 2 x (Q 16 + dO 16) + 2 dS^T 32 + dQ 32 = 195 KB.
 template <int kHeadDim>
 using BwdConfig = Sm90BwdTraits<kHeadDim, 2>;
 
@@ -27,7 +28,7 @@ cudaError_t launch_bwd_dkdv(const FlashBwdParams& p, cudaStream_t stream) {
                            p.do_head_stride, p.do_row_stride, Traits::kBlockM) &&
         make_tensor_map<float>(&sp.tma_dq, p.dq_accum, kHeadDim, p.seqlen_q, p.num_heads, p.batch,
                                static_cast<int64_t>(p.num_heads) * p.seqlen_q * kHeadDim,
-                               static_cast<int64_t>(p.seqlen_q) * kHeadDim, kHeadDim, Traits::kBlockM);
+                               static_cast<int64_t>(p.seqlen_q) * kHeadDim, kHeadDim, Traits::kDqRows);
     if (!ok) return cudaErrorInvalidValue;
     cudaError_t err = opt_in_dynamic_smem<flash_bwd_sm90_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
     if (err != cudaSuccess) return err;

@@ -205,7 +205,7 @@ def fp8_params(f: FlashFwdFp8Params, traits: _plan.Fp8Traits) -> Fp8Sm90Params:
 def bwd_params(p: FlashBwdParams, traits: _plan.Sm90BwdTraits) -> Sm90BwdParams:
     """sm90::launch_bwd_dkdv's Sm90BwdParams for FlashBwdParams `p` (pointers and dq_accum set): the maps of Q and dO
     (boxes of the step's block_m rows), K and V (the block's block_n keys) in the input dtype, and of the float32 dQ
-    accumulator ((batch, heads, seqlen_q, head_dim) contiguous, boxes of block_m rows x 32 columns)."""
+    accumulator ((batch, heads, seqlen_q, head_dim) contiguous, boxes of dq_rows (64) rows x 32 columns)."""
     sp = Sm90BwdParams()
     sp.p = p
     d, elem = traits.head_dim, 0 if p.is_bf16 else 1
@@ -217,7 +217,7 @@ def bwd_params(p: FlashBwdParams, traits: _plan.Sm90BwdTraits) -> Sm90BwdParams:
             ("tma_v", p.v, elem, p.seqlen_k, p.num_kv_heads, (p.v_batch_stride, p.v_head_stride, p.v_row_stride),
              traits.block_n),
             ("tma_do", p.dout, elem, sq, hq, (p.do_batch_stride, p.do_head_stride, p.do_row_stride), traits.block_m),
-            ("tma_dq", p.dq_accum, 2, sq, hq, (hq * sq * d, sq * d, d), traits.block_m)):
+            ("tma_dq", p.dq_accum, 2, sq, hq, (hq * sq * d, sq * d, d), traits.dq_rows)):
         raw = tensor_map(int(ptr), el, d, int(seqlen), int(heads), int(p.batch), *map(int, strides), rows)
         ctypes.memmove(ctypes.addressof(sp) + getattr(Sm90BwdParams, field).offset, raw, 128)
     return sp

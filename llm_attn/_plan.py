@@ -802,22 +802,26 @@ BWD_CONFIGS = {d: (BwdTraits(d, **_table.BWD_TILES[d]), BwdTraits(d, **_table.BW
 @dataclass(frozen=True)
 class Sm90BwdTraits:
     """sm90::Sm90BwdTraits<kHeadDim, kStages> (kernels/flash_bwd_sm90_kernel.cuh; flash_bwd_sm90_launch.cuh's
-    BwdConfig<D> has 2 stages): 128 keys (64 per consumer warpgroup) x 64 query rows a step, a producer warpgroup
-    and two consumers."""
+    BwdConfig<D> has 2 stages): 128 keys (64 per consumer warpgroup) x 64 query rows a step (128 at head_dim 64), a
+    producer warpgroup and two consumers; a consumer's float32 dQ tile is 64 rows (dq_rows)."""
 
     head_dim: int
     stages: int = 2
 
-    block_m = 64
     block_n = 128
+    dq_rows = 64
     n_warps = 8  # the consumers' warps: what flash_bwd_set_splits counts a block's register share by
     threads = 384
+
+    @property
+    def block_m(self) -> int:
+        return 128 if self.head_dim == 64 else 64
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: K, V; stages x (Q, dO); 2 dS^T; 2 float32 dQ tiles; lse/dsum; bars
         slabs = self.head_dim // 64
         q, kv, ds, dq = slabs * self.block_m * 128, slabs * self.block_n * 128, self.block_n * self.block_m * 2, \
-            self.block_m * self.head_dim * 4
+            self.dq_rows * self.head_dim * 4
         return 2 * kv + 2 * self.stages * q + 2 * ds + 2 * dq + self.stages * 2 * self.block_m * 4 \
             + (1 + 2 * self.stages) * 8 + 1024
 

@@ -1227,7 +1227,7 @@ BWD_HOST_LINES = (
                                   "p.do_row_stride, Traits::kBlockM) && make_tensor_map<float>(&sp.tma_dq, p.dq_accum, "
                                   "kHeadDim, p.seqlen_q, p.num_heads, p.batch, static_cast<int64_t>(p.num_heads) * "
                                   "p.seqlen_q * kHeadDim, static_cast<int64_t>(p.seqlen_q) * kHeadDim, kHeadDim, "
-                                  "Traits::kBlockM);"),
+                                  "Traits::kDqRows);"),
     ("flash_bwd_sm90_launch.cuh", "const dim3 grid(kCausal ? p.num_kv_heads : n_blocks, kCausal ? n_blocks : "
                                   "p.num_kv_heads, p.batch * p.num_splits); flash_bwd_sm90_kernel<T, Traits, kCausal>"
                                   "<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
