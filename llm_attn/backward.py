@@ -185,7 +185,8 @@ def force_bwd_tile(tile: str):
     - 'hopper' the Hopper kernel (compute capability 9.0 and a build with sm_90a code only: the extension built
       for 9.0, or NVRTC 12.0 or newer; ValueError elsewhere),
       'hopper_own_dq' / 'hopper_shared_dq' with its dQ way forced (each warpgroup over its own keys, or one
-      warpgroup a step over the block's; 'hopper' takes the shared way, measured the faster on the H100).
+      warpgroup a step over the block's; 'hopper' takes the shared way, measured the faster on the H100; at head_dim
+      64, 128 query rows a step, each warpgroup computes the dQ of its half of the rows whichever is forced).
     """
     if tile not in BWD_TILES:
         raise ValueError(f"tile must be one of {', '.join(map(repr, BWD_TILES))}, got {tile!r}")
