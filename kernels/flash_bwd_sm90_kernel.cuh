@@ -6,9 +6,9 @@
 // One thread block = 3 warpgroups:
 //   warpgroup 0, the producer: one thread loads K and V once, then Q and dO of each step (64 query rows of one query
 //     head at head_dim 128, 128 at head_dim 64: Sm90BwdTraits::kBlockM) into a kStages-deep ring of shared-memory
-//     slots by TMA; warp 1 copies the step's 64 lse and dsum values
-//     next to them. A slot's "full" mbarrier completes on the TMA bytes plus warp 1's 32 arrivals, its "empty" one
-//     when all 256 consumer threads are done with it.
+//     slots by TMA; warp 1 copies the step's kBlockM lse and dsum values next to them. A slot's "full" mbarrier
+//     completes on the TMA bytes plus warp 1's 32 arrivals, its "empty" one when all 256 consumer threads are done
+//     with it.
 //   warpgroups 1-2, the consumers: 64 keys each (wgmma's M). Per step, for its keys x the step's queries:
 //     S^T  = K Q^T       wgmma m64n{64,128}k16, both from shared memory
 //     dP^T = V dO^T      the same
@@ -316,7 +316,8 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = warp * 16 + g + 8 * r;
-                    sts_u32(ds_tile + (nt / 8) * Traits::kSlabBytesDS + row * 128 + (((nt % 8) ^ (row % 8)) * 16) + t * 4,
+                    sts_u32(ds_tile + (nt / 8) * Traits::kSlabBytesDS + row * 128 + (((nt % 8) ^ (row % 8)) * 16) +
+                                t * 4,
                             dsa[nt / 2][0][(nt % 2) * 2 + r]);
                 }
             fence_proxy_async();
@@ -349,7 +350,8 @@ __device__ __forceinline__ void bwd_consumer(const Sm90BwdParams& params, const 
                 mbar_arrive(&sm.empty[stage]);
                 continue;
             }
-            const SmemDesc a_ds = at_ds + (i & 1) * Traits::kTileBytesDS + (Traits::kDqSplitRows ? wg * Traits::kSlabBytesDS : 0);
+            const SmemDesc a_ds =
+                at_ds + (i & 1) * Traits::kTileBytesDS + (Traits::kDqSplitRows ? wg * Traits::kSlabBytesDS : 0);
 #pragma unroll
             for (int h = 0; h < Traits::kSlabs; ++h) {
                 float acc_dq[8][4];  // 64 rows x 64 columns of dQ
