@@ -10,7 +10,8 @@ tinylm_training.json).
 
     python experiments/train_tiny_lm.py --out /tmp/tinylm            # ~2.5 min on an H100; writes heldout.jsonl too
     python -m llm_attn.ttft --model /tmp/tinylm --prompts /tmp/tinylm/heldout.jsonl --measure correctness \\
-        --impl sdpa llm_attn llm_attn_fp8 llm_attn_fp8_e4m3 llm_attn_int8 --seq 1024 2048 --batch 16 --new-tokens 64
+        --impl sdpa llm_attn llm_attn_fp8 llm_attn_fp8_e4m3 llm_attn_int8qk llm_attn_int8 --seq 1024 2048 --batch 16 \\
+        --new-tokens 64
 
 The corpus is split by file (a hash of each path, so the split does not depend on the machine's file order): the
 held-out files never reach the training batches, and those of at least ``--prompt-min-chars`` characters become the

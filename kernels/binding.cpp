@@ -322,7 +322,9 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q_in, const a
 // float32 buffer), so the quantisation is part of every call. block_n: the kernel's key tile (128 or 192 keys per S
 // tile; 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default, kernel_tiles.h Fp8Tiles<D>): a tuning choice, the
 // result's semantics are the same. qk: the operands of S = Q K^T, "int8" or "e4m3" ("" = LLM_ATTN_FP8_QK if set,
-// else int8; flash_fp8.h Fp8Qk): this one changes the result (the rounding of Q and K).
+// else int8; flash_fp8.h Fp8Qk): this one changes the result (the rounding of Q and K). pv: the operands of P V,
+// "e4m3" ("" too) or "input" (P in the input dtype times the unquantised V; int8 Q K^T and the 128-key tile only; no
+// V^T workspace; flash_fp8.h Fp8Pv): it changes the result too.
 int fp8_qk_code(const std::string& qk) {
     if (qk.empty()) return llm_attn::flash_fwd_fp8_qk(llm_attn::kFp8QkDefault);
     TORCH_CHECK(qk == "int8" || qk == "e4m3", "llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of "
@@ -330,16 +332,29 @@ int fp8_qk_code(const std::string& qk) {
     return qk == "int8" ? llm_attn::kFp8QkInt8 : llm_attn::kFp8QkE4m3;
 }
 
+int fp8_pv_code(const std::string& pv) {
+    TORCH_CHECK(pv.empty() || pv == "e4m3" || pv == "input", "llm_attn.mha_fwd_fp8: pv must be 'e4m3' or 'input' (the "
+                "operands of P V), not '", pv, "'");
+    return pv == "input" ? llm_attn::kFp8PvInput : llm_attn::kFp8PvE4m3;
+}
+
 std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const std::optional<at::Tensor>& seqused_k, double scale, bool causal,
-                                               int64_t block_n, const std::string& qk) {
+                                               int64_t block_n, const std::string& qk, const std::string& pv) {
     check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal);
-    const int qk_code = fp8_qk_code(qk);
+    const int qk_asked = fp8_qk_code(qk);
+    const int pv_code = fp8_pv_code(pv);
+    const bool pv_input = pv_code == llm_attn::kFp8PvInput;
+    TORCH_CHECK(!pv_input || qk != "e4m3", "llm_attn.mha_fwd_fp8: pv='input' runs with int8 Q K^T only (qk 'int8' or "
+                "''), not qk='e4m3'");
+    const int qk_code = pv_input ? llm_attn::kFp8QkInt8 : qk_asked;  // "" is int8 there, whatever LLM_ATTN_FP8_QK says
     const c10::cuda::CUDAGuard guard(q.device());
     TORCH_CHECK(llm_attn::flash_fwd_fp8_available(),
                 "llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) and a build with "
                 "sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
-    const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n));
+    const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n), pv_code);
+    TORCH_CHECK(tile != 0 || !pv_input, "llm_attn.mha_fwd_fp8: the FP8 kernel with P V in the input dtype has a "
+                "128-key tile only, not ", num(block_n));
     TORCH_CHECK(tile != 0, "llm_attn.mha_fwd_fp8: the FP8 kernel has no ",
                 block_n ? std::to_string(block_n) + "-key tile" : std::string("tile of the LLM_ATTN_FP8_BLOCK_N set"),
                 " for head_dim ", num(q.size(3)), " in this build (128 or 192: kernel_tiles.h Fp8Tiles)");
@@ -352,18 +367,19 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     const int64_t q_blocks = (sq + llm_attn::kFp8QBlock - 1) / llm_attn::kFp8QBlock;
     const int64_t k_blocks = (sk + llm_attn::kFp8KBlock - 1) / llm_attn::kFp8KBlock;
     const int64_t pad = llm_attn::fp8_seqlen_k_pad(static_cast<int>(sk));
-    const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d, n_vt8 = b * hkv * d * pad;  // multiples of 64
+    const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d;  // multiples of 64
+    const int64_t n_vt8 = pv_input ? 0 : b * hkv * d * pad;           // P V in the input dtype reads the caller's V
     at::Tensor bytes = at::empty({n_q8 + n_k8 + n_vt8}, q.options().dtype(at::kByte));
     const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, n_vs = b * hkv * d;
     const int64_t n_qm = b * hq * sq;
     at::Tensor floats = at::empty({n_stats + n_qs + n_ks + n_vs + n_qm}, q.options().dtype(at::kFloat));
     floats.narrow(0, 0, n_stats).zero_();  // only the statistics are accumulated into
     uint8_t* base = bytes.data_ptr<uint8_t>();
-    f.q8 = base, f.k8 = base + n_q8, f.vt8 = base + n_q8 + n_k8;
+    f.q8 = base, f.k8 = base + n_q8, f.vt8 = pv_input ? nullptr : base + n_q8 + n_k8;
     float* fb = floats.data_ptr<float>();
     f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats + n_qs + n_ks;
     f.q_dot_kmean = fb + n_stats + n_qs + n_ks + n_vs;
-    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream(), tile, qk_code);
+    const cudaError_t err = llm_attn::run_flash_fwd_fp8(f, at::cuda::getCurrentCUDAStream(), tile, qk_code, pv_code);
     TORCH_CHECK(err == cudaSuccess, "llm_attn.mha_fwd_fp8: kernel launch failed: ", cudaGetErrorString(err));
     return {out, lse};
 }
@@ -888,14 +904,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_tile", &set_tile, "Force the prefill tile (0 auto, 1 large, 2 wide, 3 small, 4 hopper); returns the previous");
     m.def("mha_fwd_fp8", &mha_fwd_fp8, "FP8 (e4m3) attention forward, quantisation included; returns (out, lse)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"),
-          py::arg("block_n") = 0, py::arg("qk") = "");
+          py::arg("block_n") = 0, py::arg("qk") = "", py::arg("pv") = "");
     m.def("fp8_qk", [](const std::string& qk) { return fp8_qk_code(qk) == llm_attn::kFp8QkInt8 ? "int8" : "e4m3"; },
           "The operands of Q K^T an FP8 call with this qk runs ('' = the default: LLM_ATTN_FP8_QK, else int8)",
           py::arg("qk") = "");
-    m.def("fp8_block_n", [](int64_t head_dim, int64_t block_n) {
-        return llm_attn::flash_fwd_fp8_block_n(static_cast<int>(head_dim), static_cast<int>(block_n));
-    }, "The FP8 key tile a call with this head_dim and block_n runs (0 = the default), 0 if not built",
-          py::arg("head_dim"), py::arg("block_n") = 0);
+    m.def("fp8_block_n", [](int64_t head_dim, int64_t block_n, const std::string& pv) {
+        return llm_attn::flash_fwd_fp8_block_n(static_cast<int>(head_dim), static_cast<int>(block_n), fp8_pv_code(pv));
+    }, "The FP8 key tile a call with this head_dim, block_n and pv runs (0 = the default), 0 if not built",
+          py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "");
     m.def("mha_fwd_int8", &mha_fwd_int8, "INT8 attention forward, quantisation included; returns (out, lse)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("int8_available", [] {

@@ -36,7 +36,9 @@ int fp8_tile(int requested, int env) {
 
 // LLM_ATTN_FP8_BLOCK_N (read once): the tile of calls that ask for none (block_n 0), e.g. a whole TTFT run; a value
 // this build lacks makes those calls fail in the binding, saying so.
-int flash_fwd_fp8_block_n(int head_dim, int requested) {
+int flash_fwd_fp8_block_n(int head_dim, int requested, int pv) {
+    if (pv == kFp8PvInput) return (head_dim == 128 || head_dim == 64) && (requested == 0 || requested == 128) ? 128 : 0;
+    if (pv != kFp8PvE4m3) return 0;
     static const int env = sm90::tuning_env("LLM_ATTN_FP8_BLOCK_N", 0);
     return head_dim == 128 ? fp8_tile<128>(requested, env) : head_dim == 64 ? fp8_tile<64>(requested, env) : 0;
 }
@@ -53,15 +55,15 @@ int flash_fwd_fp8_qk(int requested) {
     return requested == kFp8QkE4m3 || requested == kFp8QkInt8 ? requested : 0;
 }
 
-cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk) {
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk, int pv) {
     if (!flash_fwd_fp8_available()) return cudaErrorNotSupported;
     const FlashFwdParams& p = params.p;
-    block_n = flash_fwd_fp8_block_n(p.head_dim, block_n);
-    qk = flash_fwd_fp8_qk(qk);
+    block_n = flash_fwd_fp8_block_n(p.head_dim, block_n, pv);
+    qk = pv == kFp8PvInput ? (qk == kFp8QkDefault || qk == kFp8QkInt8 ? kFp8QkInt8 : 0) : flash_fwd_fp8_qk(qk);
     if (block_n == 0 || qk == 0) return cudaErrorInvalidValue;
-#define LLM_ATTN_FP8_CAUSAL(T, D)                                               \
-    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream, block_n, qk) \
-                    : run_flash_fwd_fp8_<T, D, false>(params, stream, block_n, qk)
+#define LLM_ATTN_FP8_CAUSAL(T, D)                                                   \
+    return p.causal ? run_flash_fwd_fp8_<T, D, true>(params, stream, block_n, qk, pv) \
+                    : run_flash_fwd_fp8_<T, D, false>(params, stream, block_n, qk, pv)
     if (p.is_bf16) {
         if (p.head_dim == 128) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 128);
         if (p.head_dim == 64) LLM_ATTN_FP8_CAUSAL(__nv_bfloat16, 64);

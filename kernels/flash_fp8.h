@@ -48,24 +48,31 @@ __host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) {
     return ((seqlen_k + kFp8KvChunk - 1) / kFp8KvChunk + 1) * kFp8KvChunk;
 }
 
+// The operands of P V: e4m3 P and V (the pre-pass's V^T, a scale per channel), or P in the input dtype times the
+// caller's V, unquantised (kFp8PvInput: int8 Q K^T and the 128-key tile only; llm_attn_int8qk).
+enum Fp8Pv : int { kFp8PvE4m3 = 0, kFp8PvInput = 1 };
 // The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
 // (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default.
-int flash_fwd_fp8_block_n(int head_dim, int requested);
+// pv = kFp8PvInput: 128 for requested 0 or 128 (LLM_ATTN_FP8_BLOCK_N does not apply), else 0.
+int flash_fwd_fp8_block_n(int head_dim, int requested, int pv = kFp8PvE4m3);
 // The operands of S = Q K^T: e4m3, or int8 (Q and K scaled by amax / 127 instead of amax / 448; exact s32
 // accumulation; the same tensor rate on sm_90). kFp8QkDefault resolves to LLM_ATTN_FP8_QK (int8 or e4m3) if set,
 // else int8 (kernels/NOTES.md "FP8 forward v4" says why); V and P are e4m3 either way.
 enum Fp8Qk : int { kFp8QkDefault = 0, kFp8QkE4m3 = 1, kFp8QkInt8 = 2 };
 int flash_fwd_fp8_qk(int requested);  // kFp8QkE4m3 or kFp8QkInt8; 0 for a value that is neither
-// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n) and
-// the S operands flash_fwd_fp8_qk(qk); never synchronises. cudaErrorNotSupported when this build has no sm_90a code
-// or the device is not compute capability 9.0, cudaErrorInvalidValue for a tile this build lacks (the binding
-// checks both first and says so).
-cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n = 0, int qk = kFp8QkDefault);
+// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n, pv),
+// the S operands flash_fwd_fp8_qk(qk) and the P V operands pv; never synchronises. With pv = kFp8PvInput, qk default
+// means int8 (LLM_ATTN_FP8_QK does not apply) and e4m3 is refused. cudaErrorNotSupported when this build has no
+// sm_90a code or the device is not compute capability 9.0, cudaErrorInvalidValue for a tile or an operand choice this
+// build lacks (the binding checks them first and says so). kFp8PvInput needs no vt8 (nullptr) and leaves v_scale
+// unwritten.
+cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n = 0, int qk = kFp8QkDefault,
+                              int pv = kFp8PvE4m3);
 // True when the current device is compute capability 9.0 and this build holds the FP8 kernel's sm_90a code.
 bool flash_fwd_fp8_available();
 
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk);
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk, int pv);
 template <typename T, int kHeadDim>
 bool flash_fwd_fp8_built_();
 

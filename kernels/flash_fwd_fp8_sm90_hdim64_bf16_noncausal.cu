@@ -3,5 +3,5 @@
 #include "flash_fwd_fp8_sm90_launch.cuh"
 
 namespace llm_attn {
-template cudaError_t run_flash_fwd_fp8_<__nv_bfloat16, 64, false>(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk);
+template cudaError_t run_flash_fwd_fp8_<__nv_bfloat16, 64, false>(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk, int pv);
 }  // namespace llm_attn

@@ -3,6 +3,6 @@
 #include "flash_fwd_fp8_sm90_launch.cuh"
 
 namespace llm_attn {
-template cudaError_t run_flash_fwd_fp8_<half, 64, true>(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk);
+template cudaError_t run_flash_fwd_fp8_<half, 64, true>(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk, int pv);
 template bool flash_fwd_fp8_built_<half, 64>();
 }  // namespace llm_attn

@@ -32,13 +32,19 @@ constexpr int kPOffsetLog2 = 8;
 // kQkInt8_ (v4, kernels/NOTES.md): S = Q K^T in int8 (wgmma .s8, s32 accumulators; Q and K scaled by amax / 127
 // in the pre-pass) instead of e4m3: the same tensor rate and shared-memory layout (one byte per element), and 7
 // bits for every element where e4m3 keeps 3 of mantissa (SageAttention2's split: INT8 Q K^T, FP8 P V).
-template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128, bool kQkInt8_ = false>
+// kPvInput_ (llm_attn_int8qk, kernels/NOTES.md "The accurate variant"): P V in the input dtype, as the bf16 kernel
+// does it: V is the caller's bf16/fp16 tensor, loaded by TMA in 64-column slabs (128-byte swizzle, MN-major B) with no
+// pre-pass, and P is packed to the input dtype. e4m3 P and V each carry ~2.6 % rms rounding, which leaves the e4m3
+// P V a floor near 0.036 relative L1 whatever Q K^T does; here only Q K^T is 8-bit. int8 Q K^T and the 128-key tile
+// only (192 keys would need 48 more P registers than the 240 a consumer has room for).
+template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128, bool kQkInt8_ = false, bool kPvInput_ = false>
 struct Fp8Traits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kConsumers = 2;
     static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kBlockN = kBlockN_;
     static constexpr bool kQkInt8 = kQkInt8_;
+    static constexpr bool kPvInput = kPvInput_;
     static constexpr int kKGroups = kBlockN / kFp8KBlock;  // K scales (64-key column groups) per S tile
     static constexpr int kStages = kStages_;
     static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -47,8 +53,12 @@ struct Fp8Traits {
     static constexpr int kRowBytes = kHeadDim;  // e4m3 Q/K rows: 64 or 128 bytes, swizzled as wide
     static constexpr int kTileBytesQ = kBlockM * kRowBytes;
     static constexpr int kTileBytesK = kBlockN * kRowBytes;
-    static constexpr int kTileBytesV = kHeadDim * kBlockN;  // V^T: head_dim rows of kBlockN key bytes, in boxes of
-    static constexpr int kVtBoxKeys = kBlockN % 128 == 0 ? 128 : 64;  // kVtBoxKeys keys (bytes) = the swizzle width
+    // V^T: head_dim rows of kBlockN key bytes, in boxes of kVtBoxKeys keys (bytes) = the swizzle width. kPvInput: V in
+    // kSlabs slabs of kBlockN keys x 64 columns (128 bytes), as the bf16 kernel's.
+    static constexpr int kSlabs = kHeadDim / 64;
+    static constexpr int kSlabBytesV = kBlockN * 128;
+    static constexpr int kTileBytesV = kPvInput ? kSlabs * kSlabBytesV : kHeadDim * kBlockN;
+    static constexpr int kVtBoxKeys = kBlockN % 128 == 0 ? 128 : 64;
     static constexpr int kVtBoxes = kBlockN / kVtBoxKeys;
     static constexpr int kVtBoxBytes = kHeadDim * kVtBoxKeys;
     static constexpr int kNumBarriers = 1 + 4 * kStages;
@@ -60,21 +70,24 @@ struct Fp8Traits {
     static_assert(kBlockN == 128 || kBlockN == 192, "WgmmaFp8<kBlockN> exists for 128 and 192 (TMA boxes <= 256 rows)");
     static_assert(kBlockN % kFp8KBlock == 0 && kFp8KBlock % 32 == 0, "whole K-scale groups, whole k32 steps each");
     static_assert(kVtBoxKeys % 32 == 0 && kVtBoxBytes % 1024 == 0, "k32 steps inside a box; boxes swizzle-aligned");
+    static_assert(!kPvInput || (kQkInt8 && kBlockN == 128), "P V in the input dtype: int8 Q K^T, 128-key tile");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 64 * 1024, "the SM's register file");
     static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory a Hopper block can have");
 };
 
+// tma_vt: the pre-pass's e4m3 V^T (e4m3 P V); tma_v: the caller's V (kPvInput). The one a kernel does not read is
+// left zeroed.
 struct Fp8Sm90Params {
     FlashFwdFp8Params f;
     int pingpong;
-    TmaDesc tma_q, tma_k, tma_vt;
+    TmaDesc tma_q, tma_k, tma_vt, tma_v;
 };
 
 template <typename Traits>
 struct Fp8Smem {
     uint8_t* q;
     uint8_t* k;   // [kStages][kTileBytesK]
-    uint8_t* vt;  // [kStages][kTileBytesV]
+    uint8_t* vt;  // [kStages][kTileBytesV]: V^T in e4m3, or V in the input dtype (kPvInput)
     uint64_t* bar_q;
     uint64_t* full_k;
     uint64_t* full_v;
@@ -98,7 +111,7 @@ template <typename Traits>
 __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const Fp8Smem<Traits>& sm, const BlockInfo& b) {
     prefetch_tma_desc(&params.tma_q);
     prefetch_tma_desc(&params.tma_k);
-    prefetch_tma_desc(&params.tma_vt);
+    prefetch_tma_desc(Traits::kPvInput ? &params.tma_v : &params.tma_vt);
     mbar_arrive_expect_tx(sm.bar_q, Traits::kTileBytesQ);
     tma_load_4d(sm.q, &params.tma_q, sm.bar_q, 0, b.m_block * Traits::kBlockM, b.head, b.batch);
     for (int it = 0; it < b.n_blocks; ++it) {
@@ -111,10 +124,19 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
                     b.kv_head, b.batch);
         mbar_wait(&sm.empty_v[stage], parity ^ 1);
         mbar_arrive_expect_tx(&sm.full_v[stage], Traits::kTileBytesV);
+        if constexpr (Traits::kPvInput) {  // rows past seqlen_k arrive as zeros (TMA's out-of-bounds fill)
 #pragma unroll
-        for (int box = 0; box < Traits::kVtBoxes; ++box) {  // inside V^T's padded rows (fp8_seqlen_k_pad)
-            tma_load_4d(sm.vt + stage * Traits::kTileBytesV + box * Traits::kVtBoxBytes, &params.tma_vt,
-                        &sm.full_v[stage], n_block * Traits::kBlockN + box * Traits::kVtBoxKeys, 0, b.kv_head, b.batch);
+            for (int s = 0; s < Traits::kSlabs; ++s) {
+                tma_load_4d(sm.vt + stage * Traits::kTileBytesV + s * Traits::kSlabBytesV, &params.tma_v,
+                            &sm.full_v[stage], s * 64, n_block * Traits::kBlockN, b.kv_head, b.batch);
+            }
+        } else {
+#pragma unroll
+            for (int box = 0; box < Traits::kVtBoxes; ++box) {  // inside V^T's padded rows (fp8_seqlen_k_pad)
+                tma_load_4d(sm.vt + stage * Traits::kTileBytesV + box * Traits::kVtBoxBytes, &params.tma_vt,
+                            &sm.full_v[stage], n_block * Traits::kBlockN + box * Traits::kVtBoxKeys, 0, b.kv_head,
+                            b.batch);
+            }
         }
     }
 }
@@ -208,7 +230,10 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
 
     const SmemDesc desc_q = kmajor_desc<Traits::kRowBytes>(sm.q + wg * 64 * Traits::kRowBytes);
     const SmemDesc desc_k0 = kmajor_desc<Traits::kRowBytes>(sm.k);
-    const SmemDesc desc_v0 = kmajor_desc<Traits::kVtBoxKeys>(sm.vt);
+    // e4m3 V^T: K-major boxes. kPvInput: V MN-major, as the bf16 kernel's (SBO 1024 B between 8-key groups, LBO a
+    // slab; a k16 step is 16 rows of 128 bytes).
+    const SmemDesc desc_v0 =
+        Traits::kPvInput ? SmemDesc::make(sm.vt, Traits::kSlabBytesV, 1024) : kmajor_desc<Traits::kVtBoxKeys>(sm.vt);
 
     auto issue_qk = [&](int stage) {
         const SmemDesc k = desc_k0 + stage * Traits::kTileBytesK;
@@ -241,27 +266,40 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
             fence_regs(s_flat);
         }
     };
-    uint32_t pa[kKP][4];  // P of the previous tile, e4m3, as wgmma A fragments
+    uint32_t pa[Traits::kPvInput ? 1 : kKP][4];  // P of the previous tile, e4m3, as wgmma A fragments
+    uint32_t pa16[Traits::kPvInput ? kBlockN / 16 : 1][1][4];  // kPvInput: P in the input dtype (k16 steps)
     auto pack_p = [&] {
+        if constexpr (Traits::kPvInput) {
 #pragma unroll
-        for (int c = 0; c < kKP; ++c) {
+            for (int kk = 0; kk < kBlockN / 16; ++kk) p_fragment<T>(pa16[kk], acc_s, kk);
+        } else {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // keys 32c + [0, 16) and + [16, 32): n8 blocks 4c + 2h, 4c + 2h + 1
-                const float(&lo)[4] = acc_s[0][4 * c + 2 * h];
-                const float(&hi)[4] = acc_s[0][4 * c + 2 * h + 1];
-                pa[c][2 * h] = pack4_e4m3(lo[0], lo[1], hi[0], hi[1]);      // row g
-                pa[c][2 * h + 1] = pack4_e4m3(lo[2], lo[3], hi[2], hi[3]);  // row g + 8
+            for (int c = 0; c < kKP; ++c) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {  // keys 32c + [0, 16) and + [16, 32): n8 blocks 4c + 2h, 4c + 2h + 1
+                    const float(&lo)[4] = acc_s[0][4 * c + 2 * h];
+                    const float(&hi)[4] = acc_s[0][4 * c + 2 * h + 1];
+                    pa[c][2 * h] = pack4_e4m3(lo[0], lo[1], hi[0], hi[1]);      // row g
+                    pa[c][2 * h + 1] = pack4_e4m3(lo[2], lo[3], hi[2], hi[3]);  // row g + 8
+                }
             }
         }
     };
     auto issue_pv = [&](int stage) {
         const SmemDesc v = desc_v0 + stage * Traits::kTileBytesV;
         wgmma_fence();
+        if constexpr (Traits::kPvInput) {
 #pragma unroll
-        for (int kk = 0; kk < kKP; ++kk) {  // k32 step kk: box (32 kk) / kVtBoxKeys, 32-byte step inside it
-            constexpr int kStepsPerBox = Traits::kVtBoxKeys / 32;
-            const SmemDesc vk = v + (kk / kStepsPerBox) * Traits::kVtBoxBytes + (kk % kStepsPerBox) * 32;
-            WgmmaFp8<kHeadDim>::rs(o_flat, pa[kk], vk.u64(), 1);
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa16[kk][0], (v + kk * 16 * 128).u64(), 1);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < kKP; ++kk) {  // k32 step kk: box (32 kk) / kVtBoxKeys, 32-byte step inside it
+                constexpr int kStepsPerBox = Traits::kVtBoxKeys / 32;
+                const SmemDesc vk = v + (kk / kStepsPerBox) * Traits::kVtBoxBytes + (kk % kStepsPerBox) * 32;
+                WgmmaFp8<kHeadDim>::rs(o_flat, pa[kk], vk.u64(), 1);
+            }
         }
         wgmma_commit();
     };
@@ -285,6 +323,26 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     auto release = [&](uint64_t* bar) {
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
+    };
+    // kPvInput: keys in [kv_len, seqlen_k) that TMA loaded into the tail tile are the caller's memory and may hold
+    // anything (an unused static-cache slot, NaN): zero their V rows, as the bf16 kernel does (both consumers share
+    // the work and meet at named barrier 1; the fence orders the writes before wgmma reads them). The pre-pass's
+    // V^T has zeros there already.
+    auto clean_v_tail = [&](int stage, int key0) {
+        if constexpr (Traits::kPvInput) {
+            if (key0 + kBlockN <= b.kv_len || b.kv_len >= p.seqlen_k) return;
+            uint8_t* v_tile = sm.vt + stage * Traits::kTileBytesV;
+            const int first = max(b.kv_len - key0, 0);
+            const int chunks = (kBlockN - first) * Traits::kSlabs * 8;
+            for (int c = tid + wg * 128; c < chunks; c += Traits::kConsumerThreads) {
+                const int row = first + c / (Traits::kSlabs * 8);
+                const int slab = (c / 8) % Traits::kSlabs;
+                *reinterpret_cast<uint4*>(v_tile + slab * Traits::kSlabBytesV + row * 128 + (c % 8) * 16) =
+                    make_uint4(0, 0, 0, 0);
+            }
+            fence_proxy_async();
+            named_barrier_sync(1, Traits::kConsumerThreads);
+        }
     };
 
     // Ping-pong as in the bf16 kernel (named barriers 8 + wg).
@@ -320,6 +378,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         tile_scale(b.n_blocks - 1 - it, scale_it);
         mbar_wait(&sm.full_k[stage], parity);
         mbar_wait(&sm.full_v[prev], prev_parity);
+        if (it == 1) clean_v_tail(prev, (b.n_blocks - 1) * kBlockN);  // outside the turn: both consumers meet there
         my_turn();
         issue_qk(stage);
         issue_pv(prev);
@@ -344,6 +403,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     if (b.n_blocks > 0) {
         const int last = (b.n_blocks - 1) % Traits::kStages;
         mbar_wait(&sm.full_v[last], ((b.n_blocks - 1) / Traits::kStages) & 1);
+        if (b.n_blocks == 1) clean_v_tail(last, 0);
         my_turn();
         issue_pv(last);
         if (wg != kLast) your_turn();
@@ -352,15 +412,20 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         release(&sm.empty_v[last]);
     }
 
-    // Epilogue: O * v_scale[channel] / rowsum (both of 256 P), straight from registers (4-byte stores, a quad's 16 bytes
-    // contiguous); rows that saw no key write 0 and lse = -inf.
+    // Epilogue: O * v_scale[channel] / rowsum (both of 256 P; kPvInput: no V scale), straight from registers (4-byte
+    // stores, a quad's 16 bytes contiguous); rows that saw no key write 0 and lse = -inf.
     const int g = lane / 4, t = lane % 4;
-    const float* v_scale = params.f.v_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * kHeadDim;
     float vs[kDT][2];
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-        const float2 s2 = *reinterpret_cast<const float2*>(v_scale + dt * 8 + 2 * t);
-        vs[dt][0] = s2.x, vs[dt][1] = s2.y;
+        if constexpr (Traits::kPvInput) {
+            vs[dt][0] = vs[dt][1] = 1.f;
+        } else {
+            const float* v_scale =
+                params.f.v_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * kHeadDim;
+            const float2 s2 = *reinterpret_cast<const float2*>(v_scale + dt * 8 + 2 * t);
+            vs[dt][0] = s2.x, vs[dt][1] = s2.y;
+        }
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -37,23 +37,30 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
     const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;
     const int kv_chunks = fp8_seqlen_k_pad(p.seqlen_k) / kFp8KvChunk;  // every V^T key written, the padding too
     // Pre-pass: channel statistics of K and V, then Q, then K and V^T (each waits for the one before on the stream).
-    fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, p.num_kv_heads, p.batch), fp8::kThreads, 0,
-                                            stream>>>(f);
+    // P V in the input dtype: K's statistics and K only; the kernel reads the caller's V.
+    constexpr bool kV8 = !Traits::kPvInput;
+    fp8::fp8_kv_stats_kernel<T, kHeadDim, kV8><<<dim3((p.seqlen_k + 511) / 512, p.num_kv_heads, p.batch),
+                                                 fp8::kThreads, 0, stream>>>(f);
     fp8::fp8_quant_q_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(q_blocks, p.num_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
-    fp8::fp8_quant_kv_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);
+    fp8::fp8_quant_kv_kernel<T, kHeadDim, Traits::kQkInt8, kV8><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads,
+                                                                  0, stream>>>(f);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
 
     static const int pingpong = tuning_env("LLM_ATTN_SM90_PINGPONG", 1);
-    Fp8Sm90Params sp;
+    Fp8Sm90Params sp{};
     sp.f = f;
     sp.pingpong = pingpong;
-    // V^T in boxes of kVtBoxKeys keys, each inside the padded rows (fp8_seqlen_k_pad).
+    // V^T in boxes of kVtBoxKeys keys, each inside the padded rows (fp8_seqlen_k_pad); or the caller's V in the bf16
+    // kernel's slabs (kPvInput).
     const int pad = fp8_seqlen_k_pad(p.seqlen_k);
     const bool ok =
         encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, kHeadDim, Traits::kBlockM) &&
         encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, kHeadDim, Traits::kBlockN) &&
-        encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, Traits::kVtBoxKeys, kHeadDim);
+        (Traits::kPvInput
+             ? make_tensor_map<T>(&sp.tma_v, p.v, kHeadDim, p.seqlen_k, p.num_kv_heads, p.batch, p.v_batch_stride,
+                                  p.v_head_stride, p.v_row_stride, Traits::kBlockN)
+             : encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, Traits::kVtBoxKeys, kHeadDim));
     if (!ok) return cudaErrorInvalidValue;
     err = opt_in_dynamic_smem<flash_fwd_fp8_sm90_kernel<T, Traits, kCausal>, Traits::kSmemBytes>();
     if (err != cudaSuccess) return err;
@@ -83,8 +90,15 @@ cudaError_t launch_fp8_qk(FlashFwdFp8Params& f, cudaStream_t stream, int block_n
     }
     return cudaErrorInvalidValue;
 }
+// pv: kFp8PvInput runs the 128-key, int8 Q K^T tile with P V in the input dtype (flash_fwd_fp8_block_n and the
+// binding resolved block_n and qk to those).
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream, int block_n, int qk) {
+cudaError_t launch_fp8(FlashFwdFp8Params& f, cudaStream_t stream, int block_n, int qk, int pv) {
+    if (pv == kFp8PvInput) {
+        if (block_n != 128 || qk != kFp8QkInt8) return cudaErrorInvalidValue;
+        return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, true, true>, kCausal>(f, stream);
+    }
+    if (pv != kFp8PvE4m3) return cudaErrorInvalidValue;
     if (qk == kFp8QkInt8) return launch_fp8_qk<T, kHeadDim, kCausal, true>(f, stream, block_n);
     if (qk == kFp8QkE4m3) return launch_fp8_qk<T, kHeadDim, kCausal, false>(f, stream, block_n);
     return cudaErrorInvalidValue;
@@ -103,8 +117,8 @@ bool fp8_has_device_code() {
 }  // namespace sm90
 
 template <typename T, int kHeadDim, bool kCausal>
-cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk) {
-    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream, block_n, qk);
+cudaError_t run_flash_fwd_fp8_(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk, int pv) {
+    return sm90::launch_fp8<T, kHeadDim, kCausal>(params, stream, block_n, qk, pv);
 }
 template <typename T, int kHeadDim>
 bool flash_fwd_fp8_built_() {

@@ -148,7 +148,8 @@ def instantiation_source(kind: str, d: int, tag: str, causal: bool | None) -> st
               "fwd_fp8_sm90": "FlashFwdFp8Params", "decode_fp8kv": "FlashDecodeFp8KvParams",
               "prefill_fp8kv": "FlashDecodeFp8KvParams"}.get(kind, "FlashFwdParams")
     targs = f"{cpp}, {d}" + ("" if causal is None else f", {str(causal).lower()}")
-    extra = ", int block_n, int qk" if kind == "fwd_fp8_sm90" else ""  # the key tile (Fp8Tiles<D>) and the S operands (Fp8Qk)
+    # the key tile (Fp8Tiles<D>), the S operands (Fp8Qk) and the P V operands (Fp8Pv)
+    extra = ", int block_n, int qk, int pv" if kind == "fwd_fp8_sm90" else ""
     lines = [f"// Instantiation: {what}", GENERATED.rstrip("\n"), f'#include "{header}"', "", "namespace llm_attn {",
              f"template cudaError_t {fn}<{targs}>({params}& params, cudaStream_t stream{extra});"]
     if kind == "fwd_sm90":

@@ -4,6 +4,8 @@
 //   fp8_quant_q_kernel    Q -> e4m3 (or int8, kQkInt8), one scale per 64 rows of a head
 //   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 or int8 (one scale per 64 keys), V -> e4m3 transposed
 //                         (one scale per channel), key-permuted for the kernel's P registers
+// With P V in the input dtype (the kernel's kPvInput) V is not touched: kStatsV / kWriteV false skip its amax and its
+// e4m3 V^T, and the kernel reads the caller's V.
 // Keys at or past a batch's valid length (seqused_k) may hold anything (NaN in an unused cache slot): they are never
 // read into a statistic and are written as zeros.
 #pragma once
@@ -69,7 +71,7 @@ __device__ __forceinline__ uint32_t pack4_qk(float a, float b, float c, float d)
 }
 
 // grid (ceil(seqlen_k / kRows), num_kv_heads, batch). stats: (2, batch, kv_heads, D) zeroed; sums, then amax bits.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kStatsV = true>
 __global__ void __launch_bounds__(kThreads) fp8_kv_stats_kernel(const FlashFwdFp8Params params) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kRows = 512;
     const FlashFwdParams& p = params.p;
@@ -84,23 +86,28 @@ __global__ void __launch_bounds__(kThreads) fp8_kv_stats_kernel(const FlashFwdFp
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h * p.v_head_stride + c * 8;
     const int end = min(kv_len, (blockIdx.x + 1) * kRows);
     for (int key = blockIdx.x * kRows + threadIdx.x / kChunks; key < end; key += kRowStep) {
-        float x[8], y[8];
+        float x[8];
         load8<T>(x, k + key * p.k_row_stride);
-        load8<T>(y, v + key * p.v_row_stride);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum[i] += x[i], amax[i] = fmaxf(amax[i], fabsf(y[i]));
+        for (int i = 0; i < 8; ++i) sum[i] += x[i];
+        if constexpr (kStatsV) {
+            float y[8];
+            load8<T>(y, v + key * p.v_row_stride);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) amax[i] = fmaxf(amax[i], fabsf(y[i]));
+        }
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         atomicAdd(&sum_s[c * 8 + i], sum[i]);
-        atomicMax(&amax_s[c * 8 + i], __float_as_uint(amax[i]));  // non-negative floats order as their bits
+        if constexpr (kStatsV) atomicMax(&amax_s[c * 8 + i], __float_as_uint(amax[i]));  // non-negative floats order as their bits
     }
     __syncthreads();
     if (threadIdx.x < kHeadDim) {
         const int64_t i = (static_cast<int64_t>(b) * p.num_kv_heads + h) * kHeadDim + threadIdx.x;
         const int64_t n = static_cast<int64_t>(p.batch) * p.num_kv_heads * kHeadDim;
         atomicAdd(&params.stats[i], sum_s[threadIdx.x]);
-        atomicMax(reinterpret_cast<unsigned*>(params.stats + n) + i, amax_s[threadIdx.x]);
+        if constexpr (kStatsV) atomicMax(reinterpret_cast<unsigned*>(params.stats + n) + i, amax_s[threadIdx.x]);
     }
 }
 
@@ -165,7 +172,7 @@ __device__ __forceinline__ int vt_key_of_position(int j) { return (j & 3) < 2 ? 
 // grid (seqlen_k_pad / kFp8KvChunk, num_kv_heads, batch). Reads `stats` (complete: the stats kernel ran before).
 // Iteration `it` of a thread reads key it * kRowStep + threadIdx.x / kChunks: iterations [0, kIters / 2) cover the
 // block's first 64 keys (K scale 2 blk), the rest its second 64 (2 blk + 1, written if the keys reach it).
-template <typename T, int kHeadDim, bool kQkInt8 = false>
+template <typename T, int kHeadDim, bool kQkInt8 = false, bool kWriteV = true>
 __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp8Params params) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8KvChunk / kRowStep;
     constexpr int kScales = kFp8KvChunk / kFp8KBlock, kItersPerScale = kIters / kScales;
@@ -178,15 +185,17 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
     const int64_t bh = static_cast<int64_t>(b) * p.num_kv_heads + h;
     const int64_t n_stats = static_cast<int64_t>(p.batch) * p.num_kv_heads * kHeadDim;
     __shared__ float red[kScales][kThreads / 32];
-    __shared__ __align__(16) uint8_t v_s[kFp8KvChunk * kPitch];
+    __shared__ __align__(16) uint8_t v_s[kWriteV ? kFp8KvChunk * kPitch : 16];
 
     float mean[8], v_inv[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         mean[i] = kv_len > 0 ? params.stats[bh * kHeadDim + c * 8 + i] / kv_len : 0.f;
-        v_inv[i] = 1.f / e4m3_scale(__uint_as_float(reinterpret_cast<const unsigned*>(params.stats + n_stats)[bh * kHeadDim + c * 8 + i]));
+        if constexpr (kWriteV) {
+            v_inv[i] = 1.f / e4m3_scale(__uint_as_float(reinterpret_cast<const unsigned*>(params.stats + n_stats)[bh * kHeadDim + c * 8 + i]));
+        }
     }
-    if (blk == 0 && threadIdx.x < kHeadDim) {
+    if (kWriteV && blk == 0 && threadIdx.x < kHeadDim) {
         params.v_scale[bh * kHeadDim + threadIdx.x] =
             e4m3_scale(__uint_as_float(reinterpret_cast<const unsigned*>(params.stats + n_stats)[bh * kHeadDim + threadIdx.x]));
     }
@@ -201,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
         float y[8];
         if (key < kv_len) {
             load8<T>(x[it], k + key * p.k_row_stride);
-            load8<T>(y, v + key * p.v_row_stride);
+            if constexpr (kWriteV) load8<T>(y, v + key * p.v_row_stride);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; ++i) x[it][i] = mean[i], y[i] = 0.f;  // K row becomes exactly 0 after smoothing
@@ -211,10 +220,12 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
             x[it][i] -= mean[i];
             amax[it / kItersPerScale] = fmaxf(amax[it / kItersPerScale], fabsf(x[it][i]));
         }
-        uint2 vq;
-        vq.x = sm90::pack4_e4m3(y[0] * v_inv[0], y[1] * v_inv[1], y[2] * v_inv[2], y[3] * v_inv[3]);
-        vq.y = sm90::pack4_e4m3(y[4] * v_inv[4], y[5] * v_inv[5], y[6] * v_inv[6], y[7] * v_inv[7]);
-        *reinterpret_cast<uint2*>(v_s + r * kPitch + c * 8) = vq;
+        if constexpr (kWriteV) {
+            uint2 vq;
+            vq.x = sm90::pack4_e4m3(y[0] * v_inv[0], y[1] * v_inv[1], y[2] * v_inv[2], y[3] * v_inv[3]);
+            vq.y = sm90::pack4_e4m3(y[4] * v_inv[4], y[5] * v_inv[5], y[6] * v_inv[6], y[7] * v_inv[7]);
+            *reinterpret_cast<uint2*>(v_s + r * kPitch + c * 8) = vq;
+        }
     }
     block_max(amax, red);  // its barrier also orders v_s
     const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
@@ -235,6 +246,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
         out.y = pack4_qk<kQkInt8>(x[it][4] * iv, x[it][5] * iv, x[it][6] * iv, x[it][7] * iv);
         *reinterpret_cast<uint2*>(params.k8 + (bh * p.seqlen_k + key) * kHeadDim + c * 8) = out;
     }
+    if constexpr (!kWriteV) return;
     // V^T: thread -> (channel d, group of 16 keys); 16 bytes out, consecutive threads along the keys of one channel.
     constexpr int kGroups = kFp8KvChunk / 16;
 #pragma unroll

@@ -19,7 +19,8 @@ compiled for sm_90a, with its four TMA descriptors built on the host through the
 by-value Sm90Params (``llm_attn._nvrtc_sm90``). The portable kernels compile for the device's own arch (sm_90).
 
 The low-precision forwards are here too, as the extension has them: ``mha_fwd_fp8`` (compute capability 9.0: the
-quantising pre-pass and the FP8 kernel for sm_90a, the kernel's three e4m3 tensor maps in Fp8Sm90Params) and
+quantising pre-pass and the FP8 kernel for sm_90a, the kernel's three e4m3 tensor maps in Fp8Sm90Params, or with
+P V in the input dtype (pv "input") those of e4m3 Q and K and the caller's V) and
 ``mha_fwd_int8`` (sm_80-90: the pre-pass and the INT8 kernel for the device's arch, P V in e4m3 on sm_89), with
 binding.cpp's workspaces (torch's allocator), launches (``llm_attn._plan``: fp8_launches, int8_launches) and checks.
 
@@ -792,9 +793,16 @@ def fp8_qk(qk: str = "") -> str:
     return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
 
 
-def fp8_block_n(head_dim: int, block_n: int = 0) -> int:
-    """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim and block_n runs, 0 if not built."""
-    return _plan.fp8_block_n(int(head_dim), int(block_n))
+def _fp8_pv_check(pv: str) -> None:
+    """binding.cpp's fp8_pv_code: refuses a pv that is neither 'e4m3' nor 'input' ('' = e4m3)."""
+    if pv not in ("", "e4m3", "input"):
+        raise RuntimeError(f"llm_attn.mha_fwd_fp8: pv must be 'e4m3' or 'input' (the operands of P V), not '{pv}'")
+
+
+def fp8_block_n(head_dim: int, block_n: int = 0, pv: str = "") -> int:
+    """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim, block_n and pv runs, 0 if not built."""
+    _fp8_pv_check(pv)
+    return _plan.fp8_block_n(int(head_dim), int(block_n), pv)
 
 
 def _checked_outputs(q, k, v, seqused_k, scale, causal):
@@ -825,27 +833,38 @@ def _device_of(q):
 
 
 def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
-                causal: bool, block_n: int = 0, qk: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                causal: bool, block_n: int = 0, qk: str = "", pv: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """binding.cpp's mha_fwd_fp8: the same checks and messages, the same workspaces (e4m3 Q, K, V^T in one byte
-    buffer; the zeroed channel statistics, the scales and q . mean(K) in one float32 buffer, from torch's caching
-    allocator), then launch_fp8_tile's launches: the three pre-pass kernels and the kernel with its tensor maps.
-    block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default); qk: Q K^T's operands, "int8" or
-    "e4m3" ("" = LLM_ATTN_FP8_QK if set, else int8). Returns (out, lse)."""
+    buffer, no V^T with pv "input"; the zeroed channel statistics, the scales and q . mean(K) in one float32 buffer,
+    from torch's caching allocator), then launch_fp8_tile's launches: the three pre-pass kernels and the kernel with
+    its tensor maps. block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default); qk: Q K^T's
+    operands, "int8" or "e4m3" ("" = LLM_ATTN_FP8_QK if set, else int8); pv: P V's operands, "e4m3" ("" too) or
+    "input" (P in the input dtype times the caller's V: int8 Q K^T, whatever LLM_ATTN_FP8_QK says, and the 128-key
+    tile only). Returns (out, lse)."""
+    # binding.cpp's order: check_fwd, fp8_qk_code's, fp8_pv_code's, then pv input with e4m3 Q K^T.
+    out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
     if qk not in ("", "int8", "e4m3"):
         raise RuntimeError(f"llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of Q K^T), not '{qk}'")
-    out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
+    _fp8_pv_check(pv)
+    pv_input = pv == "input"
+    if pv_input and qk == "e4m3":
+        raise RuntimeError("llm_attn.mha_fwd_fp8: pv='input' runs with int8 Q K^T only (qk 'int8' or ''), not "
+                           "qk='e4m3'")
     with _device_of(q) as (index, stream):
         if not fp8_available():
             raise RuntimeError("llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) "
                                "and a build with sm_90a (NVRTC 12.0 or newer compiles it)")
         b, hq, sq, d = q.shape
-        tile = _plan.fp8_block_n(d, int(block_n))
+        tile = _plan.fp8_block_n(d, int(block_n), pv)
+        if tile == 0 and pv_input:
+            raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel with P V in the input dtype has a 128-key tile "
+                               f"only, not {block_n}")
         if tile == 0:
             what = f"{block_n}-key tile" if block_n else "tile of the LLM_ATTN_FP8_BLOCK_N set"
             raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel has no {what} for head_dim {d} in this build "
                                f"(128 or 192: kernel_tiles.h Fp8Tiles)")
         shape = _plan.Shape(b, hq, k.shape[1], sq, k.shape[2], d, bool(causal), q.dtype == torch.bfloat16)
-        ws = _plan.fp8_workspace(shape)
+        ws = _plan.fp8_workspace(shape, pv_input)
         f = FlashFwdFp8Params()
         _set_shapes(f.p, q, k, v, out, scale, causal)
         _set_pointers(f.p, q, k, v, out, lse, seqused_k)
@@ -855,12 +874,12 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
         floats[:ws.stats].zero_()  # only the statistics are accumulated into
         f.q8 = bytes_.data_ptr()
         f.k8 = f.q8 + ws.q8
-        f.vt8 = f.k8 + ws.k8
+        f.vt8 = None if pv_input else f.k8 + ws.k8  # P V in the input dtype reads the caller's V
         at = floats.data_ptr()
         for name in ("stats", "q_scale", "k_scale", "v_scale", "q_dot_kmean"):
             setattr(f, name, at)
             at += 4 * getattr(ws, name)
-        traits = _plan.fp8_traits(d, tile, fp8_qk(qk) == "int8")
+        traits = _plan.fp8_traits(d, tile, pv_input or fp8_qk(qk) == "int8", pv_input)
         *prepass, main = _plan.fp8_launches(shape, traits)
         for launch in prepass:
             _launch(index, launch, f, stream)

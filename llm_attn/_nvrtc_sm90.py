@@ -12,7 +12,8 @@ flash_fwd_fp8_sm90_launch.cuh do on the host for the compiled extension, in Pyth
 - ``params``: ``sm90::launch_tile``'s Sm90Params for a launch of the plan (``llm_attn._plan``).
 - The FP8 kernel the same way: ``Fp8Sm90Params`` (``FlashFwdFp8Params``, the ping-pong switch and the three e4m3
   tensor maps of the pre-pass's workspaces, ``fp8_tensor_map``: encode_fp8_map's uint8 maps with a 64- or 128-byte
-  swizzle), built by ``fp8_params`` as ``sm90::launch_fp8_tile`` builds it.
+  swizzle; then the map of the caller's V for P V in the input dtype, ``tensor_map`` as the bf16 kernel's), built
+  by ``fp8_params`` as ``sm90::launch_fp8_tile`` builds it.
 - The Hopper backward the same way: ``Sm90BwdParams`` (``FlashBwdParams`` and the maps of Q, K, V, dO and the
   float32 dQ accumulator), built by ``bwd_params`` as ``sm90::launch_bwd_dkdv`` (flash_bwd_sm90_launch.cuh) builds it.
 """
@@ -50,11 +51,12 @@ class Sm90Params(ctypes.Structure):
 
 class Fp8Sm90Params(ctypes.Structure):
     """Mirror of llm_attn::sm90::Fp8Sm90Params (kernels/flash_fwd_fp8_sm90_kernel.cuh): FlashFwdFp8Params, the
-    ping-pong switch, then (at the next 128-byte boundary) the tensor maps of e4m3 Q, K and V^T."""
+    ping-pong switch, then (at the next 128-byte boundary) the tensor maps of e4m3 Q, K and V^T, and of the caller's
+    V (P V in the input dtype; the one of V^T and V a kernel does not read is zeroed)."""
 
     _fields_ = [("f", FlashFwdFp8Params), ("pingpong", ctypes.c_int),
                 ("_pad", ctypes.c_char * (-(ctypes.sizeof(FlashFwdFp8Params) + 4) % 128)),
-                ("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_vt", TmaDesc)]
+                ("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_vt", TmaDesc), ("tma_v", TmaDesc)]
 
 
 class Sm90BwdParams(ctypes.Structure):
@@ -73,8 +75,8 @@ FIELDS = ("p", "pingpong", "tma_q", "tma_k", "tma_v", "tma_o")
 # The by-value parameter structs of the Hopper kernels: (C++ name, mirror, its fields, the header that defines it).
 STRUCTS = {
     "Sm90Params": ("llm_attn::sm90::Sm90Params", Sm90Params, FIELDS, KERNEL_HEADER),
-    "Fp8Sm90Params": ("llm_attn::sm90::Fp8Sm90Params", Fp8Sm90Params, ("f", "pingpong", "tma_q", "tma_k", "tma_vt"),
-                      "flash_fwd_fp8_sm90_kernel.cuh"),
+    "Fp8Sm90Params": ("llm_attn::sm90::Fp8Sm90Params", Fp8Sm90Params, ("f", "pingpong", "tma_q", "tma_k", "tma_vt",
+                                                                       "tma_v"), "flash_fwd_fp8_sm90_kernel.cuh"),
     "Sm90BwdParams": ("llm_attn::sm90::Sm90BwdParams", Sm90BwdParams, ("p", "tma_q", "tma_k", "tma_v", "tma_do",
                                                                        "tma_dq"), "flash_bwd_sm90_kernel.cuh"),
 }
@@ -187,18 +189,24 @@ def params(p, launch: _plan.Launch) -> Sm90Params:
 def fp8_params(f: FlashFwdFp8Params, traits: _plan.Fp8Traits) -> Fp8Sm90Params:
     """sm90::launch_fp8_tile's Fp8Sm90Params for FlashFwdFp8Params `f` (workspace pointers set) and the kernel's
     tile: the maps of Q8 (boxes of the block's rows), K8 (block_n keys) and V^T (vt_box_keys keys x head_dim rows
-    of the padded V^T)."""
+    of the padded V^T); with P V in the input dtype (traits.pv_input) the caller's V instead of V^T, make_tensor_map
+    as the bf16 kernel's V (boxes of 64 columns x block_n (128) keys), tma_vt left zeroed (f.vt8 is null)."""
     p, d = f.p, traits.head_dim
     sp = Fp8Sm90Params()
     sp.f = f
     sp.pingpong = _plan.sm90_tuning()[1]
     pad = _plan.fp8_seqlen_k_pad(p.seqlen_k)
-    for field, ptr, inner, rows, heads, box_inner, box_rows in (
-            ("tma_q", f.q8, d, p.seqlen_q, p.num_heads, d, traits.block_m),
-            ("tma_k", f.k8, d, p.seqlen_k, p.num_kv_heads, d, traits.block_n),
-            ("tma_vt", f.vt8, pad, d, p.num_kv_heads, traits.vt_box_keys, d)):
+    maps = [("tma_q", f.q8, d, p.seqlen_q, p.num_heads, d, traits.block_m),
+            ("tma_k", f.k8, d, p.seqlen_k, p.num_kv_heads, d, traits.block_n)]
+    if not traits.pv_input:
+        maps.append(("tma_vt", f.vt8, pad, d, p.num_kv_heads, traits.vt_box_keys, d))
+    for field, ptr, inner, rows, heads, box_inner, box_rows in maps:
         raw = fp8_tensor_map(int(ptr), inner, int(rows), int(heads), int(p.batch), box_inner, box_rows)
         ctypes.memmove(ctypes.addressof(sp) + getattr(Fp8Sm90Params, field).offset, raw, 128)
+    if traits.pv_input:
+        raw = tensor_map(int(p.v), 0 if p.is_bf16 else 1, d, int(p.seqlen_k), int(p.num_kv_heads), int(p.batch),
+                         int(p.v_batch_stride), int(p.v_head_stride), int(p.v_row_stride), traits.block_n)
+        ctypes.memmove(ctypes.addressof(sp) + Fp8Sm90Params.tma_v.offset, raw, 128)
     return sp
 
 

@@ -529,13 +529,15 @@ INT8_MAX_STAT_CHUNKS = 32  # kInt8MaxStatChunks
 
 @dataclass(frozen=True)
 class Fp8Traits:
-    """sm90::Fp8Traits<kHeadDim, kStages, kBlockN> (kernels/flash_fwd_fp8_sm90_kernel.cuh): a producer and two consumer
-    warpgroups (128 query rows) x block_n keys per S tile, with stages K/V^T buffers."""
+    """sm90::Fp8Traits<kHeadDim, kStages, kBlockN, kQkInt8, kPvInput> (kernels/flash_fwd_fp8_sm90_kernel.cuh): a
+    producer and two consumer warpgroups (128 query rows) x block_n keys per S tile, with stages K/V^T buffers (K/V
+    with pv_input: V in the input dtype, in 64-column slabs as the bf16 kernel's)."""
 
     head_dim: int
     stages: int = 2
     block_n: int = 128
     qk_int8: bool = False  # kQkInt8: S = Q K^T in int8 (wgmma s8) rather than e4m3
+    pv_input: bool = False  # kPvInput: P V in the input dtype (the caller's V); int8 Q K^T and the 128-key tile only
 
     block_m = 128
     threads = 384
@@ -546,11 +548,13 @@ class Fp8Traits:
 
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: Q + stages x (K + V^T) e4m3 tiles + mbarriers + 1 KB for alignment
-        return self.block_m * self.head_dim + self.stages * 2 * self.block_n * self.head_dim \
+        v = self.block_n * self.head_dim * 2 if self.pv_input else self.head_dim * self.block_n  # 2-byte V, or V^T
+        return self.block_m * self.head_dim + self.stages * (self.block_n * self.head_dim + v) \
             + (1 + 4 * self.stages) * 8 + 1024
 
     def cpp(self) -> str:  # the name the AOT build's launch instantiates (defaults left out where it leaves them)
-        tail = f", {self.block_n}, true" if self.qk_int8 else f", {self.block_n}" if self.block_n != 128 else ""
+        tail = (f", {self.block_n}, true, true" if self.pv_input else f", {self.block_n}, true" if self.qk_int8
+                else f", {self.block_n}" if self.block_n != 128 else "")
         return f"llm_attn::sm90::Fp8Traits<{self.head_dim}, {self.stages}{tail}>"
 
 
@@ -579,11 +583,16 @@ def fp8_kernel_name(is_bf16: bool, traits: Fp8Traits, causal: bool) -> str:
     return f"llm_attn::sm90::flash_fwd_fp8_sm90_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
 
 
-def fp8_prepass_names(is_bf16: bool, head_dim: int, qk_int8: bool = False) -> tuple[str, str, str]:
+def fp8_prepass_names(is_bf16: bool, head_dim: int, qk_int8: bool = False,
+                      pv_input: bool = False) -> tuple[str, str, str]:
     """The FP8 pre-pass kernels in launch order: K/V channel statistics, Q, K and V^T (kernels/quant_fp8.cuh); Q and
-    K in int8 with ``qk_int8``."""
+    K in int8 with ``qk_int8``; with ``pv_input`` (int8 Q K^T) K's statistics and K only (kStatsV, kWriteV false: V
+    is read as it is). Spelled as launch_fp8_tile instantiates them (defaults left out where it leaves them)."""
     t = f"{DTYPE_NAMES[is_bf16]}, {head_dim}"
     qk = f"{t}, {str(qk_int8).lower()}"
+    if pv_input:
+        return (f"llm_attn::fp8::fp8_kv_stats_kernel<{t}, false>", f"llm_attn::fp8::fp8_quant_q_kernel<{t}, true>",
+                f"llm_attn::fp8::fp8_quant_kv_kernel<{t}, true, false>")
     return (f"llm_attn::fp8::fp8_kv_stats_kernel<{t}>", f"llm_attn::fp8::fp8_quant_q_kernel<{qk}>",
             f"llm_attn::fp8::fp8_quant_kv_kernel<{qk}>")
 
@@ -629,16 +638,25 @@ def fp8_tuning() -> tuple[int, int]:
     return _tuning_env("LLM_ATTN_FP8_BLOCK_N", 0), _tuning_env("LLM_ATTN_FP8_STAGES", 2)
 
 
-def fp8_block_n(head_dim: int, requested: int = 0) -> int:
+def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
     """flash_fwd_fp8_block_n: the key tile a call runs, `requested` or else LLM_ATTN_FP8_BLOCK_N or else the default
-    of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built."""
+    of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built. P V in the input dtype
+    (pv "input") has the 128-key tile only: 128 for requested 0 or 128 (LLM_ATTN_FP8_BLOCK_N ignored), else 0;
+    0 for a pv that is neither ("" = e4m3)."""
+    if pv == "input":  # kFp8PvInput
+        return 128 if head_dim in (64, 128) and requested in (0, 128) else 0
+    if pv not in ("", "e4m3"):
+        return 0
     tiles = _table.FP8_BLOCK_N.get(head_dim, ())
     n = requested or fp8_tuning()[0] or (tiles[0] if tiles else 0)
     return n if n in tiles else 0
 
 
-def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False) -> Fp8Traits:
-    """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3."""
+def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False, pv_input: bool = False) -> Fp8Traits:
+    """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3; P V in
+    the input dtype: Fp8Traits<D, 2, 128, true, true>, whatever LLM_ATTN_FP8_STAGES says."""
+    if pv_input:
+        return Fp8Traits(head_dim, 2, 128, True, True)
     if block_n == 128 and fp8_tuning()[1] == 3:
         return Fp8Traits(head_dim, 3, 128, qk_int8)
     return Fp8Traits(head_dim, 2, block_n, qk_int8)
@@ -647,7 +665,7 @@ def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False) -> Fp8Traits:
 def fp8_launches(s: Shape, traits: Fp8Traits) -> tuple[Launch, ...]:
     """launch_fp8_tile: the three pre-pass kernels, then the kernel (its parameters: Fp8Sm90Params with the tensor
     maps; the pre-pass takes FlashFwdFp8Params). Causal: heads in x, so that blocks launch longest first."""
-    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim, traits.qk_int8)
+    stats, quant_q, quant_kv = fp8_prepass_names(s.is_bf16, s.head_dim, traits.qk_int8, traits.pv_input)
     m_blocks = _cdiv(s.seqlen_q, traits.block_m)
     grid = (s.num_heads, m_blocks, s.batch) if s.causal else (m_blocks, s.num_heads, s.batch)
     return (Launch(stats, (_cdiv(s.seqlen_k, FP8_STATS_KEYS), s.num_kv_heads, s.batch), QUANT_THREADS, 0),
@@ -692,9 +710,11 @@ class Fp8Workspace:
         return self.stats + self.q_scale + self.k_scale + self.v_scale + self.q_dot_kmean
 
 
-def fp8_workspace(s: Shape) -> Fp8Workspace:
+def fp8_workspace(s: Shape, pv_input: bool = False) -> Fp8Workspace:
+    """The workspace sizes of a call; no V^T with P V in the input dtype (vt8 0 bytes: f.vt8 is null)."""
     b, hq, hkv, sq, sk, d = s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q, s.seqlen_k, s.head_dim
-    return Fp8Workspace(q8=b * hq * sq * d, k8=b * hkv * sk * d, vt8=b * hkv * d * fp8_seqlen_k_pad(sk),
+    vt8 = 0 if pv_input else b * hkv * d * fp8_seqlen_k_pad(sk)
+    return Fp8Workspace(q8=b * hq * sq * d, k8=b * hkv * sk * d, vt8=vt8,
                         stats=2 * b * hkv * d, q_scale=b * hq * _cdiv(sq, FP8_Q_BLOCK),
                         k_scale=b * hkv * _cdiv(sk, FP8_K_BLOCK), v_scale=b * hkv * d, q_dot_kmean=b * hq * sq)
 
@@ -724,7 +744,9 @@ def _quant_instantiations(kind: str) -> list[tuple[int, bool, bool]]:
 def fp8_kernels() -> list[str]:
     """Every FP8 instantiation the AOT build compiles for sm_90a (flash_fwd_fp8_sm90_*.cu through launch_fp8): per
     (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages)
-    and each Q K^T type, and per (head_dim, dtype) the pre-pass kernels (Q and K's for each type)."""
+    and each Q K^T type, and the one with P V in the input dtype (Fp8Traits<D, 2, 128, true, true>); per (head_dim,
+    dtype) the pre-pass kernels (Q and K's for each type; the statistics and K's without V for P V in the input
+    dtype)."""
     names = []
     for d, bf16, causal in _quant_instantiations("fwd_fp8_sm90"):
         for qk_int8 in (False, True):  # Q K^T in e4m3, and in int8
@@ -733,6 +755,9 @@ def fp8_kernels() -> list[str]:
                     names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n, qk_int8), causal))
             if causal:
                 names += [n for n in fp8_prepass_names(bf16, d, qk_int8) if n not in names]
+        names.append(fp8_kernel_name(bf16, fp8_traits(d, 128, True, True), causal))  # P V in the input dtype
+        if causal:
+            names += [n for n in fp8_prepass_names(bf16, d, True, True) if n not in names]
     return names
 
 

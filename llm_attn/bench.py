@@ -112,14 +112,16 @@ def main(argv=None):
                    choices=BENCH_IMPLS + [i for i in ACCURACY_IMPLS if i not in BENCH_IMPLS] + entries,
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
                         "ours-fp8-128, ours-fp8-192: our FP8 kernel with that key tile forced (llm_attn_fp8: the "
-                        "default tile); decode: ours-fp8kv, our decode kernel on the FP8 (e4m3) KV cache, and "
+                        "default tile); ours-fp8-e4m3qk, ours-int8qk: with e4m3 Q K^T, with P V in the input dtype; "
+                        "decode: ours-fp8kv, our decode kernel on the FP8 (e4m3) KV cache, and "
                         "sdpa-fp8kv-copy, SDPA on its dequantised copy made per call (their GB/s: FP8 bytes); "
                         "prefill with --q-len: ours-fp8kv, the prefill kernel over the FP8 cache, and "
                         "ours-fp8kv-copy, our kernel on its dequantised copy made per call; "
                         "flash/cudnn/efficient/math: SDPA backends; any other name: that attention-registry entry's "
                         f"function ({', '.join(entries)}; --plugin adds more). Default: ours flash cudnn efficient; "
                         f"accuracy: {' '.join(ACCURACY_DEFAULT_IMPLS)} (sdpa: the default SDPA backend; ours-fp8, "
-                        f"ours-int8: precision='fp8', 'int8'; fp8-reference: the quantised PyTorch reference)")
+                        f"ours-int8: precision='fp8', 'int8'; ours-int8qk: precision='fp8' with P V in the input "
+                        f"dtype, as llm_attn_int8qk; fp8-reference: the quantised PyTorch reference)")
     p.add_argument("--warmup", type=non_negative_int, default=5)
     p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--graph", type=int, nargs="+", choices=[0, 1], default=None,

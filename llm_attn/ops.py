@@ -4,6 +4,7 @@ accepts is checked by ``llm_attn.kernel_contract``; the backward is ``llm_attn.b
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import warnings
@@ -88,11 +89,13 @@ backward.register_autograd(_flash_fwd)  # its backward: the llm_attn::flash_bwd 
 _QUANT_BINDING = {"fp8": "mha_fwd_fp8", "int8": "mha_fwd_int8"}
 
 
-def _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk=""):
+def _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk="", pv=""):
     out, lse = _empty_outputs(q)
     if precision == "fp8":
+        pv = fp8_pv(pv)
+        qk = "int8" if pv == "input" and not qk else fp8_qk(qk)  # as the binding: P V input runs int8 Q K^T
         ref_out, ref_lse = quant_reference.attention_fp8(q, k, v, causal=causal, scale=scale, seqused_k=seqused_k,
-                                                         return_lse=True, qk=fp8_qk(qk))
+                                                         return_lse=True, qk=qk, pv=pv)
     else:
         ref_out, ref_lse = quant_reference_int8.attention_int8(q, k, v, causal=causal, scale=scale,
                                                                seqused_k=seqused_k, pv=int8_pv(q))
@@ -107,37 +110,55 @@ def int8_pv(q) -> str:
     return "e4m3" if q.is_cuda and torch.cuda.get_device_capability(q.device) == (8, 9) else "input"
 
 
-def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, block_n=0, qk=""):
+def _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext=None, block_n=0, qk="", pv=""):
     ext = ext or _current_ext()
     name = _QUANT_BINDING[precision]
     if not hasattr(ext, name):
         raise KernelNotBuiltError(f"precision={precision!r}: this {kernel_build()} build has no {name} (an extension "
                                   f"built before it: rebuild it, or LLM_ATTN_BUILD=nvrtc)")
     q, k, v = readable(q), readable(k), readable(v)
+    if precision == "fp8" and pv:  # only then: a build without the argument still runs the default
+        if not fp8_pv_available(ext):
+            raise KernelNotBuiltError(f"fp8_pv={pv!r}: this {kernel_build()} build's mha_fwd_fp8 has no pv argument "
+                                      f"(an extension built before it: rebuild it, or LLM_ATTN_BUILD=nvrtc)")
+        return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n), qk=qk, pv=pv)
     if precision == "fp8" and (block_n or qk):  # force_fp8_tile / force_fp8_qk; 0 / "": the defaults
         return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal), block_n=int(block_n), qk=qk)
     return getattr(ext, name)(q, k, v, seqused_k, float(scale), bool(causal))
 
 
+def fp8_pv_available(ext) -> bool:
+    """Whether this build's ``mha_fwd_fp8`` takes ``pv`` (P V in the input dtype): both builds from the commit that
+    added it on. The NVRTC build's is a Python function; the extension's signature is in its docstring (pybind11)."""
+    fn = getattr(ext, "mha_fwd_fp8", None)
+    if fn is None:
+        return False
+    try:
+        return "pv" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "pv:" in (getattr(fn, "__doc__", None) or "")
+
+
 # block_n: the FP8 kernel's key tile (0 = the build's default; force_fp8_tile). The reference computes the same
 # result for every tile and ignores it. qk: the FP8 path's Q K^T operands, "int8" or "e4m3" ("" = the default,
-# fp8_qk; force_fp8_qk): kernel and reference both follow it.
+# fp8_qk; force_fp8_qk): kernel and reference both follow it. pv: those of P V, "input" or "" (e4m3; fp8_pv), the
+# kernel called with it only when set.
 @torch.library.custom_op("llm_attn::flash_fwd_quant", mutates_args=())
 def _flash_fwd_quant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None,
                      scale: float, causal: bool, use_kernel: bool, precision: str,
-                     block_n: int = 0, qk: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk)
+                     block_n: int = 0, qk: str = "", pv: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk, pv)
 
 
 @_flash_fwd_quant.register_kernel("cuda")
-def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0, qk=""):
+def _flash_fwd_quant_cuda(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0, qk="", pv=""):
     if not use_kernel:
-        return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk)
-    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, block_n=block_n, qk=qk)
+        return _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk, pv)
+    return _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, block_n=block_n, qk=qk, pv=pv)
 
 
 @_flash_fwd_quant.register_fake
-def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0, qk=""):
+def _flash_fwd_quant_fake(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n=0, qk="", pv=""):
     return _empty_outputs(q)
 
 
@@ -152,7 +173,7 @@ torch.library.register_autograd("llm_attn::flash_fwd_quant", _no_quant_backward)
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, return_lse: bool = False,
                     seqused_k: torch.Tensor | None = None, path: Path = "auto", *, backend: Backend | None = None,
-                    precision: str = "native", deterministic: bool = False, fp8_qk: str = ""):
+                    precision: str = "native", deterministic: bool = False, fp8_qk: str = "", fp8_pv: str = ""):
     """FlashAttention forward.
 
     Args:
@@ -176,8 +197,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         backend: the old name of ``path`` ('auto', 'cuda' = 'kernel', 'reference'); deprecated, still honoured.
         precision: 'native' (default: the inputs' fp16/bf16 throughout), 'fp8' or 'int8', both quantising inside
            the call (per-block scales, K smoothed by its channel mean), with fp32 accumulation and softmax and the
-           output in q's dtype. 'fp8': int8 Q K^T (or e4m3: ``fp8_qk``) and e4m3 P V
-           (``llm_attn.quant_reference``), kernel on compute capability 9.0 (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
+           output in q's dtype. 'fp8': int8 Q K^T (or e4m3: ``fp8_qk``) and e4m3 P V (or in the input dtype:
+           ``fp8_pv``) (``llm_attn.quant_reference``), kernel on compute capability 9.0 (H100, H200). 'int8': int8 Q K^T, P V in e4m3 on sm_89 and in the input dtype elsewhere
            (``llm_attn.quant_reference_int8``), kernel on sm_80-90. Both kernels are in both builds (AOT, NVRTC);
            the reference path runs the same algorithms in PyTorch anywhere. Forward only: no gradient flows through them. Its accuracy is a measured number, not a promise:
            ``python -m llm_attn.bench --mode accuracy`` prints it against float64 beside SDPA's own.
@@ -185,6 +206,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         fp8_qk: with precision='fp8', the operands of Q K^T: 'int8' (exact products of int8-rounded Q and K) or
            'e4m3' (faster on the H100 by 4-10 %, less accurate on peaky rows); "" = ``force_fp8_qk``'s, else
            ``LLM_ATTN_FP8_QK``'s, else 'int8'. Ignored by the other precisions.
+        fp8_pv: with precision='fp8', the operands of P V: 'e4m3' (the default, "" too: P and V in e4m3) or 'input'
+           (P rounded to the input dtype, V as given, a bf16/fp16 wgmma: the accurate one, whose remaining error is
+           the int8 Q K^T's; registry entry ``llm_attn_int8qk``). 'input' runs with int8 Q K^T only (an explicit
+           fp8_qk='e4m3' is an error; "" is int8 whatever ``force_fp8_qk`` or ``LLM_ATTN_FP8_QK`` say) and the
+           128-key tile only (an error under ``force_fp8_tile(192)``). Ignored by the other precisions.
         deterministic: a backward that gives the same bits on every run (no float32 atomics: dQ by its own kernel,
            split dK/dV partials summed in a fixed order; on compute capability 9.0 the portable backward kernel
            instead of the Hopper one, slower: kernels/NOTES.md). Also on whenever
@@ -206,7 +232,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         path = "kernel"
     use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
     if precision != "native":
-        return _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, fp8_qk)
+        return _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, fp8_qk,
+                                 fp8_pv)
     compiling = torch.compiler.is_compiling()
     ext = None
     if use_kernel and not compiling:  # traced code must not look up the build (the op does)
@@ -230,12 +257,18 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return (out, lse) if return_lse else out
 
 
-def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, qk=""):
+def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, qk="", pv=""):
     block_n = _fp8_block_n if precision == "fp8" else 0  # the FP8 kernel's key tile, as forced now
     if precision == "fp8":
-        qk = fp8_qk(qk) if qk else _fp8_qk_forced  # its Q K^T operands: the argument, else as forced now
+        qk = fp8_qk(qk) if qk else ""  # checks it
+        problem = fp8_pv_problem(pv, qk, block_n)  # on every path: the reference refuses what the kernel would
+        if problem:
+            raise ValueError(problem)
+        pv = "" if fp8_pv(pv) == "e4m3" else pv  # the op's and the binding's default
+        # its Q K^T operands: the argument, else as forced now; P V in the input dtype runs int8 whatever is forced
+        qk = qk or ("int8" if pv else _fp8_qk_forced)
     else:
-        qk = ""
+        qk, pv = "", ""
     problem = quant_problem(precision, q, use_kernel) or (use_kernel and fp8_tile_problem(block_n, q.shape[-1]))
     if problem:
         raise ValueError(problem)
@@ -245,11 +278,11 @@ def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not torch.compiler.is_compiling() and direct_call_allowed(q, k, v):
         if use_kernel:
-            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext, block_n, qk)
+            out, lse = _quant_kernel_impl(q, k, v, seqused_k, scale, causal, precision, ext, block_n, qk, pv)
         else:
-            out, lse = _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk)
+            out, lse = _quant_reference_impl(q, k, v, seqused_k, scale, causal, precision, qk, pv)
     else:
-        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n, qk)
+        out, lse = _flash_fwd_quant(q, k, v, seqused_k, scale, causal, use_kernel, precision, block_n, qk, pv)
     return (out, lse) if return_lse else out
 
 
@@ -307,7 +340,8 @@ def force_fp8_tile(block_n: int):
     ``block_n``: keys per S tile, 128 or 192 (those built: kernels/generate_kernels.py ``FP8_BLOCK_N``), or 0 for the
     build's default (``LLM_ATTN_FP8_BLOCK_N`` where set). The result's semantics do not depend on it (the PyTorch
     reference ignores it); only speed does. Applies to ``flash_attn_func(..., precision='fp8')`` calls issued in the
-    block; process-wide, not for concurrent use from threads.
+    block; process-wide, not for concurrent use from threads. A call with ``fp8_pv='input'`` (one tile, 128) under
+    another tile raises rather than run a tile it was not asked for.
     """
     global _fp8_block_n
     problem = fp8_tile_problem(block_n)
@@ -331,14 +365,48 @@ def fp8_qk(qk: str = "") -> str:
     is 'e4m3', else 'int8' (kernels/flash_fp8.h ``Fp8Qk``; the kernel reads the same variable).
 
     'int8' (the default): Q and K rounded to int8 with amax / 127 scales, multiplied exactly (wgmma s8, the same
-    tensor rate as e4m3 on sm_90); 'e4m3': both in e4m3 (3 mantissa bits). P and V are e4m3 either way. The int8
-    product is the more accurate (kernels/NOTES.md "FP8 forward v4": about half the output error on peaky inputs).
+    tensor rate as e4m3 on sm_90); 'e4m3': both in e4m3 (3 mantissa bits). P and V are e4m3 either way (unless
+    ``fp8_pv='input'``, which takes int8 only). The int8 product is the more accurate (kernels/NOTES.md "FP8 forward
+    v4": about half the output error on peaky inputs).
     """
     if qk:
         if qk not in FP8_QK:
             raise ValueError(f"qk must be one of {', '.join(FP8_QK)} (the FP8 path's Q K^T operands), not {qk!r}")
         return qk
     return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+
+
+FP8_PV = ("e4m3", "input")  # kernels/flash_fp8.h Fp8Pv
+FP8_PV_BLOCK_N = 128  # the one key tile of the kernel with P V in the input dtype
+
+
+def fp8_pv(pv: str = "") -> str:
+    """The operands of P V that an FP8 call with ``pv`` runs: 'e4m3' for "" (no variable changes it: 'input' is
+    chosen by name, ``fp8_pv`` or the ``llm_attn_int8qk`` entry), else ``pv`` itself once checked.
+
+    'e4m3': P and V in e4m3 (V with per-channel scales), the fast one, ~2.6 % rms rounding each; 'input': P rounded
+    to the input dtype and V not quantised (bf16/fp16 wgmma at half the e4m3 rate), leaving the int8 Q K^T's error.
+    """
+    if not pv:
+        return "e4m3"
+    if pv not in FP8_PV:
+        raise ValueError(f"pv must be one of {', '.join(FP8_PV)} (the FP8 path's P V operands; '' = e4m3), not {pv!r}")
+    return pv
+
+
+def fp8_pv_problem(pv: str, qk: str = "", block_n: int = 0) -> str | None:
+    """Why an FP8 call with P V operands ``pv``, Q K^T operands ``qk`` (as passed: "" = the default) and key tile
+    ``block_n`` (as forced: 0 = the default) cannot run, as one line, or None; in the binding's order (pv, then qk,
+    then the tile). ``pv`` that is not a choice raises fp8_pv's ValueError."""
+    if fp8_pv(pv) != "input":
+        return None
+    if qk == "e4m3":
+        return ("fp8_pv='input' runs with int8 Q K^T only (fp8_qk 'int8' or '': int8 whatever force_fp8_qk or "
+                "LLM_ATTN_FP8_QK say), not fp8_qk='e4m3'")
+    if block_n not in (0, FP8_PV_BLOCK_N):
+        return (f"the FP8 kernel with P V in the input dtype has a {FP8_PV_BLOCK_N}-key tile only, not {block_n} "
+                f"(force_fp8_tile({block_n}) is in force)")
+    return None
 
 
 @contextlib.contextmanager

@@ -154,14 +154,16 @@ for lowp in ("fp8", "int8"):
         continue
     if not getattr(ext, f"{lowp}_available")():
         sys.exit(f"--{lowp}: this GPU/build does not run the {lowp.upper()} kernel")
+    # FP8: each key tile of its head_dim, and the P V in the input dtype variant (pv='input': V read by TMA from the
+    # caller's tensor, its seqused_k tail zeroed in shared memory by the consumers)
     cases = [(dtype, shape, block_n) for dtype in (torch.float16, torch.bfloat16) for shape in FP8_SHAPES
-             for block_n in (FP8_BLOCK_N[shape[5]] if lowp == "fp8" else (0,))]  # FP8: each key tile of its head_dim
+             for block_n in (FP8_BLOCK_N[shape[5]] + ("input",) if lowp == "fp8" else (0,))]
     for dtype, (b, hq, hkv, sq, sk, d, causal, used), block_n in cases:
         q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype)
         k = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         v = torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype)
         su = torch.tensor(used, dtype=torch.int32, device="cuda") if used else None
-        tile = {"block_n": block_n} if block_n else {}
+        tile = {"pv": "input"} if block_n == "input" else {"block_n": block_n} if block_n else {}
         out, _ = getattr(ext, f"mha_fwd_{lowp}")(q, k, v, su, 1 / math.sqrt(d), causal, **tile)
         torch.cuda.synchronize()
         assert not out.isnan().any()

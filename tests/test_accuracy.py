@@ -206,6 +206,17 @@ def test_low_precision_paths_are_measured_and_judged():
     assert fp8["rel_l1"] < 1.2 * gauss["rel_l1"]
 
 
+def test_pv_input_path_is_measured_as_its_entry():
+    """ours-int8qk (flash_attn_func with P V in the input dtype) and the llm_attn_int8qk entry are one algorithm on
+    CPU; e4m3's P and V rounding gone, its error is well under ours-fp8's on the same input."""
+    rows = accuracy_point(["ours-fp8", "ours-int8qk", "llm_attn_int8qk"], "k_outliers", seq=256, dtype=torch.bfloat16,
+                          causal=True, rows=64, **SMALL)
+    by = {r["impl"]: r for r in rows}
+    assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+    assert by["llm_attn_int8qk"]["rel_l1"] == pytest.approx(by["ours-int8qk"]["rel_l1"], rel=1e-6)
+    assert by["ours-int8qk"]["rel_l1"] < 0.5 * by["ours-fp8"]["rel_l1"], (by["ours-int8qk"], by["ours-fp8"])
+
+
 # -- the command line ----------------------------------------------------------------------------------------------------
 BAD_PLUGIN = '''
 import torch

@@ -257,3 +257,202 @@ def test_fp8_qk_environment_default(monkeypatch):
     assert ops.fp8_qk() == "e4m3" and ops.fp8_qk("int8") == "int8"
     monkeypatch.setenv("LLM_ATTN_FP8_QK", "anything else")
     assert ops.fp8_qk() == "int8"
+
+
+# -- P V in the input dtype (fp8_pv='input', the llm_attn_int8qk entry) ------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pv_input_is_the_accurate_one(dtype, causal):
+    """With P in the input dtype and V unquantised, e4m3's rounding of P and V (the larger part of the FP8 error) is
+    gone: what is left is the int8 Q K^T's (~1.3 % relative L1 on Gaussian inputs with outlier K, against ~3.8 % with
+    e4m3 P V). Quantising V or P to e4m3 again puts it back above both bounds."""
+    torch.manual_seed(2)
+    q = torch.randn(1, 8, 257, 128, dtype=dtype)
+    k = torch.randn(1, 2, 513, 128, dtype=dtype)
+    k[..., [3, 40]] += 25
+    v = torch.randn(1, 2, 513, 128, dtype=dtype)
+    ref, ref_lse = attention_naive(q, k, v, causal=causal)
+
+    def err(out):
+        o = out.double()
+        return (torch.nn.functional.cosine_similarity(o.flatten(), ref.flatten(), dim=0).item(),
+                ((o - ref).abs().sum() / ref.abs().sum()).item())
+
+    out, lse = qr.attention_fp8(q, k, v, causal=causal, return_lse=True, pv="input")
+    cos, rel = err(out)
+    _, rel_e = err(qr.attention_fp8(q, k, v, causal=causal))
+    assert cos > 0.9998 and rel < 0.02 and rel < 0.5 * rel_e, (cos, rel, rel_e)
+    # The lse does not depend on P V's operands.
+    assert torch.equal(lse, qr.attention_fp8(q, k, v, causal=causal, return_lse=True)[1])
+
+
+def _predict_pv_input(q, k, v, scale, round_to):
+    """float64 attention over the operands quantize_fp8 returns, P' = 256 P rounded to ``round_to`` (None: not)."""
+    qd, kd, vd = qr.quantize_fp8(q, k, v, pv="input")
+    s = (qd.double() @ kd.double().transpose(-1, -2)) * scale
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    p256 = p * qr.P_SCALE if round_to is None else (p * qr.P_SCALE).to(round_to).double()
+    return (p256 @ vd.double()) / (qr.P_SCALE * p.sum(-1, keepdim=True))
+
+
+def test_pv_input_rounds_p_to_the_input_dtype():
+    """P' = 256 P is rounded to q's dtype (the operand of the kernel's bf16/fp16 wgmma), and not at all for float32
+    inputs: the output is that prediction rounded to the dtype, element for element but for float64-vs-float32 ties,
+    and the predictions with P rounded otherwise miss a quarter of the elements or more."""
+    torch.manual_seed(6)
+    q32 = torch.randn(1, 1, 64, 64) * 3
+    k32 = torch.randn(1, 1, 256, 64)
+    v32 = torch.randn(1, 1, 256, 64)
+    for dtype, other in ((torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)):
+        q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
+        out = qr.attention_fp8(q, k, v, scale=0.125, pv="input")
+
+        def agree(round_to):
+            return (out == _predict_pv_input(q, k, v, 0.125, round_to).to(dtype)).float().mean().item()
+
+        assert agree(dtype) > 0.98 and agree(None) < 0.9 and agree(other) < 0.9, (dtype, agree(dtype), agree(None))
+    q, k, v = (t.to(torch.bfloat16).float() for t in (q32, k32, v32))  # float32: P' unrounded
+    out = qr.attention_fp8(q, k, v, scale=0.125, pv="input").double()
+    assert (out - _predict_pv_input(q, k, v, 0.125, None)).abs().max() < 2e-5
+    assert (out - _predict_pv_input(q, k, v, 0.125, torch.float16)).abs().max() > 1e-4
+
+
+def test_pv_input_keeps_v_unquantised_and_garbage_out():
+    """V is the caller's (no e4m3, no scale), keys past seqused_k zeroed: NaN there reaches no output (0 * NaN is NaN,
+    so the reference must zero V, not only P, as the kernel zeroes those rows of its V tile)."""
+    torch.manual_seed(7)
+    q = torch.randn(2, 4, 50, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 200, 64, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 200, 64, dtype=torch.bfloat16)
+    used = torch.tensor([200, 77], dtype=torch.int32)
+    vd = qr.quantize_fp8(q, k, v, seqused_k=used, pv="input")[2]
+    assert torch.equal(vd[0], v[0].float()) and torch.equal(vd[1, :, :77], v[1, :, :77].float())
+    assert not vd[1, :, 77:].any()
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 77:] = float("nan")
+    v2[1, :, 77:] = float("nan")
+    for causal in (False, True):
+        a = qr.attention_fp8(q, k, v, causal=causal, seqused_k=used, pv="input")
+        b = qr.attention_fp8(q, k2, v2, causal=causal, seqused_k=used, pv="input")
+        assert not b.isnan().any() and torch.equal(a, b)
+
+
+def test_pv_argument_errors():
+    """The choices are checked before anything runs, in one line each; other precisions ignore fp8_pv (as fp8_qk)."""
+    from llm_attn import ops
+
+    q = torch.randn(1, 2, 20, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pv must be one of e4m3, input"):
+        qr.attention_fp8(q, q, q, pv="bf16")
+    with pytest.raises(ValueError, match="pv must be one of e4m3, input"):
+        flash_attn_func(q, q, q, precision="fp8", fp8_pv="bf16")
+    with pytest.raises(ValueError, match=r"int8 Q K\^T only.*not fp8_qk='e4m3'"):
+        flash_attn_func(q, q, q, precision="fp8", fp8_qk="e4m3", fp8_pv="input")
+    for block_n in (192, 128):
+        with ops.force_fp8_tile(block_n):
+            if block_n == 192:  # the reference would run it; the kernel has no such tile: both paths refuse it
+                with pytest.raises(ValueError, match="128-key tile only, not 192"):
+                    flash_attn_func(q, q, q, precision="fp8", fp8_pv="input")
+            else:
+                flash_attn_func(q, q, q, precision="fp8", fp8_pv="input")
+    assert torch.equal(flash_attn_func(q, q, q, precision="fp8", fp8_pv="e4m3"),
+                       flash_attn_func(q, q, q, precision="fp8"))
+    assert torch.equal(flash_attn_func(q, q, q, precision="int8", fp8_pv="bf16"),
+                       flash_attn_func(q, q, q, precision="int8"))
+    assert ops.fp8_pv() == "e4m3" and ops.fp8_pv("input") == "input"
+
+
+def test_pv_input_runs_int8_qk_whatever_is_forced(monkeypatch):
+    """fp8_pv='input' with fp8_qk '' is int8 Q K^T, not what force_fp8_qk or LLM_ATTN_FP8_QK choose for e4m3 P V
+    (the kernel has no e4m3 Q K^T with it); the op carries pv as an argument like qk and the tile."""
+    from llm_attn import ops
+
+    torch.manual_seed(8)
+    q = 3 * torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 90, 64, dtype=torch.bfloat16)
+    want = qr.attention_fp8(q, k, k, causal=True, qk="int8", pv="input")
+    assert not torch.equal(want, qr.attention_fp8(q, k, k, causal=True, qk="e4m3", pv="input"))
+    assert torch.equal(flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input"), want)
+    with ops.force_fp8_qk("e4m3"):
+        assert torch.equal(flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input"), want)
+    monkeypatch.setenv("LLM_ATTN_FP8_QK", "e4m3")
+    assert torch.equal(flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input"), want)
+    out, _ = ops._flash_fwd_quant(q, k, k, None, 0.125, True, False, "fp8", 0, "", "input")
+    assert torch.equal(out, qr.attention_fp8(q, k, k, causal=True, scale=0.125, qk="int8", pv="input"))
+    assert "str pv=\"\"" in str(torch.ops.llm_attn.flash_fwd_quant.default._schema)
+
+
+class _Ext:
+    """A kernel build's FP8 entry point as far as ops sees it: records what it was called with."""
+
+    def __init__(self, with_pv):
+        self.calls = []
+        if with_pv:
+            def mha_fwd_fp8(q, k, v, seqused_k, scale, causal, block_n=0, qk="", pv=""):
+                self.calls.append({"block_n": block_n, "qk": qk, "pv": pv})
+                return q, q
+        else:
+            def mha_fwd_fp8(q, k, v, seqused_k, scale, causal, block_n=0, qk=""):
+                self.calls.append({"block_n": block_n, "qk": qk})
+                return q, q
+        self.mha_fwd_fp8 = mha_fwd_fp8
+
+
+class _Pybind:
+    """A pybind11 function as inspect sees it: no signature it can read (inspect.signature raises), the signature in
+    its docstring."""
+
+    __signature__ = "unreadable"
+
+    def __init__(self, doc):
+        self.__doc__ = doc
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("not called")
+
+
+def test_pv_reaches_the_kernel_only_when_set():
+    """The binding gets pv only for P V in the input dtype, so a build from before it still runs e4m3 P V; asked for
+    'input', such a build is refused by name rather than with a TypeError. The extension's signature is found in
+    its docstring (pybind11), the NVRTC build's in the function."""
+    import types
+
+    from llm_attn import ops
+    from llm_attn._ext import KernelNotBuiltError
+
+    q = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    new, old = _Ext(True), _Ext(False)
+    for ext in (new, old):
+        ops._quant_kernel_impl(q, q, q, None, 0.125, True, "fp8", ext)
+        ops._quant_kernel_impl(q, q, q, None, 0.125, True, "fp8", ext, 192, "e4m3")
+    assert new.calls == [{"block_n": 0, "qk": "", "pv": ""}, {"block_n": 192, "qk": "e4m3", "pv": ""}]
+    assert old.calls == [{"block_n": 0, "qk": ""}, {"block_n": 192, "qk": "e4m3"}]
+    ops._quant_kernel_impl(q, q, q, None, 0.125, True, "fp8", new, 0, "int8", "input")
+    assert new.calls[-1] == {"block_n": 0, "qk": "int8", "pv": "input"}
+    with pytest.raises(KernelNotBuiltError, match="no pv argument"):
+        ops._quant_kernel_impl(q, q, q, None, 0.125, True, "fp8", old, 0, "int8", "input")
+    assert ops.fp8_pv_available(new) and not ops.fp8_pv_available(old) and not ops.fp8_pv_available(object())
+    aot = "mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Optional[torch.Tensor], " \
+          "scale: float, causal: bool, block_n: int = 0, qk: str = ''{}) -> tuple[torch.Tensor, torch.Tensor]\n"
+    assert ops.fp8_pv_available(types.SimpleNamespace(mha_fwd_fp8=_Pybind(aot.format(", pv: str = ''"))))
+    assert not ops.fp8_pv_available(types.SimpleNamespace(mha_fwd_fp8=_Pybind(aot.format(""))))
+    assert not ops.fp8_pv_available(types.SimpleNamespace(mha_fwd_fp8=torch._C._jit_pass_dce))  # a real one
+
+
+def test_int8qk_entry_is_its_own_name_and_computes_pv_input():
+    """llm_attn_int8qk runs int8 Q K^T with P V in the input dtype (that reference, not llm_attn_fp8's) and reports
+    its own variant, so its rows never pass for the e4m3 entries'."""
+    from llm_attn import registry
+    from llm_attn.harness.agreement import low_precision_note
+
+    entry = registry.get("llm_attn_int8qk")
+    assert entry.choose(torch.device("cpu"), torch.bfloat16, 128) == ("reference-int8qk", None)
+    assert not entry.default and low_precision_note(entry.info())
+    assert "int8 Q K^T" in entry.description and "input dtype" in entry.description
+    torch.manual_seed(9)
+    q = torch.randn(1, 4, 70, 64, dtype=torch.bfloat16) * 3
+    k = torch.randn(1, 2, 70, 64, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 70, 64, dtype=torch.bfloat16)
+    out = entry.fn(q, k, v, causal=True, scale=0.125, variant="reference-int8qk")
+    assert torch.equal(out, qr.attention_fp8(q, k, v, causal=True, scale=0.125, qk="int8", pv="input"))
+    assert not torch.equal(out, qr.attention_fp8(q, k, v, causal=True, scale=0.125))

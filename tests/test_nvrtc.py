@@ -242,7 +242,8 @@ def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
 
 def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every FP8 instantiation the AOT build has (flash_fwd_fp8_sm90_*.cu through launch_fp8: each key tile of
-    Fp8Tiles<D>, the 128-key one with 2 and 3 stages; Q K^T in e4m3 and in int8) and its pre-pass kernels, compiled
+    Fp8Tiles<D>, the 128-key one with 2 and 3 stages; Q K^T in e4m3 and in int8; the 128-key int8 tile with P V in
+    the input dtype, Fp8Traits<D, 2, 128, true, true>) and its pre-pass kernels, compiled
     by NVRTC for sm_90a in programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the
     kernels' real bodies (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 and
     int8 conversions."""
@@ -250,8 +251,12 @@ def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     kernels = _plan.fp8_kernels()
     main = [k for k in kernels if "flash_fwd_fp8_sm90_kernel<" in k]
     tiles = sum(len(t) + (1 if 128 in t else 0) for t in (_kernel_table.FP8_BLOCK_N[d] for d in (64, 128)))
-    # x 2 dtypes x 2 masks x 2 Q K^T types; per (head_dim, dtype) the statistics, and Q's and K's per type
-    assert len(main) == 8 * tiles and len(kernels) == len(main) + 5 * 2 * 2
+    # x 2 dtypes x 2 masks x 2 Q K^T types, + P V in the input dtype per (head_dim, dtype, mask); per (head_dim,
+    # dtype) the statistics, and Q's and K's per type, + K's statistics and K without V (P V in the input dtype)
+    pv_input = [k for k in main if re.search(r"Fp8Traits<\d+, 2, 128, true, true>, (true|false)>$", k)]
+    assert len(pv_input) == 8 and len(main) == 8 * tiles + 8 and len(kernels) == len(main) + 7 * 2 * 2
+    assert {n for bf16, d in itertools.product((False, True), (64, 128))
+            for n in _plan.fp8_prepass_names(bf16, d, True, True)} <= set(kernels)
     src = nvrtc.program_source(kernels)
     assert all(f'#include "{h}"' in src for h in ("quant_fp8.cuh", "flash_fwd_fp8_sm90_kernel.cuh"))
     assert "Fp8Sm90Params" in src and "FlashFwdFp8Params" in src
@@ -260,7 +265,10 @@ def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     assert not spilled, f"local memory (stack, spill stores, spill loads) on sm_90a: {spilled}"
     regs = nvrtc.register_report(log)
     assert all(regs[lowered[k]][0] > 100 and regs[lowered[k]][1] > 1 for k in main), {k: regs[lowered[k]] for k in main}
-    assert all(regs[lowered[k]][0] > 32 for k in kernels if k not in main), regs
+    # the pre-pass: > 32 registers, but K's statistics alone (kStatsV false: sums, no amax, no conversion) have 32
+    k_stats = {n for n in kernels if "fp8_kv_stats_kernel<" in n and n.endswith(", false>")}
+    assert len(k_stats) == 4 and all(regs[lowered[k]][0] >= 24 for k in k_stats), regs
+    assert all(regs[lowered[k]][0] > 32 for k in kernels if k not in main and k not in k_stats), regs
 
 
 def test_hopper_backward_compiles_for_sm90a_without_local_memory(request):
@@ -306,7 +314,8 @@ def test_sm90_params_layout_matches_cpp(struct):
     cpp = _nvrtc.sm90_probe_offsets(struct)
     assert set(cpp) == set(fields), cpp
     assert cpp == {f: getattr(mirror, f).offset for f in fields}
-    assert ctypes.sizeof(mirror) == {"Sm90BwdParams": 1024}.get(struct, 768) and cpp["tma_q"] % 128 == 0
+    assert ctypes.sizeof(mirror) == {"Sm90BwdParams": 1024, "Fp8Sm90Params": 896}.get(struct, 768)
+    assert cpp["tma_q"] % 128 == 0
 
 
 def test_params_struct_layout_matches_cpp(tmp_path):
@@ -631,17 +640,21 @@ def test_hopper_consumers_tuning_env(monkeypatch, env):
 QUANT_HOST_LINES = (
     ("flash_fwd_fp8_sm90_launch.cuh", "const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;"),
     ("flash_fwd_fp8_sm90_launch.cuh", "const int kv_chunks = fp8_seqlen_k_pad(p.seqlen_k) / kFp8KvChunk;"),
-    ("flash_fwd_fp8_sm90_launch.cuh", "fp8::fp8_kv_stats_kernel<T, kHeadDim><<<dim3((p.seqlen_k + 511) / 512, "
-                                      "p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f); "
-                                      "fp8::fp8_quant_q_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3(q_blocks, p.num_heads, "
-                                      "p.batch), fp8::kThreads, 0, stream>>>(f); fp8::fp8_quant_kv_kernel<T, kHeadDim, "
-                                      "Traits::kQkInt8><<<dim3(kv_chunks, p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "constexpr bool kV8 = !Traits::kPvInput; fp8::fp8_kv_stats_kernel<T, kHeadDim, "
+                                      "kV8><<<dim3((p.seqlen_k + 511) / 512, p.num_kv_heads, p.batch), fp8::kThreads, "
+                                      "0, stream>>>(f); fp8::fp8_quant_q_kernel<T, kHeadDim, Traits::kQkInt8><<<dim3("
+                                      "q_blocks, p.num_heads, p.batch), fp8::kThreads, 0, stream>>>(f); "
+                                      "fp8::fp8_quant_kv_kernel<T, kHeadDim, Traits::kQkInt8, kV8><<<dim3(kv_chunks, "
+                                      "p.num_kv_heads, p.batch), fp8::kThreads, 0, stream>>>(f);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "static const int pingpong = tuning_env(\"LLM_ATTN_SM90_PINGPONG\", 1);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "Fp8Sm90Params sp{};"),  # the map a kernel does not read stays zeroed
     ("flash_fwd_fp8_sm90_launch.cuh", "encode_fp8_map(&sp.tma_q, f.q8, kHeadDim, p.seqlen_q, p.num_heads, p.batch, "
                                       "kHeadDim, Traits::kBlockM) && encode_fp8_map(&sp.tma_k, f.k8, kHeadDim, "
                                       "p.seqlen_k, p.num_kv_heads, p.batch, kHeadDim, Traits::kBlockN) && "
-                                      "encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, p.num_kv_heads, p.batch, "
-                                      "Traits::kVtBoxKeys, kHeadDim);"),
+                                      "(Traits::kPvInput ? make_tensor_map<T>(&sp.tma_v, p.v, kHeadDim, p.seqlen_k, "
+                                      "p.num_kv_heads, p.batch, p.v_batch_stride, p.v_head_stride, p.v_row_stride, "
+                                      "Traits::kBlockN) : encode_fp8_map(&sp.tma_vt, f.vt8, pad, kHeadDim, "
+                                      "p.num_kv_heads, p.batch, Traits::kVtBoxKeys, kHeadDim));"),
     ("flash_fwd_fp8_sm90_launch.cuh", "box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, "
                                       "CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "const dim3 grid = kCausal ? dim3(p.num_heads, m_blocks, p.batch) : "
@@ -654,14 +667,21 @@ QUANT_HOST_LINES = (
     ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3, 128, kQkInt8>, "
                                       "kCausal>(f, stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, kQkInt8>, "
                                       "kCausal>(f, stream);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "if (pv == kFp8PvInput) { if (block_n != 128 || qk != kFp8QkInt8) return "
+                                      "cudaErrorInvalidValue; return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, "
+                                      "true, true>, kCausal>(f, stream); } if (pv != kFp8PvE4m3) return "
+                                      "cudaErrorInvalidValue;"),
+    ("flash_fp8.cu", "if (pv == kFp8PvInput) return (head_dim == 128 || head_dim == 64) && (requested == 0 || "
+                     "requested == 128) ? 128 : 0; if (pv != kFp8PvE4m3) return 0;"),
     ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
                      "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
-    ("binding.cpp", "const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d, n_vt8 = b * hkv * d * pad;"),
+    ("binding.cpp", "const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d;"),
+    ("binding.cpp", "const int64_t n_vt8 = pv_input ? 0 : b * hkv * d * pad;"),
     ("binding.cpp", "const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, "
                     "n_vs = b * hkv * d; const int64_t n_qm = b * hq * sq;"),
     ("binding.cpp", "floats.narrow(0, 0, n_stats).zero_();"),
-    ("binding.cpp", "f.q8 = base, f.k8 = base + n_q8, f.vt8 = base + n_q8 + n_k8;"),
+    ("binding.cpp", "f.q8 = base, f.k8 = base + n_q8, f.vt8 = pv_input ? nullptr : base + n_q8 + n_k8;"),
     ("binding.cpp", "f.stats = fb, f.q_scale = fb + n_stats, f.k_scale = fb + n_stats + n_qs, f.v_scale = fb + n_stats "
                     "+ n_qs + n_ks; f.q_dot_kmean = fb + n_stats + n_qs + n_ks + n_vs;"),
     ("binding.cpp", "f.p.num_splits = 1;"),
@@ -699,6 +719,19 @@ def test_quant_launches_mirror_the_cpp_host_code():
     ws = _plan.fp8_workspace(s)
     assert (ws.q8, ws.k8, ws.vt8) == (32 * 2049 * 128, 8 * 2049 * 128, 8 * 128 * (17 + 1) * 128)
     assert (ws.stats, ws.q_scale, ws.k_scale, ws.v_scale, ws.q_dot_kmean) == (2048, 32 * 33, 8 * 33, 1024, 32 * 2049)
+    # P V in the input dtype: the same grids; K's statistics and K only (V untouched), the kernel Fp8Traits<D, 2,
+    # 128, true, true> with the caller's V in shared memory (2 bytes an element); no V^T workspace.
+    pv = _plan.fp8_launches(s, _plan.fp8_traits(128, 128, True, True))
+    assert [x.grid for x in pv] == [x.grid for x in (stats, qq, kv, main)]
+    assert [x.kernel for x in pv] == ["llm_attn::fp8::fp8_kv_stats_kernel<__nv_bfloat16, 128, false>",
+                                      "llm_attn::fp8::fp8_quant_q_kernel<__nv_bfloat16, 128, true>",
+                                      "llm_attn::fp8::fp8_quant_kv_kernel<__nv_bfloat16, 128, true, false>",
+                                      "llm_attn::sm90::flash_fwd_fp8_sm90_kernel<__nv_bfloat16, "
+                                      "llm_attn::sm90::Fp8Traits<128, 2, 128, true, true>, true>"]
+    assert (pv[-1].threads, pv[-1].smem) == (384, 128 * 128 + 2 * (128 * 128 + 128 * 128 * 2) + 9 * 8 + 1024)
+    assert _plan.Fp8Traits(64, 2, 128, True, True).smem_bytes == 128 * 64 + 2 * (128 * 64 + 128 * 64 * 2) + 72 + 1024
+    assert dataclasses.replace(_plan.fp8_workspace(s, True), vt8=ws.vt8) == ws and _plan.fp8_workspace(s, True).vt8 == 0
+    assert _plan.fp8_workspace(s, True).bytes_ == ws.q8 + ws.k8 and _plan.fp8_workspace(s, True).floats == ws.floats
     # INT8: the two pre-pass kernels over (chunks, batch x KV heads), then the kernel; e4m3 P V only on sm_89.
     for fp8_pv in (False, True):
         st, qk, kern = _plan.int8_launches(s, fp8_pv)
@@ -744,6 +777,26 @@ def test_fp8_key_tile_and_stages(fp8_env):
     assert _plan.fp8_block_n(64) == 0 and _plan.fp8_block_n(64, 128) == 128
 
 
+@pytest.mark.parametrize("block_n_env,stages_env", [(None, None), ("192", "3"), ("100", None)])
+def test_fp8_pv_input_tile(fp8_env, block_n_env, stages_env):
+    """P V in the input dtype (flash_fwd_fp8_block_n's kFp8PvInput, launch_fp8's pv branch): the 128-key tile for a
+    request of 0 or 128, whatever LLM_ATTN_FP8_BLOCK_N says, else 0; two stages whatever LLM_ATTN_FP8_STAGES says;
+    int8 Q K^T. A pv that is neither e4m3 nor input gets no tile."""
+    fp8_env(block_n=block_n_env, stages=stages_env)
+    for d in (64, 128):
+        assert _plan.fp8_block_n(d, 0, "input") == _plan.fp8_block_n(d, 128, "input") == 128
+        assert _plan.fp8_block_n(d, 192, "input") == _plan.fp8_block_n(d, 64, "input") == 0
+        assert _plan.fp8_block_n(d, 0, "bogus") == _plan.fp8_block_n(d, 128, "bogus") == 0
+        assert _plan.fp8_block_n(d, 0, "e4m3") == _plan.fp8_block_n(d, 0, "") == _plan.fp8_block_n(d)
+        t = _plan.fp8_traits(d, 128, True, True)
+        assert t == _plan.Fp8Traits(d, 2, 128, True, True) and t.qk_int8 and t.pv_input
+        assert t.cpp() == f"llm_attn::sm90::Fp8Traits<{d}, 2, 128, true, true>"
+    assert _plan.fp8_block_n(96, 0, "input") == 0
+    # the e4m3 P V instantiations keep the spelling the AOT build's launch gives them (defaults left out)
+    assert [_plan.Fp8Traits(128, *a).cpp()[len("llm_attn::sm90::"):] for a in ((2,), (3,), (2, 192), (2, 128, True))] \
+        == ["Fp8Traits<128, 2>", "Fp8Traits<128, 3>", "Fp8Traits<128, 2, 192>", "Fp8Traits<128, 2, 128, true>"]
+
+
 def test_every_planned_quant_kernel_is_compiled():
     """Whatever fp8_launches / int8_launches launch, on any shape and tile, is one of the instantiations the compile
     tests above check, fits the shared memory of the GPUs it runs on and a grid's y and z limits."""
@@ -753,12 +806,14 @@ def test_every_planned_quant_kernel_is_compiled():
             ((1, 32, 8), (2, 8, 8), (1, 8, 1)), (1, 17, 129, 2049), (1, 100, 4097), (64, 128), (False, True),
             (False, True)):
         s = _plan.Shape(b, hq, hkv, sq, sk, d, causal, bf16)
-        for block_n, qk_int8 in itertools.product(_kernel_table.FP8_BLOCK_N[d], (False, True)):
-            for stages in ((2, 3) if block_n == 128 else (2,)):
-                for launch in _plan.fp8_launches(s, _plan.Fp8Traits(d, stages, block_n, qk_int8)):
-                    assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
-                    assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
-                    seen.add(launch.kernel)
+        variants = [_plan.Fp8Traits(d, stages, block_n, qk_int8)
+                    for block_n, qk_int8 in itertools.product(_kernel_table.FP8_BLOCK_N[d], (False, True))
+                    for stages in ((2, 3) if block_n == 128 else (2,))]
+        for traits in variants + [_plan.fp8_traits(d, _plan.fp8_block_n(d, 0, "input"), True, True)]:  # + pv input
+            for launch in _plan.fp8_launches(s, traits):
+                assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
+                assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
+                seen.add(launch.kernel)
         for arch, dev in (("sm_89", RTX4060TI), ("sm_87", ORIN), ("sm_90", H100)):
             for launch in _plan.int8_launches(s, _plan.int8_pv_fp8(arch)):
                 assert launch.kernel in _plan.int8_kernels(arch) and launch.smem <= dev.smem_per_block_optin
@@ -779,6 +834,7 @@ def test_quant_constants_match_cpp():
             "llm_attn::kInt8MaxStatChunks": _plan.INT8_MAX_STAT_CHUNKS}
     traits = {t for d in (64, 128) for n in _kernel_table.FP8_BLOCK_N[d] for t in
               {_plan.fp8_traits(d, n), _plan.Fp8Traits(d, 3, n) if n == 128 else _plan.Fp8Traits(d, 2, n)}}
+    traits |= {_plan.fp8_traits(d, 128, True, True) for d in (64, 128)}  # P V in the input dtype
     for t in traits:
         want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
                  f"{t.cpp()}::kBlockM": t.block_m, f"{t.cpp()}::kBlockN": t.block_n,
@@ -822,6 +878,141 @@ def test_quant_entry_points_are_the_bindings(monkeypatch):
             fn(q.float(), q.float(), q.float(), None, 0.125, True)
     if not torch.cuda.is_available():
         assert not nvrtc.fp8_available() and not nvrtc.int8_available() and not nvrtc.int8_pv_fp8()
+
+
+def _binding_literals() -> str:
+    """binding.cpp as _kernels_text gives it, with adjacent string literals joined (a message split over lines)."""
+    return re.sub(r'"\s+"', "", _kernels_text("binding.cpp"))
+
+
+def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
+    """mha_fwd_fp8's pv (P V in the input dtype) refusals in binding.cpp's words and order, without a GPU: after
+    check_fwd and fp8_qk_code's, fp8_pv_code's, then pv='input' with e4m3 Q K^T; after the availability check (the
+    device stood in for), the pv input tile's (128 keys only) before the e4m3 tile's. fp8_block_n takes pv as the
+    binding's does (fp8_pv_code's refusal included)."""
+    nvrtc = _nvrtc_or_skip()
+    from llm_attn import kernel_contract
+
+    fp8_env(block_n="192")  # the pv input tile ignores LLM_ATTN_FP8_BLOCK_N
+    binding = _binding_literals()
+    pre = "llm_attn.mha_fwd_fp8: "
+    bad_pv = "pv must be 'e4m3' or 'input' (the operands of P V), not '"
+    e4m3 = "pv='input' runs with int8 Q K^T only (qk 'int8' or ''), not qk='e4m3'"
+    tile = "the FP8 kernel with P V in the input dtype has a 128-key tile only, not "
+    bad_qk = "qk must be 'int8' or 'e4m3' (the operands of Q K^T), not '"
+    for text in (f'"{pre}{bad_pv}", pv, "\'"', f'"{pre}{e4m3}"', f'"{pre}{tile}", num(block_n)'):
+        assert text in binding, text
+    for line in ("check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal); const int qk_asked = "
+                 "fp8_qk_code(qk); const int pv_code = fp8_pv_code(pv); const bool pv_input = pv_code == llm_attn::kFp8PvInput; "
+                 "TORCH_CHECK(!pv_input || qk != \"e4m3\",",
+                 "const int qk_code = pv_input ? llm_attn::kFp8QkInt8 : qk_asked;",
+                 'py::arg("block_n") = 0, py::arg("qk") = "", py::arg("pv") = "");',
+                 'py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "");'):
+        assert line in binding, line
+    assert binding.index(f'"{pre}{e4m3}"') < binding.index("FP8 attention needs a compute capability 9.0") \
+        < binding.index(f'"{pre}{tile}"') < binding.index("the FP8 kernel has no ")
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+
+    def refused(message: str, **kw):
+        with pytest.raises(RuntimeError, match="^" + re.escape(pre + message) + "$"):
+            nvrtc.mha_fwd_fp8(q, q, q, None, 0.125, True, **kw)
+
+    with pytest.raises(RuntimeError, match="^llm_attn.mha_fwd: q must be a CUDA tensor$"):  # check_fwd first
+        nvrtc.mha_fwd_fp8(q, q, q, None, 0.125, True, qk="bogus", pv="bogus")
+    monkeypatch.setattr(kernel_contract, "launcher_problem", lambda *a: None)  # CPU tensors past check_fwd
+    for pv in ("", "e4m3", "input", "bogus"):
+        refused(bad_qk + "bogus'", qk="bogus", pv=pv)
+    refused(bad_pv + "bogus'", qk="e4m3", pv="bogus")
+    refused(bad_pv + "INPUT'", pv="INPUT")
+    refused(e4m3, qk="e4m3", pv="input")
+    refused(e4m3, qk="e4m3", pv="input", block_n=192)
+    monkeypatch.setattr(nvrtc, "_device_of", lambda q: contextlib.nullcontext((0, 1234)))
+    monkeypatch.setattr(nvrtc, "fp8_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0"):
+        nvrtc.mha_fwd_fp8(q, q, q, None, 0.125, True, 192, "int8", "input")
+    monkeypatch.setattr(nvrtc, "fp8_available", lambda: True)
+    for block_n in (192, 64, 100):
+        refused(tile + str(block_n), block_n=block_n, pv="input")
+        refused(tile + str(block_n), block_n=block_n, qk="int8", pv="input")
+    refused("the FP8 kernel has no 100-key tile for head_dim 64 in this build (128 or 192: kernel_tiles.h Fp8Tiles)",
+            block_n=100, pv="e4m3")
+    for d in (64, 128):
+        assert nvrtc.fp8_block_n(d, 0, "input") == nvrtc.fp8_block_n(d, 128, "input") == 128
+        assert nvrtc.fp8_block_n(d, 192, "input") == 0 and nvrtc.fp8_block_n(d, pv="e4m3") == _plan.fp8_block_n(d)
+    with pytest.raises(RuntimeError, match="^" + re.escape(pre + bad_pv + "fp8'") + "$"):
+        nvrtc.fp8_block_n(128, 0, "fp8")
+
+
+@pytest.mark.parametrize("pv,qk,env_qk", [("", "", None), ("e4m3", "e4m3", None), ("input", "", "e4m3"),
+                                          ("input", "int8", None)])
+def test_mha_fwd_fp8_fills_what_the_binding_fills(monkeypatch, fp8_env, pv, qk, env_qk):
+    """_nvrtc.mha_fwd_fp8 without a GPU (the device, the launches and the tensor maps stood in for, CPU tensors past
+    the checks): the workspaces as binding.cpp's mha_fwd_fp8 lays them out (no V^T and a null vt8 with P V in the
+    input dtype), the launches of launch_fp8_tile in order (one FlashFwdFp8Params for the pre-pass and inside
+    Fp8Sm90Params), and Fp8Sm90Params' maps: e4m3 Q and K, then V^T (encode_fp8_map) or, for pv 'input' (int8
+    Q K^T whatever LLM_ATTN_FP8_QK says), the caller's V as the bf16 kernel's (make_tensor_map, 128-key boxes), the
+    other map left zeroed."""
+    nvrtc = _nvrtc_or_skip()
+    from llm_attn import _cuda_abi, _nvrtc_sm90, kernel_contract
+
+    fp8_env()
+    if env_qk is None:
+        monkeypatch.delenv("LLM_ATTN_FP8_QK", raising=False)
+    else:
+        monkeypatch.setenv("LLM_ATTN_FP8_QK", env_qk)
+    monkeypatch.setattr(kernel_contract, "launcher_problem", lambda *a: None)
+    monkeypatch.setattr(nvrtc, "_device_of", lambda q: contextlib.nullcontext((0, 1234)))
+    monkeypatch.setattr(nvrtc, "fp8_available", lambda: True)
+    launched, maps = [], []
+
+    def launch(i, lc, params, stream):
+        assert (i, stream) == (0, 1234)
+        launched.append((lc, type(params).from_buffer_copy(params)))
+
+    def encoder(kind):
+        def encode(*args):
+            maps.append((kind, *args))
+            return bytes([len(maps)]) * 128
+        return encode
+
+    monkeypatch.setattr(nvrtc, "_launch", launch)
+    monkeypatch.setattr(_nvrtc_sm90, "fp8_tensor_map", encoder("e4m3"))
+    monkeypatch.setattr(_nvrtc_sm90, "tensor_map", encoder("input"))
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 77, 300, 128
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16).transpose(1, 2)  # (B, S, H, D) memory
+    k = torch.randn(b, hkv, sk, d, dtype=torch.bfloat16)
+    v = torch.randn(b, sk, hkv, d, dtype=torch.bfloat16).transpose(1, 2)  # its own strides, which the map takes
+    out, lse = nvrtc.mha_fwd_fp8(q, k, v, None, 0.125, True, 0, qk, pv)
+    assert out.shape == q.shape and lse.shape == (b, hq, sq)
+    pv_input = pv == "input"
+    shape = _plan.Shape(b, hq, hkv, sq, sk, d, True, True)
+    traits = _plan.fp8_traits(d, _plan.fp8_block_n(d, 0, pv), pv_input or nvrtc.fp8_qk(qk) == "int8", pv_input)
+    assert traits.pv_input == pv_input and traits.qk_int8 == (pv != "e4m3")
+    assert [lc for lc, _ in launched] == list(_plan.fp8_launches(shape, traits)) and len(launched) == 4
+    *pre, (_, sp) = launched
+    assert isinstance(sp, _nvrtc_sm90.Fp8Sm90Params)
+    assert all(isinstance(x, _cuda_abi.FlashFwdFp8Params) and bytes(x) == bytes(sp.f) for _, x in pre)
+    f = sp.f
+    assert (f.p.q, f.p.k, f.p.v, f.p.o, f.p.lse) == tuple(t.data_ptr() for t in (q, k, v, out, lse))
+    ws = _plan.fp8_workspace(shape, pv_input)
+    assert ws.vt8 == (0 if pv_input else b * hkv * d * _plan.fp8_seqlen_k_pad(sk))
+    assert f.k8 - f.q8 == ws.q8 and (f.vt8 is None if pv_input else f.vt8 - f.k8 == ws.k8)
+    at = f.stats
+    for name in ("stats", "q_scale", "k_scale", "v_scale", "q_dot_kmean"):
+        assert getattr(f, name) == at, name
+        at += 4 * getattr(ws, name)
+    assert sp.pingpong == _plan.sm90_tuning()[1]
+    n = traits.block_n  # the default tile: Fp8Tiles<128>'s first for e4m3 P V, 128 for pv input
+    assert n == (128 if pv_input else _kernel_table.FP8_BLOCK_N[d][0])
+    want = [("e4m3", f.q8, d, sq, hq, b, d, 128), ("e4m3", f.k8, d, sk, hkv, b, d, n)]
+    if pv_input:
+        want.append(("input", v.data_ptr(), 0, d, sk, hkv, b, *v.stride()[:3], 128))
+    else:
+        want.append(("e4m3", f.vt8, _plan.fp8_seqlen_k_pad(sk), d, hkv, b, traits.vt_box_keys, d))
+    assert maps == want
+    got = {name: bytes(getattr(sp, name)) for name in ("tma_q", "tma_k", "tma_vt", "tma_v")}
+    assert got == {"tma_q": b"\1" * 128, "tma_k": b"\2" * 128, "tma_vt": b"\0" * 128 if pv_input else b"\3" * 128,
+                   "tma_v": b"\3" * 128 if pv_input else b"\0" * 128}
 
 
 # -- the decode over the FP8 KV cache ----------------------------------------------------------------------------

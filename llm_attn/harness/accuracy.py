@@ -6,7 +6,8 @@
 
 What is compared: each implementation's output against a float64 reference computed from the *same* rounded
 inputs (bf16/fp16 Q, K, V upcast), so the numbers are the implementation's own error, not the inputs' rounding.
-Beside the low-precision paths (``ours-fp8``, ``ours-int8``: ``flash_attn_func(precision="fp8" | "int8")``) every
+Beside the low-precision paths (``ours-fp8``, ``ours-int8``: ``flash_attn_func(precision="fp8" | "int8")``;
+``ours-int8qk``: ``precision="fp8", fp8_pv="input"``) every
 point also measures PyTorch SDPA in the input dtype and our native path: the error a bf16 user already accepts.
 
 Inputs (``KINDS``; B x Hq x S x D query, B x Hkv x S x D keys/values, N(0, 1) unless said otherwise):
@@ -217,11 +218,13 @@ ACCURACY_IMPLS = {
     "ours": "llm_attn.flash_attn_func, precision='native' (the kernel on a GPU, the PyTorch reference on CPU)",
     "ours-fp8": "llm_attn.flash_attn_func, precision='fp8' (int8 Q K^T, e4m3 P V, per-block scales, fp32 softmax)",
     "ours-fp8-e4m3qk": "llm_attn.flash_attn_func, precision='fp8' with e4m3 Q K^T (llm_attn.ops.force_fp8_qk)",
+    "ours-int8qk": "llm_attn.flash_attn_func, precision='fp8' with fp8_pv='input' (int8 Q K^T, P V in the input "
+                   "dtype: llm_attn_int8qk's path)",
     "ours-int8": "llm_attn.flash_attn_func, precision='int8' (int8 Q K^T; P V in e4m3 on sm_89, the input dtype "
                  "elsewhere)",
     "fp8-reference": "llm_attn.quant_reference.attention_fp8 (the quantised PyTorch reference)",
 }
-DEFAULT_IMPLS = ("sdpa", "ours", "ours-fp8", "ours-int8")
+DEFAULT_IMPLS = ("sdpa", "ours", "ours-fp8", "ours-int8qk", "ours-int8")
 BASELINE = "sdpa"  # what the table divides errors by: the error a user of stock attention already accepts
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
@@ -249,6 +252,11 @@ def make_impl(name: str) -> AttentionFn:
             with force_fp8_qk("e4m3"):
                 return flash_attn_func(q, k, v, causal=causal, precision="fp8")
         return fp8_e4m3qk
+    if name == "ours-int8qk":
+        from llm_attn.ops import flash_attn_func  # noqa: PLC0415
+
+        return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal, precision="fp8", fp8_qk="int8",
+                                                       fp8_pv="input")
     if name == "fp8-reference":
         from llm_attn.quant_reference import attention_fp8  # noqa: PLC0415
 

@@ -3,7 +3,8 @@
 
 - ``stock``        — transformers' own ``eager``, ``sdpa`` and ``flash_attention_2``;
 - ``flash_kernel`` — ``llm_attn``: this project's CUDA kernel (the PyTorch reference on CPU);
-- ``low_precision`` — ``llm_attn_fp8`` (FP8 prefill, Hopper) and ``llm_attn_int8`` (INT8 Q K^T, sm_80-90): low precision;
+- ``low_precision`` — ``llm_attn_fp8`` (FP8 prefill, Hopper; ``llm_attn_fp8_e4m3``, ``llm_attn_int8qk`` its variants)
+  and ``llm_attn_int8`` (INT8 Q K^T, sm_80-90): low precision;
 - ``naive``        — materialised softmax(QKᵀ)V in the input dtype, the seeds' O(N²)-memory baseline;
 - ``flex``         — PyTorch ``flex_attention`` under ``torch.compile`` with a causal block mask;
 - ``numba_fa2``    — ``numba``: a FlashAttention-2 forward written in numba-cuda (scalar, no tensor cores).
