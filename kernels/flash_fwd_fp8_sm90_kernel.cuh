@@ -35,8 +35,8 @@ constexpr int kPOffsetLog2 = 8;
 // kPvInput_ (llm_attn_int8qk, kernels/NOTES.md "The accurate variant"): P V in the input dtype, as the bf16 kernel
 // does it: V is the caller's bf16/fp16 tensor, loaded by TMA in 64-column slabs (128-byte swizzle, MN-major B) with no
 // pre-pass, and P is packed to the input dtype. e4m3 P and V each carry ~2.6 % rms rounding, which leaves the e4m3
-// P V a floor near 0.036 relative L1 whatever Q K^T does; here only Q K^T is 8-bit. int8 Q K^T and the 128-key tile
-// only (192 keys would need 48 more P registers than the 240 a consumer has room for).
+// P V a floor near 0.036 relative L1 whatever Q K^T does; here only Q K^T is 8-bit. int8 Q K^T only; the 128-key
+// tile (192 keys: 0 spills too, a tuning switch in launch_fp8).
 template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128, bool kQkInt8_ = false, bool kPvInput_ = false>
 struct Fp8Traits {
     static constexpr int kHeadDim = kHeadDim_;
@@ -70,7 +70,7 @@ struct Fp8Traits {
     static_assert(kBlockN == 128 || kBlockN == 192, "WgmmaFp8<kBlockN> exists for 128 and 192 (TMA boxes <= 256 rows)");
     static_assert(kBlockN % kFp8KBlock == 0 && kFp8KBlock % 32 == 0, "whole K-scale groups, whole k32 steps each");
     static_assert(kVtBoxKeys % 32 == 0 && kVtBoxBytes % 1024 == 0, "k32 steps inside a box; boxes swizzle-aligned");
-    static_assert(!kPvInput || (kQkInt8 && kBlockN == 128), "P V in the input dtype: int8 Q K^T, 128-key tile");
+    static_assert(!kPvInput || kQkInt8, "P V in the input dtype: int8 Q K^T");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 64 * 1024, "the SM's register file");
     static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory a Hopper block can have");
 };

@@ -654,9 +654,10 @@ def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
 
 def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False, pv_input: bool = False) -> Fp8Traits:
     """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3; P V in
-    the input dtype: Fp8Traits<D, 2, 128, true, true>, whatever LLM_ATTN_FP8_STAGES says."""
+    the input dtype: Fp8Traits<D, 2, 128, true, true>, whatever LLM_ATTN_FP8_STAGES says, or its 192-key tile where
+    LLM_ATTN_FP8_PV_BLOCK_N=192 (a tuning switch, read once)."""
     if pv_input:
-        return Fp8Traits(head_dim, 2, 128, True, True)
+        return Fp8Traits(head_dim, 2, 192 if _tuning_env("LLM_ATTN_FP8_PV_BLOCK_N", 128) == 192 else 128, True, True)
     if block_n == 128 and fp8_tuning()[1] == 3:
         return Fp8Traits(head_dim, 3, 128, qk_int8)
     return Fp8Traits(head_dim, 2, block_n, qk_int8)
@@ -744,7 +745,7 @@ def _quant_instantiations(kind: str) -> list[tuple[int, bool, bool]]:
 def fp8_kernels() -> list[str]:
     """Every FP8 instantiation the AOT build compiles for sm_90a (flash_fwd_fp8_sm90_*.cu through launch_fp8): per
     (head_dim, dtype, causal) the kernel with each key tile of Fp8Tiles<D> (the 128-key one with 2 and 3 stages)
-    and each Q K^T type, and the one with P V in the input dtype (Fp8Traits<D, 2, 128, true, true>); per (head_dim,
+    and each Q K^T type, and those with P V in the input dtype (Fp8Traits<D, 2, 128 or 192, true, true>); per (head_dim,
     dtype) the pre-pass kernels (Q and K's for each type; the statistics and K's without V for P V in the input
     dtype)."""
     names = []
@@ -755,7 +756,8 @@ def fp8_kernels() -> list[str]:
                     names.append(fp8_kernel_name(bf16, Fp8Traits(d, stages, block_n, qk_int8), causal))
             if causal:
                 names += [n for n in fp8_prepass_names(bf16, d, qk_int8) if n not in names]
-        names.append(fp8_kernel_name(bf16, fp8_traits(d, 128, True, True), causal))  # P V in the input dtype
+        for block_n in (128, 192):  # P V in the input dtype: its tile, and the tuning switch's
+            names.append(fp8_kernel_name(bf16, Fp8Traits(d, 2, block_n, True, True), causal))
         if causal:
             names += [n for n in fp8_prepass_names(bf16, d, True, True) if n not in names]
     return names

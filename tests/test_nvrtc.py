@@ -243,7 +243,7 @@ def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
 def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every FP8 instantiation the AOT build has (flash_fwd_fp8_sm90_*.cu through launch_fp8: each key tile of
     Fp8Tiles<D>, the 128-key one with 2 and 3 stages; Q K^T in e4m3 and in int8; the 128-key int8 tile with P V in
-    the input dtype, Fp8Traits<D, 2, 128, true, true>) and its pre-pass kernels, compiled
+    the input dtype, Fp8Traits<D, 2, 128 or 192, true, true>) and its pre-pass kernels, compiled
     by NVRTC for sm_90a in programs that static_assert FlashFwdFp8Params and Fp8Sm90Params: no stack, no spills, the
     kernels' real bodies (setmaxnreg: 168 registers a thread at launch, 16 named barriers), the pre-pass's e4m3 and
     int8 conversions."""
@@ -253,8 +253,8 @@ def test_fp8_instantiations_compile_for_sm90a_without_local_memory(request):
     tiles = sum(len(t) + (1 if 128 in t else 0) for t in (_kernel_table.FP8_BLOCK_N[d] for d in (64, 128)))
     # x 2 dtypes x 2 masks x 2 Q K^T types, + P V in the input dtype per (head_dim, dtype, mask); per (head_dim,
     # dtype) the statistics, and Q's and K's per type, + K's statistics and K without V (P V in the input dtype)
-    pv_input = [k for k in main if re.search(r"Fp8Traits<\d+, 2, 128, true, true>, (true|false)>$", k)]
-    assert len(pv_input) == 8 and len(main) == 8 * tiles + 8 and len(kernels) == len(main) + 7 * 2 * 2
+    pv_input = [k for k in main if re.search(r"Fp8Traits<\d+, 2, (128|192), true, true>, (true|false)>$", k)]
+    assert len(pv_input) == 16 and len(main) == 8 * tiles + 16 and len(kernels) == len(main) + 7 * 2 * 2
     assert {n for bf16, d in itertools.product((False, True), (64, 128))
             for n in _plan.fp8_prepass_names(bf16, d, True, True)} <= set(kernels)
     src = nvrtc.program_source(kernels)
@@ -668,9 +668,11 @@ QUANT_HOST_LINES = (
                                       "kCausal>(f, stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, kQkInt8>, "
                                       "kCausal>(f, stream);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "if (pv == kFp8PvInput) { if (block_n != 128 || qk != kFp8QkInt8) return "
-                                      "cudaErrorInvalidValue; return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, "
-                                      "true, true>, kCausal>(f, stream); } if (pv != kFp8PvE4m3) return "
-                                      "cudaErrorInvalidValue;"),
+                                      "cudaErrorInvalidValue; static const int pv_block_n = tuning_env("
+                                      "\"LLM_ATTN_FP8_PV_BLOCK_N\", 128); if (pv_block_n == 192) return "
+                                      "launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, true, true>, kCausal>(f, stream); "
+                                      "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, true, true>, kCausal>(f, "
+                                      "stream); } if (pv != kFp8PvE4m3) return cudaErrorInvalidValue;"),
     ("flash_fp8.cu", "if (pv == kFp8PvInput) return (head_dim == 128 || head_dim == 64) && (requested == 0 || "
                      "requested == 128) ? 128 : 0; if (pv != kFp8PvE4m3) return 0;"),
     ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
