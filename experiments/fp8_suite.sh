@@ -25,7 +25,7 @@ if has sanitize; then
 fi
 if has bench; then
   # llm_attn_fp8: the build's default key tile; ours-fp8-192 (ours-fp8-128): that tile forced, same run;
-  # llm_attn_int8qk: P V in the input dtype (its one tile, 128)
+  # llm_attn_int8qk: P V in the input dtype (the same default tile)
   python3 -m llm_attn.bench --impls ${FP8_IMPLS:-ours llm_attn_fp8 ours-fp8-192 llm_attn_int8qk cudnn} --seqs ${FP8_SEQS:-4096 8192 16384 32768} --causal 1 0 \
     --dtypes bf16 --graph 1 --repeats ${FP8_REPEATS:-10} --out "$OUT/fp8_bench.jsonl" 2>&1 | tee "$OUT/fp8_bench.txt" | tail -30
 fi

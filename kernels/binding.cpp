@@ -323,8 +323,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q_in, const a
 // tile; 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default, kernel_tiles.h Fp8Tiles<D>): a tuning choice, the
 // result's semantics are the same. qk: the operands of S = Q K^T, "int8" or "e4m3" ("" = LLM_ATTN_FP8_QK if set,
 // else int8; flash_fp8.h Fp8Qk): this one changes the result (the rounding of Q and K). pv: the operands of P V,
-// "e4m3" ("" too) or "input" (P in the input dtype times the unquantised V; int8 Q K^T and the 128-key tile only; no
-// V^T workspace; flash_fp8.h Fp8Pv): it changes the result too.
+// "e4m3" ("" too) or "input" (P in the input dtype times the unquantised V; int8 Q K^T only; no V^T workspace;
+// flash_fp8.h Fp8Pv): it changes the result too.
 int fp8_qk_code(const std::string& qk) {
     if (qk.empty()) return llm_attn::flash_fwd_fp8_qk(llm_attn::kFp8QkDefault);
     TORCH_CHECK(qk == "int8" || qk == "e4m3", "llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of "
@@ -353,8 +353,6 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
                 "llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) and a build with "
                 "sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
     const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n), pv_code);
-    TORCH_CHECK(tile != 0 || !pv_input, "llm_attn.mha_fwd_fp8: the FP8 kernel with P V in the input dtype has a "
-                "128-key tile only, not ", num(block_n));
     TORCH_CHECK(tile != 0, "llm_attn.mha_fwd_fp8: the FP8 kernel has no ",
                 block_n ? std::to_string(block_n) + "-key tile" : std::string("tile of the LLM_ATTN_FP8_BLOCK_N set"),
                 " for head_dim ", num(q.size(3)), " in this build (128 or 192: kernel_tiles.h Fp8Tiles)");

@@ -37,8 +37,7 @@ int fp8_tile(int requested, int env) {
 // LLM_ATTN_FP8_BLOCK_N (read once): the tile of calls that ask for none (block_n 0), e.g. a whole TTFT run; a value
 // this build lacks makes those calls fail in the binding, saying so.
 int flash_fwd_fp8_block_n(int head_dim, int requested, int pv) {
-    if (pv == kFp8PvInput) return (head_dim == 128 || head_dim == 64) && (requested == 0 || requested == 128) ? 128 : 0;
-    if (pv != kFp8PvE4m3) return 0;
+    if (pv != kFp8PvE4m3 && pv != kFp8PvInput) return 0;  // both P V types have both tiles
     static const int env = sm90::tuning_env("LLM_ATTN_FP8_BLOCK_N", 0);
     return head_dim == 128 ? fp8_tile<128>(requested, env) : head_dim == 64 ? fp8_tile<64>(requested, env) : 0;
 }

@@ -49,11 +49,11 @@ __host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) {
 }
 
 // The operands of P V: e4m3 P and V (the pre-pass's V^T, a scale per channel), or P in the input dtype times the
-// caller's V, unquantised (kFp8PvInput: int8 Q K^T and the 128-key tile only; llm_attn_int8qk).
+// caller's V, unquantised (kFp8PvInput: int8 Q K^T only; llm_attn_int8qk).
 enum Fp8Pv : int { kFp8PvE4m3 = 0, kFp8PvInput = 1 };
 // The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
 // (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default.
-// pv = kFp8PvInput: 128 for requested 0 or 128 (LLM_ATTN_FP8_BLOCK_N does not apply), else 0.
+// The same for either pv (0 for a pv that is neither).
 int flash_fwd_fp8_block_n(int head_dim, int requested, int pv = kFp8PvE4m3);
 // The operands of S = Q K^T: e4m3, or int8 (Q and K scaled by amax / 127 instead of amax / 448; exact s32
 // accumulation; the same tensor rate on sm_90). kFp8QkDefault resolves to LLM_ATTN_FP8_QK (int8 or e4m3) if set,

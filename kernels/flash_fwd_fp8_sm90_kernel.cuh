@@ -35,8 +35,8 @@ constexpr int kPOffsetLog2 = 8;
 // kPvInput_ (llm_attn_int8qk, kernels/NOTES.md "The accurate variant"): P V in the input dtype, as the bf16 kernel
 // does it: V is the caller's bf16/fp16 tensor, loaded by TMA in 64-column slabs (128-byte swizzle, MN-major B) with no
 // pre-pass, and P is packed to the input dtype. e4m3 P and V each carry ~2.6 % rms rounding, which leaves the e4m3
-// P V a floor near 0.036 relative L1 whatever Q K^T does; here only Q K^T is 8-bit. int8 Q K^T only; the 128-key
-// tile (192 keys: 0 spills too, a tuning switch in launch_fp8).
+// P V a floor near 0.036 relative L1 whatever Q K^T does; here only Q K^T is 8-bit. int8 Q K^T only; both key tiles
+// (at 192 keys P holds 48 registers a thread in bf16, 24 in e4m3: still 0 spills).
 template <int kHeadDim_, int kStages_ = 2, int kBlockN_ = 128, bool kQkInt8_ = false, bool kPvInput_ = false>
 struct Fp8Traits {
     static constexpr int kHeadDim = kHeadDim_;

@@ -839,8 +839,8 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
     from torch's caching allocator), then launch_fp8_tile's launches: the three pre-pass kernels and the kernel with
     its tensor maps. block_n: the key tile (0 = LLM_ATTN_FP8_BLOCK_N if set, else the default); qk: Q K^T's
     operands, "int8" or "e4m3" ("" = LLM_ATTN_FP8_QK if set, else int8); pv: P V's operands, "e4m3" ("" too) or
-    "input" (P in the input dtype times the caller's V: int8 Q K^T, whatever LLM_ATTN_FP8_QK says, and the 128-key
-    tile only). Returns (out, lse)."""
+    "input" (P in the input dtype times the caller's V: int8 Q K^T, whatever LLM_ATTN_FP8_QK says; the same tiles).
+    Returns (out, lse)."""
     # binding.cpp's order: check_fwd, fp8_qk_code's, fp8_pv_code's, then pv input with e4m3 Q K^T.
     out, lse = _checked_outputs(q, k, v, seqused_k, scale, causal)
     if qk not in ("", "int8", "e4m3"):
@@ -856,9 +856,6 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
                                "and a build with sm_90a (NVRTC 12.0 or newer compiles it)")
         b, hq, sq, d = q.shape
         tile = _plan.fp8_block_n(d, int(block_n), pv)
-        if tile == 0 and pv_input:
-            raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel with P V in the input dtype has a 128-key tile "
-                               f"only, not {block_n}")
         if tile == 0:
             what = f"{block_n}-key tile" if block_n else "tile of the LLM_ATTN_FP8_BLOCK_N set"
             raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel has no {what} for head_dim {d} in this build "

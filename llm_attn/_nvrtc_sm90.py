@@ -190,7 +190,7 @@ def fp8_params(f: FlashFwdFp8Params, traits: _plan.Fp8Traits) -> Fp8Sm90Params:
     """sm90::launch_fp8_tile's Fp8Sm90Params for FlashFwdFp8Params `f` (workspace pointers set) and the kernel's
     tile: the maps of Q8 (boxes of the block's rows), K8 (block_n keys) and V^T (vt_box_keys keys x head_dim rows
     of the padded V^T); with P V in the input dtype (traits.pv_input) the caller's V instead of V^T, make_tensor_map
-    as the bf16 kernel's V (boxes of 64 columns x block_n (128) keys), tma_vt left zeroed (f.vt8 is null)."""
+    as the bf16 kernel's V (boxes of 64 columns x block_n keys), tma_vt left zeroed (f.vt8 is null)."""
     p, d = f.p, traits.head_dim
     sp = Fp8Sm90Params()
     sp.f = f

@@ -537,7 +537,7 @@ class Fp8Traits:
     stages: int = 2
     block_n: int = 128
     qk_int8: bool = False  # kQkInt8: S = Q K^T in int8 (wgmma s8) rather than e4m3
-    pv_input: bool = False  # kPvInput: P V in the input dtype (the caller's V); int8 Q K^T and the 128-key tile only
+    pv_input: bool = False  # kPvInput: P V in the input dtype (the caller's V); int8 Q K^T only
 
     block_m = 128
     threads = 384
@@ -640,12 +640,9 @@ def fp8_tuning() -> tuple[int, int]:
 
 def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
     """flash_fwd_fp8_block_n: the key tile a call runs, `requested` or else LLM_ATTN_FP8_BLOCK_N or else the default
-    of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built. P V in the input dtype
-    (pv "input") has the 128-key tile only: 128 for requested 0 or 128 (LLM_ATTN_FP8_BLOCK_N ignored), else 0;
-    0 for a pv that is neither ("" = e4m3)."""
-    if pv == "input":  # kFp8PvInput
-        return 128 if head_dim in (64, 128) and requested in (0, 128) else 0
-    if pv not in ("", "e4m3"):
+    of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built; the same for P V in the
+    input dtype (pv "input"), 0 for a pv that is neither ("" = e4m3)."""
+    if pv not in ("", "e4m3", "input"):
         return 0
     tiles = _table.FP8_BLOCK_N.get(head_dim, ())
     n = requested or fp8_tuning()[0] or (tiles[0] if tiles else 0)
@@ -654,10 +651,9 @@ def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
 
 def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False, pv_input: bool = False) -> Fp8Traits:
     """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3; P V in
-    the input dtype: Fp8Traits<D, 2, 128, true, true>, whatever LLM_ATTN_FP8_STAGES says, or its 192-key tile where
-    LLM_ATTN_FP8_PV_BLOCK_N=192 (a tuning switch, read once)."""
+    the input dtype: Fp8Traits<D, 2, block_n, true, true>, two stages whatever LLM_ATTN_FP8_STAGES says."""
     if pv_input:
-        return Fp8Traits(head_dim, 2, 192 if _tuning_env("LLM_ATTN_FP8_PV_BLOCK_N", 128) == 192 else 128, True, True)
+        return Fp8Traits(head_dim, 2, block_n, True, True)
     if block_n == 128 and fp8_tuning()[1] == 3:
         return Fp8Traits(head_dim, 3, 128, qk_int8)
     return Fp8Traits(head_dim, 2, block_n, qk_int8)

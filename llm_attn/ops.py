@@ -209,8 +209,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         fp8_pv: with precision='fp8', the operands of P V: 'e4m3' (the default, "" too: P and V in e4m3) or 'input'
            (P rounded to the input dtype, V as given, a bf16/fp16 wgmma: the accurate one, whose remaining error is
            the int8 Q K^T's; registry entry ``llm_attn_int8qk``). 'input' runs with int8 Q K^T only (an explicit
-           fp8_qk='e4m3' is an error; "" is int8 whatever ``force_fp8_qk`` or ``LLM_ATTN_FP8_QK`` say) and the
-           128-key tile only (an error under ``force_fp8_tile(192)``). Ignored by the other precisions.
+           fp8_qk='e4m3' is an error; "" is int8 whatever ``force_fp8_qk`` or ``LLM_ATTN_FP8_QK`` say), at the same
+           key tile as the e4m3 P V (``force_fp8_tile``). Ignored by the other precisions.
         deterministic: a backward that gives the same bits on every run (no float32 atomics: dQ by its own kernel,
            split dK/dV partials summed in a fixed order; on compute capability 9.0 the portable backward kernel
            instead of the Hopper one, slower: kernels/NOTES.md). Also on whenever
@@ -261,7 +261,7 @@ def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel,
     block_n = _fp8_block_n if precision == "fp8" else 0  # the FP8 kernel's key tile, as forced now
     if precision == "fp8":
         qk = fp8_qk(qk) if qk else ""  # checks it
-        problem = fp8_pv_problem(pv, qk, block_n)  # on every path: the reference refuses what the kernel would
+        problem = fp8_pv_problem(pv, qk)  # on every path: the reference refuses what the kernel would
         if problem:
             raise ValueError(problem)
         pv = "" if fp8_pv(pv) == "e4m3" else pv  # the op's and the binding's default
@@ -340,8 +340,7 @@ def force_fp8_tile(block_n: int):
     ``block_n``: keys per S tile, 128 or 192 (those built: kernels/generate_kernels.py ``FP8_BLOCK_N``), or 0 for the
     build's default (``LLM_ATTN_FP8_BLOCK_N`` where set). The result's semantics do not depend on it (the PyTorch
     reference ignores it); only speed does. Applies to ``flash_attn_func(..., precision='fp8')`` calls issued in the
-    block; process-wide, not for concurrent use from threads. A call with ``fp8_pv='input'`` (one tile, 128) under
-    another tile raises rather than run a tile it was not asked for.
+    block (either ``fp8_pv``); process-wide, not for concurrent use from threads.
     """
     global _fp8_block_n
     problem = fp8_tile_problem(block_n)
@@ -377,7 +376,6 @@ def fp8_qk(qk: str = "") -> str:
 
 
 FP8_PV = ("e4m3", "input")  # kernels/flash_fp8.h Fp8Pv
-FP8_PV_BLOCK_N = 128  # the one key tile of the kernel with P V in the input dtype
 
 
 def fp8_pv(pv: str = "") -> str:
@@ -394,18 +392,15 @@ def fp8_pv(pv: str = "") -> str:
     return pv
 
 
-def fp8_pv_problem(pv: str, qk: str = "", block_n: int = 0) -> str | None:
-    """Why an FP8 call with P V operands ``pv``, Q K^T operands ``qk`` (as passed: "" = the default) and key tile
-    ``block_n`` (as forced: 0 = the default) cannot run, as one line, or None; in the binding's order (pv, then qk,
-    then the tile). ``pv`` that is not a choice raises fp8_pv's ValueError."""
+def fp8_pv_problem(pv: str, qk: str = "") -> str | None:
+    """Why an FP8 call with P V operands ``pv`` and Q K^T operands ``qk`` (as passed: "" = the default) cannot run, as
+    one line, or None; in the binding's order (pv, then qk). ``pv`` that is not a choice raises fp8_pv's
+    ValueError."""
     if fp8_pv(pv) != "input":
         return None
     if qk == "e4m3":
         return ("fp8_pv='input' runs with int8 Q K^T only (fp8_qk 'int8' or '': int8 whatever force_fp8_qk or "
                 "LLM_ATTN_FP8_QK say), not fp8_qk='e4m3'")
-    if block_n not in (0, FP8_PV_BLOCK_N):
-        return (f"the FP8 kernel with P V in the input dtype has a {FP8_PV_BLOCK_N}-key tile only, not {block_n} "
-                f"(force_fp8_tile({block_n}) is in force)")
     return None
 
 

@@ -348,13 +348,9 @@ def test_pv_argument_errors():
         flash_attn_func(q, q, q, precision="fp8", fp8_pv="bf16")
     with pytest.raises(ValueError, match=r"int8 Q K\^T only.*not fp8_qk='e4m3'"):
         flash_attn_func(q, q, q, precision="fp8", fp8_qk="e4m3", fp8_pv="input")
-    for block_n in (192, 128):
+    for block_n in (192, 128):  # both tiles run P V in the input dtype (the kernel has both): neither is refused
         with ops.force_fp8_tile(block_n):
-            if block_n == 192:  # the reference would run it; the kernel has no such tile: both paths refuse it
-                with pytest.raises(ValueError, match="128-key tile only, not 192"):
-                    flash_attn_func(q, q, q, precision="fp8", fp8_pv="input")
-            else:
-                flash_attn_func(q, q, q, precision="fp8", fp8_pv="input")
+            assert flash_attn_func(q, q, q, precision="fp8", fp8_pv="input").isfinite().all()
     assert torch.equal(flash_attn_func(q, q, q, precision="fp8", fp8_pv="e4m3"),
                        flash_attn_func(q, q, q, precision="fp8"))
     assert torch.equal(flash_attn_func(q, q, q, precision="int8", fp8_pv="bf16"),

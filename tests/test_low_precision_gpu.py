@@ -5,7 +5,7 @@ seqused_k with NaN in the unused keys. The kernel allocates its output, so the m
 first (the caching allocator hands the freed block back), and an element it never writes stays NaN. FP8 runs with each
 of its key tiles forced (``fp8-128``, ``fp8-192``: llm_attn.ops.force_fp8_tile), the same bounds for both, with
 its default int8 Q K^T, and with e4m3 Q K^T (``fp8-192-e4m3qk``: llm_attn.ops.force_fp8_qk); and with P V in the
-input dtype (``fp8-int8qk``: ``fp8_pv='input'``, int8 Q K^T, its one 128-key tile chosen by the binding's default,
+input dtype (``fp8-128-int8qk``, ``fp8-192-int8qk``: ``fp8_pv='input'``, int8 Q K^T, each tile forced,
 llm_attn_int8qk's kernel), whose V the kernel reads as given, so its slots past seqused_k hold NaN here.
 
 Two bounds per case (output and lse): against float64 (the error of FP8 attention itself, bounded loosely: ~5 % relative L1 on Gaussian
@@ -40,12 +40,12 @@ PAIRS = [(n, n) for n in LENGTHS if n > 1] + [(s, k) for s, k in UNEQUAL if s > 
 
 PRECISIONS = ["fp8", "int8"]
 # What runs: the precision and, for FP8, the key tile forced (every tile the build has for head_dim 128), the
-# operands of Q K^T ("": the default, int8) and those of P V ("": e4m3; "input": the input dtype, the tile left to the
-# binding, which has one for it). Appended last, so that the grid's default subset of the others stays as it was.
+# operands of Q K^T ("": the default, int8) and those of P V ("": e4m3; "input": the input dtype, every tile too).
+# Appended last, so that the grid's default subset of the others stays as it was.
 VARIANTS = {**{f"fp8-{n}": ("fp8", n, "", "") for n in _kernel_table.FP8_BLOCK_N[128]},
             f"fp8-{_kernel_table.FP8_BLOCK_N[128][0]}-e4m3qk": ("fp8", _kernel_table.FP8_BLOCK_N[128][0], "e4m3", ""),
             "int8": ("int8", 0, "", ""),
-            "fp8-int8qk": ("fp8", 0, "int8", "input")}
+            **{f"fp8-{n}-int8qk": ("fp8", n, "int8", "input") for n in _kernel_table.FP8_BLOCK_N[128]}}
 # P V in the input dtype, the kernel against its reference: relative L1 (see the module docstring).
 PV_INPUT_VS_REFERENCE = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 
@@ -228,30 +228,27 @@ def test_fp8_tile_asked_is_the_tile_run(fp8_ext, d):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_fp8_pv_input_runs_its_one_kernel(fp8_ext, d):
-    """P V in the input dtype: the binding gives it its one tile (128, whatever the default or LLM_ATTN_FP8_BLOCK_N),
-    refuses e4m3 Q K^T, another tile and an unknown pv in its own words (flash_attn_func says so before any launch),
-    and the kernel launched is Fp8Traits<d, 2, 128, kQkInt8 = true, kPvInput = true> even with e4m3 Q K^T forced."""
-    assert fp8_ext.fp8_block_n(d, 0, pv="input") == 128 and fp8_ext.fp8_block_n(d, 128, pv="input") == 128
-    assert fp8_ext.fp8_block_n(d, 192, pv="input") == 0
+@pytest.mark.parametrize("block_n", [128, 192])
+def test_fp8_pv_input_runs_its_kernel(fp8_ext, d, block_n):
+    """P V in the input dtype: the binding gives it the e4m3 P V's tiles (the same default), refuses e4m3 Q K^T and
+    an unknown pv in its own words (flash_attn_func says so before any launch), and the kernel launched is
+    Fp8Traits<d, 2, block_n, kQkInt8 = true, kPvInput = true> even with e4m3 Q K^T forced."""
+    assert fp8_ext.fp8_block_n(d, 0, pv="input") == fp8_ext.fp8_block_n(d, 0)
+    assert fp8_ext.fp8_block_n(d, block_n, pv="input") == block_n
     q = llm_like(1, 4, 300, d, torch.bfloat16, 23)
     k = llm_like(1, 2, 300, d, torch.bfloat16, 24, outliers=True)
     with pytest.raises(RuntimeError, match="pv must be 'e4m3' or 'input'"):
         fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, pv="fp16")
     with pytest.raises(RuntimeError, match="int8 Q K\\^T only"):
         fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, qk="e4m3", pv="input")
-    with pytest.raises(RuntimeError, match="128-key tile only, not 192"):
-        fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, block_n=192, pv="input")
     with pytest.raises(ValueError, match="int8 Q K\\^T only"):
         flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_qk="e4m3", fp8_pv="input")
-    with pytest.raises(ValueError, match="128-key tile only"), force_fp8_tile(192):
-        flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        with force_fp8_qk("e4m3"):
+        with force_fp8_qk("e4m3"), force_fp8_tile(block_n):
             out = flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input")
         torch.cuda.synchronize()
     names = {e.name for e in prof.events() if "flash_fwd_fp8_sm90_kernel" in e.name}
-    ran = re.compile(rf"Fp8Traits<{d}, 2, 128, true, true>|Fp8TraitsILi{d}ELi2ELi128ELb1ELb1EE")
+    ran = re.compile(rf"Fp8Traits<{d}, 2, {block_n}, true, true>|Fp8TraitsILi{d}ELi2ELi{block_n}ELb1ELb1EE")
     assert names and all(ran.search(n) for n in names), names
     ref = attention_fp8(q, k, k, causal=True, qk="int8", pv="input")
     _, rel = metrics(out, ref)

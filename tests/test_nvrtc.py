@@ -667,14 +667,12 @@ QUANT_HOST_LINES = (
     ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3, 128, kQkInt8>, "
                                       "kCausal>(f, stream); return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, kQkInt8>, "
                                       "kCausal>(f, stream);"),
-    ("flash_fwd_fp8_sm90_launch.cuh", "if (pv == kFp8PvInput) { if (block_n != 128 || qk != kFp8QkInt8) return "
-                                      "cudaErrorInvalidValue; static const int pv_block_n = tuning_env("
-                                      "\"LLM_ATTN_FP8_PV_BLOCK_N\", 128); if (pv_block_n == 192) return "
-                                      "launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, true, true>, kCausal>(f, stream); "
-                                      "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 128, true, true>, kCausal>(f, "
-                                      "stream); } if (pv != kFp8PvE4m3) return cudaErrorInvalidValue;"),
-    ("flash_fp8.cu", "if (pv == kFp8PvInput) return (head_dim == 128 || head_dim == 64) && (requested == 0 || "
-                     "requested == 128) ? 128 : 0; if (pv != kFp8PvE4m3) return 0;"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "if (pv == kFp8PvInput) { if (qk != kFp8QkInt8) return cudaErrorInvalidValue; "
+                                      "if (block_n == 192) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, true, "
+                                      "true>, kCausal>(f, stream); if (block_n == 128) return launch_fp8_tile<T, "
+                                      "Fp8Traits<kHeadDim, 2, 128, true, true>, kCausal>(f, stream); return "
+                                      "cudaErrorInvalidValue; } if (pv != kFp8PvE4m3) return cudaErrorInvalidValue;"),
+    ("flash_fp8.cu", "if (pv != kFp8PvE4m3 && pv != kFp8PvInput) return 0;"),
     ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
                      "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
@@ -781,18 +779,19 @@ def test_fp8_key_tile_and_stages(fp8_env):
 
 @pytest.mark.parametrize("block_n_env,stages_env", [(None, None), ("192", "3"), ("100", None)])
 def test_fp8_pv_input_tile(fp8_env, block_n_env, stages_env):
-    """P V in the input dtype (flash_fwd_fp8_block_n's kFp8PvInput, launch_fp8's pv branch): the 128-key tile for a
-    request of 0 or 128, whatever LLM_ATTN_FP8_BLOCK_N says, else 0; two stages whatever LLM_ATTN_FP8_STAGES says;
-    int8 Q K^T. A pv that is neither e4m3 nor input gets no tile."""
+    """P V in the input dtype (flash_fwd_fp8_block_n's kFp8PvInput, launch_fp8's pv branch): the e4m3 P V's tile rule
+    (the request, else LLM_ATTN_FP8_BLOCK_N, else Fp8Tiles<D>'s default; 0 for a tile not built); two stages
+    whatever LLM_ATTN_FP8_STAGES says; int8 Q K^T. A pv that is neither e4m3 nor input gets no tile."""
     fp8_env(block_n=block_n_env, stages=stages_env)
     for d in (64, 128):
-        assert _plan.fp8_block_n(d, 0, "input") == _plan.fp8_block_n(d, 128, "input") == 128
-        assert _plan.fp8_block_n(d, 192, "input") == _plan.fp8_block_n(d, 64, "input") == 0
+        for n in (0, 128, 192, 64):
+            assert _plan.fp8_block_n(d, n, "input") == _plan.fp8_block_n(d, n, "e4m3") == _plan.fp8_block_n(d, n)
+        assert _plan.fp8_block_n(d, 128, "input") == 128 and _plan.fp8_block_n(d, 64, "input") == 0
         assert _plan.fp8_block_n(d, 0, "bogus") == _plan.fp8_block_n(d, 128, "bogus") == 0
-        assert _plan.fp8_block_n(d, 0, "e4m3") == _plan.fp8_block_n(d, 0, "") == _plan.fp8_block_n(d)
-        t = _plan.fp8_traits(d, 128, True, True)
-        assert t == _plan.Fp8Traits(d, 2, 128, True, True) and t.qk_int8 and t.pv_input
-        assert t.cpp() == f"llm_attn::sm90::Fp8Traits<{d}, 2, 128, true, true>"
+        for n in (128, 192):
+            t = _plan.fp8_traits(d, n, True, True)
+            assert t == _plan.Fp8Traits(d, 2, n, True, True) and t.qk_int8 and t.pv_input
+            assert t.cpp() == f"llm_attn::sm90::Fp8Traits<{d}, 2, {n}, true, true>"
     assert _plan.fp8_block_n(96, 0, "input") == 0
     # the e4m3 P V instantiations keep the spelling the AOT build's launch gives them (defaults left out)
     assert [_plan.Fp8Traits(128, *a).cpp()[len("llm_attn::sm90::"):] for a in ((2,), (3,), (2, 192), (2, 128, True))] \
@@ -811,7 +810,7 @@ def test_every_planned_quant_kernel_is_compiled():
         variants = [_plan.Fp8Traits(d, stages, block_n, qk_int8)
                     for block_n, qk_int8 in itertools.product(_kernel_table.FP8_BLOCK_N[d], (False, True))
                     for stages in ((2, 3) if block_n == 128 else (2,))]
-        for traits in variants + [_plan.fp8_traits(d, _plan.fp8_block_n(d, 0, "input"), True, True)]:  # + pv input
+        for traits in variants + [_plan.fp8_traits(d, n, True, True) for n in _kernel_table.FP8_BLOCK_N[d]]:  # + pv input
             for launch in _plan.fp8_launches(s, traits):
                 assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
                 assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
@@ -890,19 +889,18 @@ def _binding_literals() -> str:
 def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
     """mha_fwd_fp8's pv (P V in the input dtype) refusals in binding.cpp's words and order, without a GPU: after
     check_fwd and fp8_qk_code's, fp8_pv_code's, then pv='input' with e4m3 Q K^T; after the availability check (the
-    device stood in for), the pv input tile's (128 keys only) before the e4m3 tile's. fp8_block_n takes pv as the
-    binding's does (fp8_pv_code's refusal included)."""
+    device stood in for), the tile's (the same for both P V types). fp8_block_n takes pv as the binding's does
+    (fp8_pv_code's refusal included)."""
     nvrtc = _nvrtc_or_skip()
     from llm_attn import kernel_contract
 
-    fp8_env(block_n="192")  # the pv input tile ignores LLM_ATTN_FP8_BLOCK_N
+    fp8_env()
     binding = _binding_literals()
     pre = "llm_attn.mha_fwd_fp8: "
     bad_pv = "pv must be 'e4m3' or 'input' (the operands of P V), not '"
     e4m3 = "pv='input' runs with int8 Q K^T only (qk 'int8' or ''), not qk='e4m3'"
-    tile = "the FP8 kernel with P V in the input dtype has a 128-key tile only, not "
     bad_qk = "qk must be 'int8' or 'e4m3' (the operands of Q K^T), not '"
-    for text in (f'"{pre}{bad_pv}", pv, "\'"', f'"{pre}{e4m3}"', f'"{pre}{tile}", num(block_n)'):
+    for text in (f'"{pre}{bad_pv}", pv, "\'"', f'"{pre}{e4m3}"'):
         assert text in binding, text
     for line in ("check_fwd(q, k, v, nullptr, nullptr, seqused_k, scale, causal); const int qk_asked = "
                  "fp8_qk_code(qk); const int pv_code = fp8_pv_code(pv); const bool pv_input = pv_code == llm_attn::kFp8PvInput; "
@@ -912,7 +910,7 @@ def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
                  'py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "");'):
         assert line in binding, line
     assert binding.index(f'"{pre}{e4m3}"') < binding.index("FP8 attention needs a compute capability 9.0") \
-        < binding.index(f'"{pre}{tile}"') < binding.index("the FP8 kernel has no ")
+        < binding.index("the FP8 kernel has no ")
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
 
     def refused(message: str, **kw):
@@ -933,14 +931,12 @@ def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
     with pytest.raises(RuntimeError, match=r"^llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0"):
         nvrtc.mha_fwd_fp8(q, q, q, None, 0.125, True, 192, "int8", "input")
     monkeypatch.setattr(nvrtc, "fp8_available", lambda: True)
-    for block_n in (192, 64, 100):
-        refused(tile + str(block_n), block_n=block_n, pv="input")
-        refused(tile + str(block_n), block_n=block_n, qk="int8", pv="input")
-    refused("the FP8 kernel has no 100-key tile for head_dim 64 in this build (128 or 192: kernel_tiles.h Fp8Tiles)",
-            block_n=100, pv="e4m3")
+    for pv in ("e4m3", "input"):
+        refused("the FP8 kernel has no 100-key tile for head_dim 64 in this build (128 or 192: kernel_tiles.h "
+                "Fp8Tiles)", block_n=100, pv=pv)
     for d in (64, 128):
-        assert nvrtc.fp8_block_n(d, 0, "input") == nvrtc.fp8_block_n(d, 128, "input") == 128
-        assert nvrtc.fp8_block_n(d, 192, "input") == 0 and nvrtc.fp8_block_n(d, pv="e4m3") == _plan.fp8_block_n(d)
+        assert nvrtc.fp8_block_n(d, 0, "input") == nvrtc.fp8_block_n(d, pv="e4m3") == _plan.fp8_block_n(d)
+        assert nvrtc.fp8_block_n(d, 192, "input") == 192 and nvrtc.fp8_block_n(d, 100, "input") == 0
     with pytest.raises(RuntimeError, match="^" + re.escape(pre + bad_pv + "fp8'") + "$"):
         nvrtc.fp8_block_n(128, 0, "fp8")
 
@@ -1004,11 +1000,11 @@ def test_mha_fwd_fp8_fills_what_the_binding_fills(monkeypatch, fp8_env, pv, qk, 
         assert getattr(f, name) == at, name
         at += 4 * getattr(ws, name)
     assert sp.pingpong == _plan.sm90_tuning()[1]
-    n = traits.block_n  # the default tile: Fp8Tiles<128>'s first for e4m3 P V, 128 for pv input
-    assert n == (128 if pv_input else _kernel_table.FP8_BLOCK_N[d][0])
+    n = traits.block_n  # the default tile: Fp8Tiles<128>'s first, for either P V
+    assert n == _kernel_table.FP8_BLOCK_N[d][0]
     want = [("e4m3", f.q8, d, sq, hq, b, d, 128), ("e4m3", f.k8, d, sk, hkv, b, d, n)]
     if pv_input:
-        want.append(("input", v.data_ptr(), 0, d, sk, hkv, b, *v.stride()[:3], 128))
+        want.append(("input", v.data_ptr(), 0, d, sk, hkv, b, *v.stride()[:3], n))
     else:
         want.append(("e4m3", f.vt8, _plan.fp8_seqlen_k_pad(sk), d, hkv, b, traits.vt_box_keys, d))
     assert maps == want

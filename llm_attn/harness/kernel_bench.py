@@ -14,7 +14,7 @@ from llm_attn.harness.stats import ratio_header, speed_ratio
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Our FP8 forward (precision='fp8', its quantising pre-pass included) with its key tile forced (128 or 192 keys per S
 # tile; llm_attn.ops.force_fp8_tile), its Q K^T in e4m3 rather than the default int8 (llm_attn.ops.force_fp8_qk), or
-# its P V in the input dtype (fp8_pv='input', int8 Q K^T: llm_attn_int8qk's kernel, its one tile): A/B in one run,
+# its P V in the input dtype (fp8_pv='input', int8 Q K^T: llm_attn_int8qk's kernel, the default tile): A/B in one run,
 # beside llm_attn_fp8 (the build's defaults). name -> (block_n, qk, pv); 0 / "": the default.
 FP8_TILE_IMPLS = {"ours-fp8-128": (128, "", ""), "ours-fp8-192": (192, "", ""), "ours-fp8-e4m3qk": (0, "e4m3", ""),
                   "ours-int8qk": (0, "int8", "input")}
