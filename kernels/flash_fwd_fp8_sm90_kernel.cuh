@@ -324,24 +324,12 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
     };
-    // kPvInput: keys in [kv_len, seqlen_k) that TMA loaded into the tail tile are the caller's memory and may hold
-    // anything (an unused static-cache slot, NaN): zero their V rows, as the bf16 kernel does (both consumers share
-    // the work and meet at named barrier 1; the fence orders the writes before wgmma reads them). The pre-pass's
-    // V^T has zeros there already.
+    // kPvInput: the caller's V rows past kv_len in the tail tile, zeroed as the bf16 kernel does (zero_v_tail). The
+    // pre-pass's V^T has zeros there already.
     auto clean_v_tail = [&](int stage, int key0) {
         if constexpr (Traits::kPvInput) {
-            if (key0 + kBlockN <= b.kv_len || b.kv_len >= p.seqlen_k) return;
-            uint8_t* v_tile = sm.vt + stage * Traits::kTileBytesV;
-            const int first = max(b.kv_len - key0, 0);
-            const int chunks = (kBlockN - first) * Traits::kSlabs * 8;
-            for (int c = tid + wg * 128; c < chunks; c += Traits::kConsumerThreads) {
-                const int row = first + c / (Traits::kSlabs * 8);
-                const int slab = (c / 8) % Traits::kSlabs;
-                *reinterpret_cast<uint4*>(v_tile + slab * Traits::kSlabBytesV + row * 128 + (c % 8) * 16) =
-                    make_uint4(0, 0, 0, 0);
-            }
-            fence_proxy_async();
-            named_barrier_sync(1, Traits::kConsumerThreads);
+            zero_v_tail<kBlockN, Traits::kSlabs, Traits::kSlabBytesV, Traits::kConsumerThreads>(
+                sm.vt + stage * Traits::kTileBytesV, key0, b.kv_len, p.seqlen_k, tid + wg * 128);
         }
     };
 

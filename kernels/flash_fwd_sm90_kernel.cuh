@@ -155,6 +155,25 @@ __device__ __forceinline__ void producer(const Sm90Params& params, const Sm90Sme
     }
 }
 
+// Keys in [kv_len, seqlen_k) that TMA loaded into a V tile (kSlabs slabs of kBlockN keys x 128 bytes; the tile's
+// first key is key0) are real memory holding anything (an unused static-cache slot, NaN): their rows are zeroed before
+// P V reads them (0 * NaN would be NaN; their scores are masked). The consumer warpgroups (`thread` counts over all
+// of them) share the work and meet at named barrier 1; the fence orders the writes before wgmma reads them. Keys
+// past seqlen_k arrive as zeros (TMA's out-of-bounds fill).
+template <int kBlockN, int kSlabs, int kSlabBytes, int kConsumerThreads>
+__device__ __forceinline__ void zero_v_tail(uint8_t* v_tile, int key0, int kv_len, int seqlen_k, int thread) {
+    if (key0 + kBlockN <= kv_len || kv_len >= seqlen_k) return;
+    const int first = kv_len - key0;
+    const int chunks = (kBlockN - first) * kSlabs * 8;
+    for (int c = thread; c < chunks; c += kConsumerThreads) {
+        const int row = first + c / (kSlabs * 8);
+        const int slab = (c / 8) % kSlabs;
+        *reinterpret_cast<uint4*>(v_tile + slab * kSlabBytes + row * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, kConsumerThreads);
+}
+
 template <typename T, typename Traits, bool kCausal>
 __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Smem<T, Traits>& sm, const BlockInfo& b,
                                          int wg) {
@@ -182,21 +201,10 @@ __device__ __forceinline__ void consumer(const Sm90Params& params, const Sm90Sme
     const SmemDesc desc_v0 = SmemDesc::make(sm.v, Traits::kSlabBytesKV, 1024);
     auto qk_step = [](int kk, int slab_bytes) { return static_cast<uint32_t>((kk / 4) * slab_bytes + (kk % 4) * 32); };
 
-    // Keys in [kv_len, seqlen_k) that TMA loaded into the tail tile are real memory holding anything: zero their V
-    // rows (both consumer warpgroups share the work and meet at a named barrier; the fence orders these writes
-    // before wgmma reads them). Their scores are masked.
+    // The tail tile's V rows past kv_len (zero_v_tail).
     auto clean_v_tail = [&](uint8_t* v_tile, int key0) {
-        if (key0 + kBlockN <= b.kv_len || b.kv_len >= p.seqlen_k) return;
-        const int first = b.kv_len - key0;
-        const int chunks = (kBlockN - first) * Traits::kSlabs * 8;
-        for (int c = tid + wg * 128; c < chunks; c += Traits::kConsumerThreads) {
-            const int row = first + c / (Traits::kSlabs * 8);
-            const int slab = (c / 8) % Traits::kSlabs;
-            *reinterpret_cast<uint4*>(v_tile + slab * Traits::kSlabBytesKV + row * 128 + (c % 8) * 16) =
-                make_uint4(0, 0, 0, 0);
-        }
-        fence_proxy_async();
-        named_barrier_sync(1, Traits::kConsumerThreads);
+        zero_v_tail<kBlockN, Traits::kSlabs, Traits::kSlabBytesKV, Traits::kConsumerThreads>(
+            v_tile, key0, b.kv_len, p.seqlen_k, tid + wg * 128);
     };
     auto issue_qk = [&](int stage) {
         const SmemDesc k = desc_k0 + stage * Traits::kTileBytesKV;
