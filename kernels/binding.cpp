@@ -438,7 +438,7 @@ int64_t set_bwd_splits(int64_t splits) {
 }
 
 // The backward's dK/dV kernel forced (llm_attn.backward.force_bwd_tile): a BwdTileId (flash.h). Starts from
-// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper|hopper_own_dq|hopper_shared_dq|portable_separate_dq (kernel A/B runs of one build: experiments/kernel_ab.py variants),
+// LLM_ATTN_BWD_TILE=auto|portable|narrow|hopper|hopper_own_dq|hopper_shared_dq|portable_separate_dq|portable_2d (kernel A/B runs of one build: experiments/kernel_ab.py variants),
 // else kBwdAuto; hopper off a compute capability 9.0 GPU then fails the backward with the binding's clear error.
 int bwd_tile_from_env() {
     const char* v = std::getenv("LLM_ATTN_BWD_TILE");
@@ -449,15 +449,16 @@ int bwd_tile_from_env() {
     if (std::strcmp(v, "hopper_own_dq") == 0) return llm_attn::kBwdHopperOwnDq;
     if (std::strcmp(v, "hopper_shared_dq") == 0) return llm_attn::kBwdHopperSharedDq;
     if (std::strcmp(v, "portable_separate_dq") == 0) return llm_attn::kBwdPortableSeparateDq;
+    if (std::strcmp(v, "portable_2d") == 0) return llm_attn::kBwdPortable2d;
     TORCH_WARN("llm_attn: LLM_ATTN_BWD_TILE=", v, " is not auto, portable, narrow, hopper, hopper_own_dq, "
-               "hopper_shared_dq or portable_separate_dq; ignored");
+               "hopper_shared_dq, portable_separate_dq or portable_2d; ignored");
     return llm_attn::kBwdAuto;
 }
 int g_bwd_tile = bwd_tile_from_env();
 
 // Returns the previous id; an unknown id changes nothing and returns -1 (force_bwd_tile validates names first).
 int64_t set_bwd_tile(int64_t tile) {
-    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortableSeparateDq) return -1;
+    if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortable2d) return -1;
     const int prev = g_bwd_tile;
     g_bwd_tile = static_cast<int>(tile);
     return prev;

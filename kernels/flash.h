@@ -113,6 +113,10 @@ struct FlashBwdParams {
     float scale, scale_log2;
     bool causal;  // bottom-right aligned, as the forward
     bool is_bf16;
+    // The portable dK/dV kernel with two-dimensional warp tiles (flash_bwd_2d_kernel.cuh: 64 query rows a step, P and
+    // dS through shared memory), set by flash_bwd_set_splits when forced (kBwdPortable2d). Here, in the padding
+    // before num_splits, the struct keeps its size.
+    bool layout2d;
 
     // Split key blocks: with num_splits > 1, each key block's query steps (query heads x query blocks) are shared
     // by num_splits thread blocks of at most iters_per_split steps, which add float32 partial dK/dV into
@@ -146,6 +150,10 @@ struct FlashBwdParams {
 constexpr int bwd_smem_bytes(int head_dim, int block_m, int block_n) {
     return (4 * block_m * head_dim + 2 * block_n * head_dim + block_n * block_m) * 2 + 4 * block_m * 4;
 }
+// The same for the two-dimensional kernel (Bwd2dTraits::kSmemBytes, 64 x 128 tiles): P and dS instead of dS^T.
+constexpr int bwd_2d_smem_bytes(int head_dim) {
+    return (4 * 64 * head_dim + 2 * 128 * head_dim + 2 * 128 * 64) * 2 + 4 * 64 * 4;
+}
 
 // Which dK/dV kernel a backward runs (llm_attn.backward.force_bwd_tile; tests, benchmarks): kBwdAuto chooses by the
 // device; kBwdPortable the portable kernel with the device's tile; kBwdNarrow its narrow tile on any device;
@@ -160,7 +168,8 @@ enum BwdTileId : int {
     kBwdHopper = 3,
     kBwdHopperOwnDq = 4,
     kBwdHopperSharedDq = 5,
-    kBwdPortableSeparateDq = 6  // the portable kernel with the separate dQ kernel (FlashBwdParams::dq_separate)
+    kBwdPortableSeparateDq = 6,  // the portable kernel with the separate dQ kernel (FlashBwdParams::dq_separate)
+    kBwdPortable2d = 7           // the portable kernel with two-dimensional warp tiles (FlashBwdParams::layout2d)
 };
 
 // The kernel (BwdTileId) and split of FlashBwdParams for these shapes on a device with `num_sms` SMs (sets hopper,

@@ -29,9 +29,15 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
                                     (force_tile == kBwdAuto && flash_fwd_sm90_available()));
     p.narrow = !p.hopper && (force_tile == kBwdNarrow ||
                              max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n));
+    // The two-dimensional portable kernel (flash_bwd_2d_kernel.cuh) where forced and its shared memory fits.
+    p.layout2d = !p.hopper && force_tile == kBwdPortable2d &&
+                 max_smem_per_block_current_device() >= bwd_2d_smem_bytes(p.head_dim);
+    if (p.layout2d) p.narrow = false;
     // The Hopper kernel (flash_bwd_sm90_kernel.cuh, Sm90BwdTraits): 128 keys, 64 query rows a step (128 at head_dim
-    // 64), one block of 8 consumer warps per SM.
-    const BwdTileDims tile = p.hopper ? BwdTileDims{p.head_dim == 64 ? 128 : 64, 128, 8} : bwd_tile(p.head_dim, p.narrow);
+    // 64), one block of 8 consumer warps per SM. The two-dimensional kernel: 128 keys, 64 rows, 8 warps.
+    const BwdTileDims tile = p.hopper      ? BwdTileDims{p.head_dim == 64 ? 128 : 64, 128, 8}
+                             : p.layout2d ? BwdTileDims{64, 128, 8}
+                                          : bwd_tile(p.head_dim, p.narrow);
     const int block_m = tile.block_m;
     const int block_n = tile.block_n;
     const int group = p.num_heads / p.num_kv_heads;

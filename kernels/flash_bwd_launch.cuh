@@ -2,6 +2,7 @@
 // instantiation file per (head_dim, dtype, causal) so the builds run in parallel.
 #pragma once
 
+#include "flash_bwd_2d_kernel.cuh"
 #include "flash_bwd_kernel.cuh"
 #include "kernel_tiles.h"
 #include "launch_smem.h"
@@ -79,13 +80,30 @@ cudaError_t launch_flash_bwd_dq(FlashBwdParams& params, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+// The two-dimensional kernel (flash_bwd_2d_kernel.cuh), same grid as launch_flash_bwd_dkdv's.
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch_flash_bwd_dkdv_2d(FlashBwdParams& params, cudaStream_t stream) {
+    using Traits = Bwd2dTraits<kHeadDim>;
+    static_assert(Traits::kSmemBytes == bwd_2d_smem_bytes(kHeadDim), "flash.h's size of the layout");
+    constexpr int smem = Traits::kSmemBytes;
+    cudaError_t err = opt_in_dynamic_smem<flash_bwd_dkdv_2d_kernel<T, Traits, kCausal>, smem>();
+    if (err != cudaSuccess) return err;
+    const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads,
+              params.batch * params.num_splits);
+    flash_bwd_dkdv_2d_kernel<T, Traits, kCausal><<<grid, Traits::kThreads, smem, stream>>>(params);
+    return cudaGetLastError();
+}
+
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t run_flash_bwd_(FlashBwdParams& params, cudaStream_t stream) {
     using Tile = BwdConfigOf<kHeadDim, BwdTile>;
     using Narrow = BwdConfigOf<kHeadDim, BwdTileNarrow>;
     return run_flash_bwd_common<T, kHeadDim>(params, stream, [&] {
         cudaError_t err;
-        if constexpr (std::is_same_v<Tile, Narrow>) {
+        if (params.layout2d) {
+            err = launch_flash_bwd_dkdv_2d<T, kHeadDim, kCausal>(params, stream);
+        } else if constexpr (std::is_same_v<Tile, Narrow>) {
             err = launch_flash_bwd_dkdv<T, Tile, kCausal>(params, stream);
         } else {
             err = params.narrow ? launch_flash_bwd_dkdv<T, Narrow, kCausal>(params, stream)

@@ -69,7 +69,7 @@ class FlashBwdParams(ctypes.Structure):
         ("batch", ctypes.c_int), ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("head_dim", ctypes.c_int),
         ("scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
-        ("causal", ctypes.c_bool), ("is_bf16", ctypes.c_bool),
+        ("causal", ctypes.c_bool), ("is_bf16", ctypes.c_bool), ("layout2d", ctypes.c_bool),
         ("num_splits", ctypes.c_int), ("iters_per_split", ctypes.c_int),
         ("hopper", ctypes.c_bool), ("narrow", ctypes.c_bool), ("dq_shared", ctypes.c_bool),
         ("dq_separate", ctypes.c_bool),

@@ -1097,9 +1097,14 @@ def _bwd_tile_from_env() -> int:
     v = os.environ.get("LLM_ATTN_BWD_TILE", "")
     if not v:
         return _plan.BWD_AUTO
+    import warnings  # noqa: PLC0415
+
+    if v in _plan.BWD_AOT_ONLY:
+        warnings.warn(f"llm_attn: LLM_ATTN_BWD_TILE={v} is in the compiled extension only, not the NVRTC build; "
+                      "ignored", stacklevel=2)
+        return _plan.BWD_AUTO
     if v in _plan.BWD_TILE_IDS:
         return _plan.BWD_TILE_IDS[v]
-    import warnings  # noqa: PLC0415
 
     warnings.warn(f"llm_attn: LLM_ATTN_BWD_TILE={v} is not {', '.join(list(_plan.BWD_TILE_IDS)[:-1])} or "
                   f"{list(_plan.BWD_TILE_IDS)[-1]}; ignored", stacklevel=2)

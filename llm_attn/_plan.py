@@ -785,10 +785,19 @@ def int8_kernels(arch: str) -> list[str]:
 # BwdTileNarrow<D>); tests/test_nvrtc.py runs flash_bwd_set_splits itself (host code, nvcc) against bwd_splits and
 # reads every constant below back from the C++.
 BWD_TILE_IDS = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_dq": 4, "hopper_shared_dq": 5,
-                "portable_separate_dq": 6}  # BwdTileId (kernels/flash.h), by llm_attn.backward.force_bwd_tile's names
-BWD_AUTO, BWD_PORTABLE, BWD_NARROW, BWD_HOPPER, BWD_HOPPER_OWN_DQ, BWD_HOPPER_SHARED_DQ, BWD_PORTABLE_SEPARATE_DQ = \
-    range(len(BWD_TILE_IDS))
+                "portable_separate_dq": 6, "portable_2d": 7}  # BwdTileId (kernels/flash.h), by force_bwd_tile's names
+(BWD_AUTO, BWD_PORTABLE, BWD_NARROW, BWD_HOPPER, BWD_HOPPER_OWN_DQ, BWD_HOPPER_SHARED_DQ, BWD_PORTABLE_SEPARATE_DQ,
+ BWD_PORTABLE_2D) = range(len(BWD_TILE_IDS))
+# Tiles this plan does not mirror yet (the AOT extension only): the two-dimensional portable kernel.
+BWD_AOT_ONLY = ("portable_2d",)
 BWD_PRE_THREADS = 128   # run_flash_bwd_common's kPreThreads: the preprocessing's block
+
+
+def bwd_2d_smem_bytes(head_dim: int) -> int:
+    """kernels/flash.h bwd_2d_smem_bytes: the two-dimensional dK/dV kernel's shared memory (64 x 128 tiles)."""
+    return (4 * 64 * head_dim + 2 * 128 * head_dim + 2 * 128 * 64) * 2 + 4 * 64 * 4
+
+
 BWD_CONV_THREADS = 256  # kConvThreads: the conversions' block
 
 
@@ -903,8 +912,12 @@ def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
     hopper = not s.deterministic and (BWD_HOPPER <= s.force_tile <= BWD_HOPPER_SHARED_DQ
                                       or (s.force_tile == BWD_AUTO and dev.sm90))
     narrow = not hopper and (s.force_tile == BWD_NARROW or dev.smem_per_block_optin < wide.smem_bytes)
+    # The two-dimensional kernel (the compiled extension's only: this plan never launches it, set_bwd_tile refuses
+    # it) still sets the split of the C++ rule, which tests/test_nvrtc.py compares case for case.
+    layout2d = not hopper and s.force_tile == BWD_PORTABLE_2D and dev.smem_per_block_optin >= bwd_2d_smem_bytes(s.head_dim)
+    narrow = narrow and not layout2d
     tile = Sm90BwdTraits(s.head_dim) if hopper else narrow_tile if narrow else wide
-    block_m, block_n = tile.block_m, tile.block_n
+    block_m, block_n = (64, 128) if layout2d else (tile.block_m, tile.block_n)
     group = s.num_heads // s.num_kv_heads
     num_m = _cdiv(s.seqlen_q, block_m)
     n_blocks = _cdiv(s.seqlen_k, block_n)

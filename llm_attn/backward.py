@@ -181,6 +181,8 @@ def force_bwd_tile(tile: str):
       portable one with the tile the device's shared memory allows;
     - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU, dQ by float32 atomics;
       'portable_separate_dq' with dQ by a separate kernel instead, without atomics;
+    - 'portable_2d' the portable kernel with two-dimensional warp tiles (kernels/flash_bwd_2d_kernel.cuh; the compiled
+      extension only; where its shared memory does not fit a block, the tile 'portable' would take);
     - 'narrow' the portable kernel's narrow tile (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on any device;
     - 'hopper' the Hopper kernel (compute capability 9.0 and a build with sm_90a code only: the extension built
       for 9.0, or NVRTC 12.0 or newer; ValueError elsewhere),
@@ -195,6 +197,9 @@ def force_bwd_tile(tile: str):
         raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and a build with sm_90a code "
                          "(the extension built with LLM_ATTN_CUDA_ARCHS containing 9.0, or NVRTC 12.0 or newer)")
     prev = ext.set_bwd_tile(BWD_TILES[tile])
+    if prev < 0:
+        raise ValueError(f"tile {tile!r} is not in this build (the NVRTC build has "
+                         f"{', '.join(repr(t) for t in BWD_TILES if t not in _plan.BWD_AOT_ONLY)})")
     try:
         yield
     finally:

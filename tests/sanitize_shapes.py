@@ -179,7 +179,8 @@ ext.set_tile(0)
 
 # Backward kernels (forward first for out/lse): tails, GQA/MQA, q_len != kv_len, seqused_k, on each dK/dV kernel
 # (BwdTileId, kernels/flash.h: 1 the portable one, 6 with the separate dQ kernel, 2 its narrow tile as sm_86/89 run
-# it, 4 and 5 the Hopper one with each of its dQ ways, where the GPU runs it). With --hopper only the Hopper backward's (its TMA/mbarrier/
+# it, 7 the portable one with two-dimensional warp tiles, 4 and 5 the Hopper one with each of its dQ ways, where the
+# GPU runs it). With --hopper only the Hopper backward's (its TMA/mbarrier/
 # warp-specialised pipeline).
 BWD_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 8, 2, 17, 129, 64, True, None),
@@ -187,7 +188,7 @@ BWD_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (1, 4, 4, 100, 300, 128, False, [200]),
     (2, 8, 2, 70, 700, 64, True, [700, 5]),
 ]
-bwd_kernels = (1, 6, 2, 4, 5) if ext.sm90_available() else (1, 6, 2)
+bwd_kernels = (1, 6, 2, 7, 4, 5) if ext.sm90_available() else (1, 6, 2, 7)
 if "--hopper" in sys.argv:
     bwd_kernels = (4, 5)
 for dtype, kernel, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
@@ -200,14 +201,17 @@ for dtype, kernel, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
     assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
 ext.set_bwd_tile(0)
 # The deterministic backward (not with --hopper: it never runs the Hopper kernel): the separate dQ kernel and the
-# split dK/dV slabs with their ordered conversion, automatic and 3-way split.
-for dtype, splits, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
-        (torch.float16, torch.bfloat16), (0, 3) if "--hopper" not in sys.argv else (), BWD_SHAPES):
+# split dK/dV slabs with their ordered conversion, automatic and 3-way split, on the device's portable tile and the
+# two-dimensional one.
+for dtype, splits, kernel, (b, hq, hkv, sq, sk, d, causal, used) in itertools.product(
+        (torch.float16, torch.bfloat16), (0, 3) if "--hopper" not in sys.argv else (), (0, 7), BWD_SHAPES):
     ext.set_bwd_splits(splits)
+    ext.set_bwd_tile(kernel)
     q, k, v, out, lse, su = forward(dtype, b, hq, hkv, sq, sk, d, causal, used)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ext.mha_bwd(torch.randn_like(out), q, k, v, out, lse, None, dq, dk, dv, su, 1 / math.sqrt(d), causal, True)
     torch.cuda.synchronize()
     assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
 ext.set_bwd_splits(0)
+ext.set_bwd_tile(0)
 print("sanitize shapes done")

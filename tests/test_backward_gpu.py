@@ -81,9 +81,9 @@ def _qkv(b, hq, hkv, sq, sk, d, dt, seed):
 
 
 # The kernels every grid runs on, each forced (llm_attn.backward.force_bwd_tile): the portable one (what every GPU
-# but compute capability 9.0 runs) with dQ by atomics and by the separate dQ kernel, and the Hopper one (what 9.0
-# runs; skipped elsewhere) with each of its two dQ ways.
-KERNELS = ["portable", "portable_separate_dq", "hopper_own_dq", "hopper_shared_dq"]
+# but compute capability 9.0 runs) with dQ by atomics and by the separate dQ kernel, the portable one with
+# two-dimensional warp tiles, and the Hopper one (what 9.0 runs; skipped elsewhere) with each of its two dQ ways.
+KERNELS = ["portable", "portable_separate_dq", "portable_2d", "hopper_own_dq", "hopper_shared_dq"]
 
 
 def forced_kernel(cuda_ext, kernel):
@@ -91,7 +91,15 @@ def forced_kernel(cuda_ext, kernel):
 
     if kernel.startswith("hopper") and not cuda_ext.sm90_available():
         pytest.skip("the Hopper backward needs a compute capability 9.0 GPU and an sm_90a build")
+    _skip_aot_only(kernel)
     return force_bwd_tile(kernel)
+
+
+def _skip_aot_only(kernel):
+    from llm_attn import _ext, _plan
+
+    if kernel in _plan.BWD_AOT_ONLY and _ext.kernel_build() == "nvrtc":
+        pytest.skip(f"the {kernel!r} backward is in the compiled extension only, not the NVRTC build")
 
 
 @pytest.mark.parametrize("dtype,causal,d,heads,kernel,sq,sk",
@@ -596,7 +604,8 @@ def run_raw_det(ext, q, k, v, dout, causal, out_lse=None):
     return grads, out_lse
 
 
-@pytest.mark.parametrize("tile,splits", [("auto", 0), ("auto", 3), ("narrow", 0), ("portable", 5)])
+@pytest.mark.parametrize("tile,splits", [("auto", 0), ("auto", 3), ("narrow", 0), ("portable", 5), ("portable_2d", 0),
+                                         ("portable_2d", 3)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,heads,sq,sk", [(128, "gqa", 2048, 2048), (64, "mha", 300, 1000), (128, "mqa", 1000, 129)])
 def test_deterministic_backward_repeats_bit_for_bit(cuda_ext, tile, splits, causal, d, heads, sq, sk):
@@ -607,6 +616,7 @@ def test_deterministic_backward_repeats_bit_for_bit(cuda_ext, tile, splits, caus
 
     if tile == "narrow" and d != 128:
         pytest.skip("head_dim 64's narrow tile is its tile")
+    _skip_aot_only(tile)
     hq, hkv = HEADS[heads]
     seed = zlib.crc32(repr((tile, splits, causal, d, sq)).encode())
     q, k, v, dout = _qkv(1, hq, hkv, sq, sk, d, torch.bfloat16, seed)

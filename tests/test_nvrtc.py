@@ -1433,7 +1433,9 @@ BWD_HOST_LINES = (
                     "'portable', 'narrow' or 'portable_separate_dq'\"); p.deterministic = deterministic;"),
     ("binding.cpp", "const char* v = std::getenv(\"LLM_ATTN_BWD_SPLITS\"); return v != nullptr && std::atoi(v) > 0 ? "
                     "std::atoi(v) : 0;"),
-    ("binding.cpp", "if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortableSeparateDq) return -1;"),
+    # The binding takes one id more than the NVRTC plan: kBwdPortable2d (the compiled extension's only,
+    # _plan.BWD_AOT_ONLY), which _nvrtc.set_bwd_tile refuses.
+    ("binding.cpp", "if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortable2d) return -1;"),
     ("binding.cpp", "if (splits < 0) return -1;"),
 )
 A100 = _plan.Device(num_sms=108, smem_per_sm=164 * 1024, smem_per_block_optin=163 * 1024, cc_major=8)
@@ -1616,7 +1618,11 @@ def test_backward_entry_points_are_the_bindings(monkeypatch):
         assert nvrtc._bwd_splits_from_env() == want
     for name, i in _plan.BWD_TILE_IDS.items():
         monkeypatch.setenv("LLM_ATTN_BWD_TILE", name)
-        assert nvrtc._bwd_tile_from_env() == i
+        if name in _plan.BWD_AOT_ONLY:  # the compiled extension's only: NVRTC warns and runs auto
+            with pytest.warns(UserWarning, match="compiled extension only"):
+                assert nvrtc._bwd_tile_from_env() == 0
+        else:
+            assert nvrtc._bwd_tile_from_env() == i
         assert f'std::strcmp(v, "{name}") == 0' in binding
     monkeypatch.setenv("LLM_ATTN_BWD_TILE", "wide")
     with pytest.warns(UserWarning, match="LLM_ATTN_BWD_TILE=wide is not auto, portable, narrow"):
