@@ -791,14 +791,12 @@ BWD_TILE_IDS = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_
 # Tiles this plan does not mirror yet (the AOT extension only): the two-dimensional portable kernel.
 BWD_AOT_ONLY = ("portable_2d",)
 BWD_PRE_THREADS = 128   # run_flash_bwd_common's kPreThreads: the preprocessing's block
+BWD_CONV_THREADS = 256  # kConvThreads: the conversions' block
 
 
 def bwd_2d_smem_bytes(head_dim: int) -> int:
     """kernels/flash.h bwd_2d_smem_bytes: the two-dimensional dK/dV kernel's shared memory (64 x 128 tiles)."""
     return (4 * 64 * head_dim + 2 * 128 * head_dim + 2 * 128 * 64) * 2 + 4 * 64 * 4
-
-
-BWD_CONV_THREADS = 256  # kConvThreads: the conversions' block
 
 
 @dataclass(frozen=True)
