@@ -89,6 +89,10 @@ class AttentionImpl:
     # Advanced: this entry (it needs a ``select``) answers ``backend='reference'`` asked of any entry: a debugging
     # path that runs a plain reference in place of the implementation. One entry at most (llm_attn's).
     provides_reference: bool = False
+    # Advanced: this entry's ``select`` answers ``backend='reference'`` asked of it with its own reference, the same
+    # algorithm in PyTorch (the low-precision entries: the quantised one, so that their reference keeps their
+    # accuracy), instead of the plain reference of the ``provides_reference`` entry.
+    own_reference: bool = False
 
     @property
     def stock(self) -> bool:
@@ -108,9 +112,10 @@ class AttentionImpl:
         """Which variant serves tensors like these: (variant, None), or (None, why not).
 
         ``backend='reference'`` runs the reference of the entry registered with ``provides_reference`` (llm_attn's
-        PyTorch reference) in place of any implementation (debugging); ``backend='cuda'`` refuses tensors that are
-        not on a CUDA device."""
-        if backend == "reference" and not self.provides_reference:
+        PyTorch reference) in place of any implementation (debugging), or the entry's own (``own_reference``: the
+        low-precision entries' quantised algorithm in PyTorch); ``backend='cuda'`` refuses tensors that are not on a
+        CUDA device."""
+        if backend == "reference" and not (self.provides_reference or self.own_reference):
             ref = _reference_entry()
             if ref is None:
                 return None, "no registered implementation provides a reference path"
@@ -244,8 +249,8 @@ def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.
         description: one line for tables and ``--help``.
         replace: allow replacing an entry of the same name from another source (same source: always allowed, so
             a plugin can be loaded twice).
-        advanced: ``hf_name``, ``default``, ``requires``, ``select``, ``provides_reference`` (see
-            ``AttentionImpl``); built-ins use them.
+        advanced: ``hf_name``, ``default``, ``requires``, ``select``, ``provides_reference``, ``own_reference``
+            (see ``AttentionImpl``); built-ins use them.
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"attention implementation name must start with a letter and hold letters, digits, "
@@ -264,7 +269,7 @@ def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.
     devices = (devices,) if isinstance(devices, str) else tuple(devices)
     if not devices or not all(isinstance(d, str) for d in devices):
         raise ValueError(f"register_attention({name!r}): devices must be device types like 'cuda', 'cpu'")
-    unknown = set(advanced) - {"hf_name", "default", "requires", "select", "provides_reference"}
+    unknown = set(advanced) - {"hf_name", "default", "requires", "select", "provides_reference", "own_reference"}
     if unknown:
         raise TypeError(f"register_attention() got unexpected arguments {sorted(unknown)}")
     entry = AttentionImpl(name=name, fn=fn, dtypes=dtypes, head_dims=head_dims, devices=devices,
@@ -274,9 +279,10 @@ def register_attention(name: str, fn: Callable, *, dtypes=(torch.float16, torch.
     if old is not None and not replace and old.source != entry.source:
         raise ValueError(f"an attention implementation named {name!r} is already registered ({old.source_label}); "
                          f"pick another name or pass replace=True")
+    for flag in ("provides_reference", "own_reference"):
+        if getattr(entry, flag) and entry.select is None:
+            raise ValueError(f"register_attention({name!r}): {flag} needs a select")
     if entry.provides_reference:
-        if entry.select is None:
-            raise ValueError(f"register_attention({name!r}): provides_reference needs a select")
         other = next((e.name for e in _REGISTRY.values() if e.provides_reference and e.name != name), None)
         if other is not None:
             raise ValueError(f"register_attention({name!r}): {other!r} already provides the reference path")

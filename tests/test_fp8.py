@@ -99,6 +99,20 @@ def test_registry_entry_on_cpu_runs_the_reference():
     assert torch.equal(out, qr.attention_fp8(q, k, k, causal=True, scale=0.125))
 
 
+@pytest.mark.parametrize("name,variant", [("llm_attn_fp8", "reference-fp8"),
+                                          ("llm_attn_fp8_e4m3", "reference-fp8-e4m3qk"),
+                                          ("llm_attn_int8qk", "reference-int8qk"), ("llm_attn_int8", "reference-int8")])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_backend_reference_is_the_entrys_own_quantised_reference(name, variant, device):
+    """backend='reference' asked of a low-precision entry is its own algorithm in PyTorch (own_reference), on any
+    device: not llm_attn's plain reference, which would report 'reference' and compute in full precision."""
+    from llm_attn import registry
+
+    entry = registry.get(name)
+    assert entry.own_reference
+    assert entry.choose(torch.device(device), torch.bfloat16, 128, "reference") == (variant, None)
+
+
 def test_e4m3_entry_is_its_own_name_and_computes_e4m3_qk():
     """llm_attn_fp8_e4m3 runs Q K^T in e4m3 (the reference of that algorithm, not the default's int8 one) and
     reports its own variant, so its rows never pass for llm_attn_fp8's."""

@@ -309,6 +309,22 @@ def test_repatch_with_other_options_replaces_the_patch():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("impl,variant", [("llm_attn_fp8", "reference-fp8"), ("llm_attn_int8qk", "reference-int8qk"),
+                                          ("llm_attn_int8", "reference-int8")])
+def test_backend_reference_keeps_a_low_precision_entry_in_low_precision(impl, variant):
+    """patch_model(impl=<low-precision entry>, backend='reference') runs that entry's quantised algorithm in PyTorch:
+    the report names its reference variant, and the logits are not the plain reference's."""
+    model = make_model()
+    ids = prompt(length=40)  # prefill rows above the entries' decode cut-off: the low-precision path
+    with patched(model, backend="reference") as plain, torch.no_grad():
+        want = model(ids).logits
+    with patched(model, impl=impl, backend="reference") as report, torch.no_grad():
+        got = model(ids).logits
+    assert plain.native_calls == {"reference": LAYERS}
+    assert report.native_calls == {variant: LAYERS}
+    assert torch.isfinite(got).all() and not torch.equal(got, want)
+
+
 def test_context_manager_restores_on_error():
     model = make_model()
     with pytest.raises(RuntimeError, match="boom"):

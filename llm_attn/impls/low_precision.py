@@ -19,7 +19,8 @@ What each serves: prefill-shaped calls (more than ``DECODE_MAX_Q_LEN`` query row
 token, or a few) keep the native fp16/bf16 kernel, whose cost is reading the cache, not arithmetic (an FP8 KV
 cache is the lever there). No backward: training through these entries raises. Variants counted in the patch
 report: ``fp8`` / ``fp8-e4m3qk`` / ``int8qk`` / ``int8`` (the kernel, either build) and ``reference-`` the same (the
-same algorithm in PyTorch: CPU tensors, or ``backend='reference'``).
+same algorithm in PyTorch: CPU tensors, or ``backend='reference'``: each entry answers it with its own quantised
+reference, ``own_reference``, not with llm_attn's plain one).
 """
 
 from __future__ import annotations
@@ -90,21 +91,21 @@ register_attention("llm_attn_fp8", _fp8_run, dtypes=KERNEL_DTYPES + (torch.float
                    description="FP8 prefill attention of this project's Hopper kernel (int8 Q K^T, e4m3 P V); decode "
                                "stays native "
                                "(low precision: accuracy in bench --mode accuracy)",
-                   select=_fp8_select)
+                   select=_fp8_select, own_reference=True)
 register_attention("llm_attn_fp8_e4m3", _fp8_e4m3_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
                    devices=("cuda", "cpu"), supports_seqused_k=True,
                    description="FP8 prefill attention of this project's Hopper kernel with e4m3 Q K^T (faster, less "
                                "accurate than llm_attn_fp8's int8 Q K^T); decode stays native "
                                "(low precision: accuracy in bench --mode accuracy)",
-                   select=_fp8_e4m3_select)
+                   select=_fp8_e4m3_select, own_reference=True)
 register_attention("llm_attn_int8qk", _int8qk_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
                    devices=("cuda", "cpu"), supports_seqused_k=True,
                    description="int8 Q K^T prefill attention of this project's Hopper FP8 kernel with P V in the input "
                                "dtype (bf16/fp16 P and V: more accurate than llm_attn_fp8's e4m3 P V); decode stays "
                                "native (low precision: accuracy in bench --mode accuracy)",
-                   select=_int8qk_select)
+                   select=_int8qk_select, own_reference=True)
 register_attention("llm_attn_int8", _int8_run, dtypes=KERNEL_DTYPES + (torch.float32,), head_dims=None,
                    devices=("cuda", "cpu"), supports_seqused_k=True,
                    description="INT8 Q K^T prefill attention of this project's portable kernel (P V in e4m3 on sm_89); "
                                "decode stays native (low precision: accuracy in bench --mode accuracy)",
-                   select=_int8_select)
+                   select=_int8_select, own_reference=True)
