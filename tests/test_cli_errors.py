@@ -315,8 +315,11 @@ def test_ctrl_c_early_exits_130_without_a_traceback(name, delay, tmp_path):
             "report": [str(FIXTURES), "--out", str(tmp_path / "r")]}[name]
     env = {k: v for k, v in os.environ.items() if k not in ("LLM_ATTN_BUILD", "LLM_ATTN_BACKEND")}
     for wait in (delay, delay + 1.0):
+        # SIGINT back to its default in the child: a suite started in the background by a non-interactive shell
+        # inherits it ignored, and Python then never raises KeyboardInterrupt (the CLI would run to the end).
         proc = subprocess.Popen([sys.executable, "-m", f"llm_attn.{name}", *args], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(wait)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
