@@ -114,8 +114,8 @@ struct FlashBwdParams {
     bool causal;  // bottom-right aligned, as the forward
     bool is_bf16;
     // The portable dK/dV kernel with two-dimensional warp tiles (flash_bwd_2d_kernel.cuh: 64 query rows a step, P and
-    // dS through shared memory), set by flash_bwd_set_splits when forced (kBwdPortable2d). Here, in the padding
-    // before num_splits, the struct keeps its size.
+    // dS through shared memory), set by flash_bwd_set_splits where its shared memory fits: forced (kBwdPortable2d),
+    // or by default at head_dim 128. Here, in the padding before num_splits, the struct keeps its size.
     bool layout2d;
 
     // Split key blocks: with num_splits > 1, each key block's query steps (query heads x query blocks) are shared
@@ -156,7 +156,9 @@ constexpr int bwd_2d_smem_bytes(int head_dim) {
 }
 
 // Which dK/dV kernel a backward runs (llm_attn.backward.force_bwd_tile; tests, benchmarks): kBwdAuto chooses by the
-// device; kBwdPortable the portable kernel with the device's tile; kBwdNarrow its narrow tile on any device;
+// device (the Hopper kernel on sm_90a; else at head_dim 128 the two-dimensional kernel where its shared memory fits,
+// otherwise the portable kernel with the device's tile); kBwdPortable the portable kernel with the device's tile;
+// kBwdNarrow its narrow tile on any device;
 // kBwdHopper the sm_90a kernel (compute capability 9.0 only: the binding refuses it elsewhere), with its dQ way
 // shared by the block's warpgroups (the default), or forced: kBwdHopperOwnDq, kBwdHopperSharedDq
 // (FlashBwdParams::dq_shared); the portable

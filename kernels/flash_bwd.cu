@@ -29,9 +29,11 @@ void flash_bwd_set_splits(FlashBwdParams& p, int num_sms, int force_splits, int 
                                     (force_tile == kBwdAuto && flash_fwd_sm90_available()));
     p.narrow = !p.hopper && (force_tile == kBwdNarrow ||
                              max_smem_per_block_current_device() < bwd_smem_bytes(p.head_dim, wide.block_m, wide.block_n));
-    // The two-dimensional portable kernel (flash_bwd_2d_kernel.cuh) where forced and its shared memory fits.
-    p.layout2d = !p.hopper && force_tile == kBwdPortable2d &&
-                 max_smem_per_block_current_device() >= bwd_2d_smem_bytes(p.head_dim);
+    // The two-dimensional portable kernel (flash_bwd_2d_kernel.cuh) where its shared memory fits (161 KB at head_dim
+    // 128: sm_80/87/90, not sm_86/89; 97 KB at 64): forced, or by default at head_dim 128, where it runs 1.11-1.18x
+    // the portable kernel (H100, forced; at head_dim 64 0.95-0.98x: kernels/NOTES.md BP1, BP3).
+    p.layout2d = !p.hopper && max_smem_per_block_current_device() >= bwd_2d_smem_bytes(p.head_dim) &&
+                 (force_tile == kBwdPortable2d || (force_tile == kBwdAuto && p.head_dim == 128));
     if (p.layout2d) p.narrow = false;
     // The Hopper kernel (flash_bwd_sm90_kernel.cuh, Sm90BwdTraits): 128 keys, 64 query rows a step (128 at head_dim
     // 64), one block of 8 consumer warps per SM. The two-dimensional kernel: 128 keys, 64 rows, 8 warps.

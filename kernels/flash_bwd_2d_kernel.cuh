@@ -75,9 +75,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
     int wk = warp / 2, wd = warp % 2;
 
     const BwdBlock b = BwdBlock::make<kBlockM, kBlockN, kCausal>(params);
-    const int n0 = b.n0, kv_head = b.kv_head, batch = b.batch, group = b.group;
+    const int n0 = b.n0, kv_head = b.kv_head, batch = b.batch;
     const int seqlen_q = params.seqlen_q, seqlen_k = b.seqlen_k, causal_offset = b.causal_offset;
-    const int m_block_min = b.m_block_min, per_head = b.per_head, it_begin = b.it_begin, it_end = b.it_end;
+    const int it_begin = b.it_begin, it_end = b.it_end;
     if (params.num_splits > 1 && it_begin >= it_end) return;
 
     float acc_dk[2][kDW][4], acc_dv[2][kDW][4];
@@ -89,32 +89,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             for (int e = 0; e < 4; ++e) acc_dk[m][i][e] = acc_dv[m][i][e] = 0.f;
 
     if (it_begin < it_end) {
-        const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride +
-                         kv_head * params.k_head_stride + static_cast<int64_t>(n0) * params.k_row_stride;
-        const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride +
-                         kv_head * params.v_head_stride + static_cast<int64_t>(n0) * params.v_row_stride;
-        load_tile_async<Traits, kBlockN>(sK, k_ptr, params.k_row_stride, seqlen_k - n0, tid);
-        load_tile_async<Traits, kBlockN>(sV, v_ptr, params.v_row_stride, seqlen_k - n0, tid);
-        // As flash_bwd_dkdv_block's: rows past the end zero-filled (Q = 0, dO = 0, lse = dsum = 0: P = 1 but
-        // dS = 0 and P dO = 0, and their dQ rows are not stored).
-        auto load_step = [&](int it, int stage) {
-            const int head = kv_head * group + it / per_head;
-            const int m0 = (m_block_min + it % per_head) * kBlockM;
-            const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
-                             head * params.q_head_stride + static_cast<int64_t>(m0) * params.q_row_stride;
-            const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
-                              head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
-            T* sq = sQ + stage * 2 * Traits::kSmemQ;
-            load_tile_async<Traits, kBlockM>(sq, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
-            load_tile_async<Traits, kBlockM>(sq + Traits::kSmemQ, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
-            if (tid < kBlockM) {
-                const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + m0 + tid;
-                const bool ok = m0 + tid < seqlen_q;
-                cp_async_4(sLse + stage * kBlockM + tid, ok ? params.lse_log2 + idx : params.lse_log2, ok);
-                cp_async_4(sDsum + stage * kBlockM + tid, ok ? params.dsum + idx : params.dsum, ok);
-            }
-        };
-        load_step(it_begin, 0);
+        load_kv_block<T, Traits>(params, b, sK, sV, tid);
+        // The steps in BwdBlock::Step order (query blocks down, heads inner): `cur` this step.
+        BwdBlock::Step cur = b.step(it_begin);
+        load_q_step<T, Traits>(params, batch, b.head(cur), cur.mb * kBlockM, sQ, sLse, sDsum, tid);
         cp_async_commit();
 
         // Element offsets from sK; Q / dO are stage 0's (stage 1 adds kStageBytes at run time).
@@ -158,8 +136,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
 
         const float scale_log2 = params.scale_log2;
         for (int it = it_begin; it < it_end; ++it) {
-            const int head = kv_head * group + it / per_head;
-            const int m0 = (m_block_min + it % per_head) * kBlockM;
+            const int head = b.head(cur);
+            const int m0 = cur.mb * kBlockM;
             const int stage = (it - it_begin) & 1;
             const uint32_t so = stage * kStageBytes;
             const float* cLse = sLse + stage * kBlockM;
@@ -207,27 +185,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
                         mma_16816<T>(acc_dp[m][2 * np + 1], a[m], bm[np][2], bm[np][3]);
                     }
             }
-            // Keys past the end and (causal) after a query's diagonal: P = 0. Query rows past the end need no mask
-            // (their dO and dsum are zero). P = exp2(S scale log2e - lse), dS = P (dP - dsum): both to shared memory
-            // in the input dtype.
+            // Keys past the end and (causal) after a query's diagonal: P = 0, in a pass of its own that only the
+            // steps which need it run (folded into the exp2 loop, its selects ran at every step: BP3). Query rows
+            // past the end need no mask (their dO and dsum are zero).
             const int key0 = n0 + wn * 32;
-            const bool need_mask = key0 + 32 > seqlen_k || (kCausal && key0 + 31 > m0 + wm * 32 + causal_offset);
+            if (key0 + 32 > seqlen_k || (kCausal && key0 + 31 > m0 + wm * 32 + causal_offset)) {
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        // This thread's column 8 nt + c (key key0 + 2 t + 8 nt + c) is visible iff 8 nt + c < lim.
+                        const int row = wm * 32 + m * 16 + g + 8 * r;
+                        const int lim = (kCausal ? min(seqlen_k, m0 + row + causal_offset + 1) : seqlen_k) - key0 - 2 * t;
+#pragma unroll
+                        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c)
+                                if (nt * 8 + c >= lim) acc_s[m][nt][2 * r + c] = -INFINITY;
+                    }
+            }
+            // P = exp2(S scale log2e - lse), dS = P (dP - dsum): both to shared memory in the input dtype.
 #pragma unroll
             for (int m = 0; m < 2; ++m)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = wm * 32 + m * 16 + g + 8 * r;  // in the step
                     const float lse = cLse[row], dsum = cDsum[row];
-                    // This thread's column 8 nt + c (key key0 + 2 t + 8 nt + c) is visible iff 8 nt + c < lim.
-                    const int lim = (kCausal ? min(seqlen_k, m0 + row + causal_offset + 1) : seqlen_k) - key0 - 2 * t;
 #pragma unroll
                     for (int nt = 0; nt < 4; ++nt) {
                         float p[2], ds[2];
 #pragma unroll
                         for (int c = 0; c < 2; ++c) {
-                            float sc = acc_s[m][nt][2 * r + c];
-                            if (need_mask && nt * 8 + c >= lim) sc = -INFINITY;
-                            p[c] = exp2f(fmaf(sc, scale_log2, -lse));
+                            p[c] = exp2f(fmaf(acc_s[m][nt][2 * r + c], scale_log2, -lse));
                             ds[c] = p[c] * (acc_dp[m][nt][2 * r + c] - dsum);
                         }
                         const int off = swz<kBlockN>(row, wn * 4 + nt) + 2 * t;
@@ -238,7 +227,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             __syncthreads();  // P and dS complete
             // The next step's Q, dO, lse, dsum into the other stage (free since this step's first barrier), issued
             // here rather than under the S / dP products, where the registers are short.
-            if (it + 1 < it_end) load_step(it + 1, stage ^ 1);
+            b.next(cur);
+            if (it + 1 < it_end)
+                load_q_step<T, Traits>(params, batch, b.head(cur), cur.mb * kBlockM, sQ + (stage ^ 1) * 2 * Traits::kSmemQ,
+                                       sLse + (stage ^ 1) * kBlockM, sDsum + (stage ^ 1) * kBlockM, tid);
             cp_async_commit();
 
             // 2. dV += P^T dO, dK += dS^T Q: this warp's 32 keys x head_dim / 2 (a rolled loop: unrolled, ptxas
@@ -298,12 +290,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             // they cost head_dim 128's causal kernel a 4-byte spill on sm_80.
             const uint32_t tq = fresh_tid();
             const int q_row = m0 + (tq / 64) * 16 + (tq % 32) / 4;
-            float* dq_acc = params.dq_accum +
-                            ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
-                            ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4);
+            const DqFragAdder<kHeadDim> dq(
+                params.dq_accum + ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
+                    ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4),
+                tq % 4, q_row < seqlen_q, q_row + 8 < seqlen_q);
 #pragma unroll
-            for (int i = 0; i < kDW; ++i)
-                atomic_add_frag<kHeadDim>(dq_acc + i * 8, acc_dq[i], t, q_row < seqlen_q, q_row + 8 < seqlen_q);
+            for (int i = 0; i < kDW; ++i) dq.add(i * 8, acc_dq[i]);
         }
     }
 
@@ -364,23 +356,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             }
         }
     __syncthreads();
-    T* dk_ptr = reinterpret_cast<T*>(params.dk) + batch * params.dk_batch_stride + kv_head * params.dk_head_stride +
-                static_cast<int64_t>(n0) * params.dk_row_stride;
-    T* dv_ptr = reinterpret_cast<T*>(params.dv) + batch * params.dv_batch_stride + kv_head * params.dv_head_stride +
-                static_cast<int64_t>(n0) * params.dv_row_stride;
-    constexpr int kIters = kBlockN * Traits::kChunks / Traits::kThreads;
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-        const int idx = i * Traits::kThreads + tid;
-        const int row = idx / Traits::kChunks;
-        const int chunk = idx % Traits::kChunks;
-        if (n0 + row < params.seqlen_k) {
-            *reinterpret_cast<uint4*>(dk_ptr + static_cast<int64_t>(row) * params.dk_row_stride + chunk * 8) =
-                *reinterpret_cast<const uint4*>(sdK + swz<kHeadDim>(row, chunk));
-            *reinterpret_cast<uint4*>(dv_ptr + static_cast<int64_t>(row) * params.dv_row_stride + chunk * 8) =
-                *reinterpret_cast<const uint4*>(sdV + swz<kHeadDim>(row, chunk));
-        }
-    }
+    store_dkdv_block<T, Traits>(params, b, sdK, sdV, tid);
 }
 
 }  // namespace llm_attn

@@ -176,23 +176,42 @@ __device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
 #endif
 }
 
-// dQ accumulator += one n8 C fragment c: rows q_row (c[0], c[1]) and q_row + 8 (c[2], c[3]), columns 2t, 2t + 1.
-// `p` points at (q_row, column 2t) of a float32 buffer with kHeadDim columns; ok0 / ok8: whether the rows exist.
+// dQ accumulator += n8 C fragments of one m16 tile: rows q_row (c[0], c[1]) and q_row + 8 (c[2], c[3]), columns
+// 2t, 2t + 1 of each fragment. `p` points at (q_row, column 2t) of a float32 buffer with kHeadDim columns; ok0 / ok8:
+// whether the rows exist. Built once per tile: the lane's address and predicate are worked out here, and each
+// fragment costs its shuffles and one atomic at a constant offset (issue 39, BP3: per fragment the address math was
+// redone under a branch, ~20 instructions an atomic).
 // On sm_90 one 16-byte atomic per lane instead of two 8-byte ones (half the L2 atomic operations): lanes t and t ^ 1
 // swap halves so that even t holds row g, columns 2t .. 2t + 3 and odd t row g + 8, columns 2t - 2 .. 2t + 1.
 template <int kHeadDim>
-__device__ __forceinline__ void atomic_add_frag(float* p, const float (&c)[4], int t, bool ok0, bool ok8) {
+struct DqFragAdder {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const bool odd = t & 1;
-    const float x0 = __shfl_xor_sync(0xffffffff, odd ? c[0] : c[2], 1);
-    const float x1 = __shfl_xor_sync(0xffffffff, odd ? c[1] : c[3], 1);
-    const float4 val = odd ? make_float4(x0, x1, c[2], c[3]) : make_float4(c[0], c[1], x0, x1);
-    if (odd ? ok8 : ok0) atomicAdd(reinterpret_cast<float4*>(p + (odd ? 8 * kHeadDim - 2 : 0)), val);
+    float* p;
+    bool odd, ok;
+    __device__ __forceinline__ DqFragAdder(float* row, int t, bool ok0, bool ok8)
+        : p(row + ((t & 1) ? 8 * kHeadDim - 2 : 0)), odd(t & 1), ok((t & 1) ? ok8 : ok0) {}
+    // Fragment `c` of column offset `col` (a multiple of 8, known at compile time after unrolling).
+    __device__ __forceinline__ void add(int col, const float (&c)[4]) const {
+        const float x0 = __shfl_xor_sync(0xffffffff, odd ? c[0] : c[2], 1);
+        const float x1 = __shfl_xor_sync(0xffffffff, odd ? c[1] : c[3], 1);
+        const float4 val = odd ? make_float4(x0, x1, c[2], c[3]) : make_float4(c[0], c[1], x0, x1);
+        // A predicated red, not `if (ok) atomicAdd`: under a branch ptxas rebuilt the 64-bit address inside each
+        // fragment's branch (the registers are short); predicated, every fragment adds a constant to one address.
+        asm volatile(
+            "{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n@q red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(p + col),
+            "f"(val.x), "f"(val.y), "f"(val.z), "f"(val.w), "r"(static_cast<int>(ok))
+            : "memory");
+    }
 #else
-    if (ok0) atomic_add2(p, c[0], c[1]);
-    if (ok8) atomic_add2(p + 8 * kHeadDim, c[2], c[3]);
+    float* p;
+    bool ok0, ok8;
+    __device__ __forceinline__ DqFragAdder(float* row, int, bool ok0_, bool ok8_) : p(row), ok0(ok0_), ok8(ok8_) {}
+    __device__ __forceinline__ void add(int col, const float (&c)[4]) const {
+        if (ok0) atomic_add2(p + col, c[0], c[1]);
+        if (ok8) atomic_add2(p + col + 8 * kHeadDim, c[2], c[3]);
+    }
 #endif
-}
+};
 
 // A split launch's epilogue for one key row: this thread's dK (times the softmax scale) and dV of C rows 2r, 2r + 1
 // (key `row`), added into the float32 accumulators that flash_bwd_convert_dkdv_kernel converts. Keys from
@@ -259,7 +278,81 @@ struct BwdBlock {
         b.it_end = min(n_iters, b.it_begin + params.iters_per_split);
         return b;
     }
+
+    // The portable kernels' order of the steps (issue 39, BP3): query blocks from the last down to m_block_min, the
+    // group's query heads inner. Every block of one KV head then works on the same dQ rows (query head, query block)
+    // at the same time, causal or not, as FlashAttention-2's backward walks them, so their dQ atomics meet in L2.
+    // (Query blocks up, heads outer, made causal blocks drift apart: each key block's first step is its own diagonal
+    // and its head takes per_head steps, so their dQ rows spread over the heads; ncu read a 64 % L2 hit rate at
+    // 8k causal against 97 % non-causal.) step(it) divides once; next() walks on without dividing.
+    struct Step {
+        int h, mb;  // query head within the group, query block
+    };
+    __device__ __forceinline__ Step step(int it) const { return {it % group, m_block_min + per_head - 1 - it / group}; }
+    __device__ __forceinline__ void next(Step& s) const {
+        if (++s.h == group) s.h = 0, --s.mb;
+    }
+    __device__ __forceinline__ int head(const Step& s) const { return kv_head * group + s.h; }
 };
+
+// K and V rows [n0, n0 + kBlockN) of the block's (batch, KV head) into sK and sV with cp.async; rows past the end
+// zero-filled.
+template <typename T, typename Traits>
+__device__ __forceinline__ void load_kv_block(const FlashBwdParams& params, const BwdBlock& b, T* sK, T* sV, int tid) {
+    const T* k_ptr = reinterpret_cast<const T*>(params.k) + b.batch * params.k_batch_stride +
+                     b.kv_head * params.k_head_stride + static_cast<int64_t>(b.n0) * params.k_row_stride;
+    const T* v_ptr = reinterpret_cast<const T*>(params.v) + b.batch * params.v_batch_stride +
+                     b.kv_head * params.v_head_stride + static_cast<int64_t>(b.n0) * params.v_row_stride;
+    load_tile_async<Traits, Traits::kBlockN>(sK, k_ptr, params.k_row_stride, b.seqlen_k - b.n0, tid);
+    load_tile_async<Traits, Traits::kBlockN>(sV, v_ptr, params.v_row_stride, b.seqlen_k - b.n0, tid);
+}
+
+// Q, dO and the rows' lse / dsum of one step (query head `head`, rows from m0) with cp.async: Q at sq, dO at
+// sq + kSmemQ, lse and dsum at s_lse / s_dsum. Rows past the end are zero-filled: there Q = 0 gives S = 0 and
+// P = exp2(0 - 0) = 1, but dO = 0 and dsum = 0 make their dV and dS contributions 0, and their dQ rows are not
+// stored.
+template <typename T, typename Traits>
+__device__ __forceinline__ void load_q_step(const FlashBwdParams& params, int batch, int head, int m0, T* sq,
+                                            float* s_lse, float* s_dsum, int tid) {
+    constexpr int kBlockM = Traits::kBlockM;
+    const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
+                     head * params.q_head_stride + static_cast<int64_t>(m0) * params.q_row_stride;
+    const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
+                      head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
+    load_tile_async<Traits, kBlockM>(sq, q_ptr, params.q_row_stride, params.seqlen_q - m0, tid);
+    load_tile_async<Traits, kBlockM>(sq + Traits::kSmemQ, do_ptr, params.do_row_stride, params.seqlen_q - m0, tid);
+    if (tid < kBlockM) {
+        const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * params.seqlen_q + m0 + tid;
+        const bool ok = m0 + tid < params.seqlen_q;
+        cp_async_4(s_lse + tid, ok ? params.lse_log2 + idx : params.lse_log2, ok);
+        cp_async_4(s_dsum + tid, ok ? params.dsum + idx : params.dsum, ok);
+    }
+}
+
+// The block's dK / dV, staged in shared memory (sdK, sdV: [kBlockN][kHeadDim], swizzled as the K / V tiles), to
+// global memory with 16-byte stores; keys past the end are not stored.
+template <typename T, typename Traits>
+__device__ __forceinline__ void store_dkdv_block(const FlashBwdParams& params, const BwdBlock& b, const T* sdK,
+                                                 const T* sdV, int tid) {
+    constexpr int kHeadDim = Traits::kHeadDim;
+    T* dk_ptr = reinterpret_cast<T*>(params.dk) + b.batch * params.dk_batch_stride + b.kv_head * params.dk_head_stride +
+                static_cast<int64_t>(b.n0) * params.dk_row_stride;
+    T* dv_ptr = reinterpret_cast<T*>(params.dv) + b.batch * params.dv_batch_stride + b.kv_head * params.dv_head_stride +
+                static_cast<int64_t>(b.n0) * params.dv_row_stride;
+    constexpr int kIters = Traits::kBlockN * Traits::kChunks / Traits::kThreads;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+        const int idx = i * Traits::kThreads + tid;
+        const int row = idx / Traits::kChunks;
+        const int chunk = idx % Traits::kChunks;
+        if (b.n0 + row < params.seqlen_k) {
+            *reinterpret_cast<uint4*>(dk_ptr + static_cast<int64_t>(row) * params.dk_row_stride + chunk * 8) =
+                *reinterpret_cast<const uint4*>(sdK + swz<kHeadDim>(row, chunk));
+            *reinterpret_cast<uint4*>(dv_ptr + static_cast<int64_t>(row) * params.dv_row_stride + chunk * 8) =
+                *reinterpret_cast<const uint4*>(sdV + swz<kHeadDim>(row, chunk));
+        }
+    }
+}
 
 // ---- 2. dK, dV (and dQ by atomics) -----------------------------------------------------------------------------
 template <typename T, typename Traits, bool kCausal>
@@ -288,9 +381,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
     const int t = lane % 4;
 
     const BwdBlock b = BwdBlock::make<kBlockM, kBlockN, kCausal>(params);
-    const int n0 = b.n0, kv_head = b.kv_head, batch = b.batch, group = b.group;
+    const int n0 = b.n0, kv_head = b.kv_head, batch = b.batch;
     const int seqlen_q = params.seqlen_q, seqlen_k = b.seqlen_k, causal_offset = b.causal_offset;
-    const int m_block_min = b.m_block_min, per_head = b.per_head, it_begin = b.it_begin, it_end = b.it_end;
+    const int it_begin = b.it_begin, it_end = b.it_end;
     // A split with nothing to add exits at once (the float32 accumulators start at zero).
     if (params.num_splits > 1 && it_begin >= it_end) return;
 
@@ -301,34 +394,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
     if (it_begin < it_end) {
-        const T* k_ptr = reinterpret_cast<const T*>(params.k) + batch * params.k_batch_stride +
-                         kv_head * params.k_head_stride + static_cast<int64_t>(n0) * params.k_row_stride;
-        const T* v_ptr = reinterpret_cast<const T*>(params.v) + batch * params.v_batch_stride +
-                         kv_head * params.v_head_stride + static_cast<int64_t>(n0) * params.v_row_stride;
-        load_tile_async<Traits, kBlockN>(sK, k_ptr, params.k_row_stride, seqlen_k - n0, tid);
-        load_tile_async<Traits, kBlockN>(sV, v_ptr, params.v_row_stride, seqlen_k - n0, tid);
-
-        // Q, dO and the rows' lse / dsum of step `it` into stage `stage`, all with cp.async. Rows past the end
-        // are zero-filled: there Q = 0 gives S = 0 and P = exp2(0 - 0) = 1, but dO = 0 and dsum = 0 make their
-        // dV and dS contributions 0, and their dQ rows are not stored.
-        auto load_step = [&](int it, int stage) {
-            const int head = kv_head * group + it / per_head;
-            const int m0 = (m_block_min + it % per_head) * kBlockM;
-            const T* q_ptr = reinterpret_cast<const T*>(params.q) + batch * params.q_batch_stride +
-                             head * params.q_head_stride + static_cast<int64_t>(m0) * params.q_row_stride;
-            const T* do_ptr = reinterpret_cast<const T*>(params.dout) + batch * params.do_batch_stride +
-                              head * params.do_head_stride + static_cast<int64_t>(m0) * params.do_row_stride;
-            T* sq = sQ + stage * 2 * Traits::kSmemQ;
-            load_tile_async<Traits, kBlockM>(sq, q_ptr, params.q_row_stride, seqlen_q - m0, tid);
-            load_tile_async<Traits, kBlockM>(sq + Traits::kSmemQ, do_ptr, params.do_row_stride, seqlen_q - m0, tid);
-            if (tid < kBlockM) {
-                const int64_t idx = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + m0 + tid;
-                const bool ok = m0 + tid < seqlen_q;
-                cp_async_4(sLse + stage * kBlockM + tid, ok ? params.lse_log2 + idx : params.lse_log2, ok);
-                cp_async_4(sDsum + stage * kBlockM + tid, ok ? params.dsum + idx : params.dsum, ok);
-            }
-        };
-        load_step(it_begin, 0);
+        load_kv_block<T, Traits>(params, b, sK, sV, tid);
+        // The steps in BwdBlock::Step order: `cur` this step, `nxt` the one after it.
+        BwdBlock::Step cur = b.step(it_begin);
+        load_q_step<T, Traits>(params, batch, b.head(cur), cur.mb * kBlockM, sQ, sLse, sDsum, tid);
         cp_async_commit();
 
         // Fragment addressing (same patterns as the forward, kernels/flash_fwd_kernel.cuh), as byte addresses in
@@ -366,15 +435,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         const int key_row0 = n0 + warp * 16 + g;  // this thread's keys: key_row0 and key_row0 + 8
 
         for (int it = it_begin; it < it_end; ++it) {
-            const int head = kv_head * group + it / per_head;
-            const int m0 = (m_block_min + it % per_head) * kBlockM;
+            const int head = b.head(cur);
+            const int m0 = cur.mb * kBlockM;
             const int stage = (it - it_begin) & 1;
             const uint32_t so = stage * kStageBytes;
             const float* cLse = sLse + stage * kBlockM;
             const float* cDsum = sDsum + stage * kBlockM;
             // Step it + 1 into the other stage: every warp finished reading it in step it - 1 (before that step's
             // second barrier, which every warp has passed).
-            if (it + 1 < it_end) load_step(it + 1, stage ^ 1);
+            BwdBlock::Step nxt = cur;
+            b.next(nxt);
+            if (it + 1 < it_end)
+                load_q_step<T, Traits>(params, batch, b.head(nxt), nxt.mb * kBlockM, sQ + (stage ^ 1) * 2 * Traits::kSmemQ,
+                                       sLse + (stage ^ 1) * kBlockM, sDsum + (stage ^ 1) * kBlockM, tid);
             cp_async_commit();
             cp_async_wait<1>();
             __syncthreads();  // Q, dO, lse, dsum of this step (and K, V on the first) visible to all warps
@@ -461,6 +534,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                 }
             }
             __syncthreads();  // dS^T complete; every warp is done with Q, dO, lse, dsum of this step
+            cur = nxt;
             if (params.dq_separate) continue;
 
             // dQ[m0 + 16 dq_mt .. +16, dq_col0 .. + kColsDQ] += dS K, 32 columns at a time; A fragments (dS) loaded
@@ -469,9 +543,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
             for (int kk = 0; kk < kKN; ++kk) ldsm_x4_t(ads[kk], addr_ds + 2 * kk * 16 * kBlockM);
             const int q_row = m0 + dq_mt * 16 + g;
-            float* dq_acc = params.dq_accum +
-                            ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
-                            dq_col0 + 2 * t;
+            const DqFragAdder<kHeadDim> dq(
+                params.dq_accum + ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
+                    dq_col0 + 2 * t,
+                t, q_row < seqlen_q, q_row + 8 < seqlen_q);
 #pragma unroll
             for (int dg = 0; dg < Traits::kColsDQ / 32; ++dg) {
                 float acc[4][4];
@@ -492,8 +567,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
                         mma_16816<T>(acc[2 * j + 1], ads[kk], b[2], b[3]);
                     }
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    atomic_add_frag<kHeadDim>(dq_acc + dg * 32 + i * 8, acc[i], t, q_row < seqlen_q, q_row + 8 < seqlen_q);
+                for (int i = 0; i < 4; ++i) dq.add(dg * 32 + i * 8, acc[i]);
             }
         }
     }
@@ -532,23 +606,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         }
     }
     __syncthreads();
-    T* dk_ptr = reinterpret_cast<T*>(params.dk) + batch * params.dk_batch_stride + kv_head * params.dk_head_stride +
-                static_cast<int64_t>(n0) * params.dk_row_stride;
-    T* dv_ptr = reinterpret_cast<T*>(params.dv) + batch * params.dv_batch_stride + kv_head * params.dv_head_stride +
-                static_cast<int64_t>(n0) * params.dv_row_stride;
-    constexpr int kIters = kBlockN * Traits::kChunks / Traits::kThreads;
-#pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-        const int idx = i * Traits::kThreads + tid;
-        const int row = idx / Traits::kChunks;
-        const int chunk = idx % Traits::kChunks;
-        if (n0 + row < params.seqlen_k) {
-            *reinterpret_cast<uint4*>(dk_ptr + static_cast<int64_t>(row) * params.dk_row_stride + chunk * 8) =
-                *reinterpret_cast<const uint4*>(sdK + swz<kHeadDim>(row, chunk));
-            *reinterpret_cast<uint4*>(dv_ptr + static_cast<int64_t>(row) * params.dv_row_stride + chunk * 8) =
-                *reinterpret_cast<const uint4*>(sdV + swz<kHeadDim>(row, chunk));
-        }
-    }
+    store_dkdv_block<T, Traits>(params, b, sdK, sdV, tid);
 }
 
 template <typename T, typename Traits, bool kCausal>

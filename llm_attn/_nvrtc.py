@@ -190,6 +190,7 @@ _KERNEL_HEADERS = (
     ("flash_fwd_kernel<", "flash_fwd_kernel.cuh", (0,), None),
     ("flash_combine_kernel<", "combine.cuh", (0,), None),
     ("flash_decode_kernel<", "flash_decode_kernel.cuh", (0,), None),
+    ("flash_bwd_dkdv_2d_kernel<", "flash_bwd_2d_kernel.cuh", (3,), None),
     ("flash_bwd_", "flash_bwd_kernel.cuh", (3,), None),
     ("flash_bwd_sm90_kernel<", "flash_bwd_sm90_kernel.cuh", (3,), "Sm90BwdParams"),
     ("flash_fwd_sm90_kernel<", "flash_fwd_sm90_kernel.cuh", (0,), "Sm90Params"),
@@ -1097,14 +1098,9 @@ def _bwd_tile_from_env() -> int:
     v = os.environ.get("LLM_ATTN_BWD_TILE", "")
     if not v:
         return _plan.BWD_AUTO
-    import warnings  # noqa: PLC0415
-
-    if v in _plan.BWD_AOT_ONLY:
-        warnings.warn(f"llm_attn: LLM_ATTN_BWD_TILE={v} is in the compiled extension only, not the NVRTC build; "
-                      "ignored", stacklevel=2)
-        return _plan.BWD_AUTO
     if v in _plan.BWD_TILE_IDS:
         return _plan.BWD_TILE_IDS[v]
+    import warnings  # noqa: PLC0415
 
     warnings.warn(f"llm_attn: LLM_ATTN_BWD_TILE={v} is not {', '.join(list(_plan.BWD_TILE_IDS)[:-1])} or "
                   f"{list(_plan.BWD_TILE_IDS)[-1]}; ignored", stacklevel=2)
@@ -1128,7 +1124,7 @@ def set_bwd_tile(tile: int) -> int:
     """Force the backward's dK/dV kernel (a BwdTileId, 0 auto); returns the previous one, -1 (nothing changed) for
     an unknown id."""
     global _bwd_tile
-    if not _plan.BWD_AUTO <= int(tile) <= _plan.BWD_PORTABLE_SEPARATE_DQ:
+    if not _plan.BWD_AUTO <= int(tile) <= _plan.BWD_PORTABLE_2D:
         return -1
     prev, _bwd_tile = _bwd_tile, int(tile)
     return prev
@@ -1189,6 +1185,7 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         (p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dv.stride()[:3]
         p.hopper, p.narrow, p.num_splits, p.iters_per_split = sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split
         p.dq_shared, p.dq_separate, p.deterministic = sp.dq_shared, sp.dq_separate, plan.deterministic
+        p.layout2d = sp.layout2d
         # One float32 allocation: dsum and lse_log2 (B, Hq, Sq) each, then the accumulators that start at zero
         # (dQ (B, Hq, Sq, D) unless dq_separate; dK, dV (B, Hkv, Sk, D) each when split, one per split when
         # deterministic), zeroed in one fill. Each part starts on a 256-byte boundary (float4 atomics and TMA need

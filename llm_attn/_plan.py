@@ -788,8 +788,6 @@ BWD_TILE_IDS = {"auto": 0, "portable": 1, "narrow": 2, "hopper": 3, "hopper_own_
                 "portable_separate_dq": 6, "portable_2d": 7}  # BwdTileId (kernels/flash.h), by force_bwd_tile's names
 (BWD_AUTO, BWD_PORTABLE, BWD_NARROW, BWD_HOPPER, BWD_HOPPER_OWN_DQ, BWD_HOPPER_SHARED_DQ, BWD_PORTABLE_SEPARATE_DQ,
  BWD_PORTABLE_2D) = range(len(BWD_TILE_IDS))
-# Tiles this plan does not mirror yet (the AOT extension only): the two-dimensional portable kernel.
-BWD_AOT_ONLY = ("portable_2d",)
 BWD_PRE_THREADS = 128   # run_flash_bwd_common's kPreThreads: the preprocessing's block
 BWD_CONV_THREADS = 256  # kConvThreads: the conversions' block
 
@@ -902,6 +900,7 @@ class BwdSplits:
     iters_per_split: int
     dq_shared: bool
     dq_separate: bool
+    layout2d: bool = False  # the two-dimensional portable kernel (flash_bwd_2d_kernel.cuh)
 
 
 def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
@@ -910,9 +909,8 @@ def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
     hopper = not s.deterministic and (BWD_HOPPER <= s.force_tile <= BWD_HOPPER_SHARED_DQ
                                       or (s.force_tile == BWD_AUTO and dev.sm90))
     narrow = not hopper and (s.force_tile == BWD_NARROW or dev.smem_per_block_optin < wide.smem_bytes)
-    # The two-dimensional kernel (the compiled extension's only: this plan never launches it, set_bwd_tile refuses
-    # it) still sets the split of the C++ rule, which tests/test_nvrtc.py compares case for case.
-    layout2d = not hopper and s.force_tile == BWD_PORTABLE_2D and dev.smem_per_block_optin >= bwd_2d_smem_bytes(s.head_dim)
+    layout2d = not hopper and dev.smem_per_block_optin >= bwd_2d_smem_bytes(s.head_dim) and (
+        s.force_tile == BWD_PORTABLE_2D or (s.force_tile == BWD_AUTO and s.head_dim == 128))
     narrow = narrow and not layout2d
     tile = Sm90BwdTraits(s.head_dim) if hopper else narrow_tile if narrow else wide
     block_m, block_n = (64, 128) if layout2d else (tile.block_m, tile.block_n)
@@ -940,7 +938,7 @@ def bwd_set_splits(s: BwdShape, dev: Device) -> BwdSplits:
     num_splits = _cdiv(max_iters, iters)
     dq_shared = s.force_tile != BWD_HOPPER_OWN_DQ
     return BwdSplits(hopper, narrow, num_splits, iters, dq_shared,
-                     not hopper and (s.force_tile == BWD_PORTABLE_SEPARATE_DQ or s.deterministic))
+                     not hopper and (s.force_tile == BWD_PORTABLE_SEPARATE_DQ or s.deterministic), layout2d)
 
 
 def bwd_kernel_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
@@ -951,6 +949,11 @@ def bwd_kernel_names(is_bf16: bool, head_dim: int) -> tuple[str, str, str]:
 
 def bwd_dkdv_kernel_name(is_bf16: bool, traits: BwdTraits, causal: bool) -> str:
     return f"llm_attn::flash_bwd_dkdv_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}, {str(causal).lower()}>"
+
+
+def bwd_2d_kernel_name(is_bf16: bool, head_dim: int, causal: bool) -> str:
+    return (f"llm_attn::flash_bwd_dkdv_2d_kernel<{DTYPE_NAMES[is_bf16]}, llm_attn::Bwd2dTraits<{head_dim}>, "
+            f"{str(causal).lower()}>")
 
 
 def bwd_sm90_kernel_name(is_bf16: bool, traits: Sm90BwdTraits, causal: bool) -> str:
@@ -1003,11 +1006,16 @@ def bwd_plan(s: BwdShape, dev: Device) -> BwdPlan:
     rows = s.batch * s.num_heads * s.seqlen_q
     sm90 = Sm90BwdTraits(d) if sp.hopper else None
     if sm90 is not None:
-        tile, name = sm90, bwd_sm90_kernel_name(s.is_bf16, sm90, s.causal)
+        block_n, threads, smem = sm90.block_n, sm90.threads, sm90.smem_bytes
+        name = bwd_sm90_kernel_name(s.is_bf16, sm90, s.causal)
+    elif sp.layout2d:  # launch_flash_bwd_dkdv_2d: Bwd2dTraits<D>, 128 keys, 8 warps
+        block_n, threads, smem = 128, 256, bwd_2d_smem_bytes(d)
+        name = bwd_2d_kernel_name(s.is_bf16, d, s.causal)
     else:
         tile = BWD_CONFIGS[d][1 if sp.narrow else 0]
+        block_n, threads, smem = tile.block_n, tile.threads, tile.smem_bytes
         name = bwd_dkdv_kernel_name(s.is_bf16, tile, s.causal)
-    n_blocks = _cdiv(s.seqlen_k, tile.block_n)
+    n_blocks = _cdiv(s.seqlen_k, block_n)
     z = s.batch * sp.num_splits
     grid = (s.num_kv_heads, n_blocks, z) if s.causal else (n_blocks, s.num_kv_heads, z)
     dq = None
@@ -1020,7 +1028,7 @@ def bwd_plan(s: BwdShape, dev: Device) -> BwdPlan:
     return BwdPlan(
         splits=sp,
         preprocess=Launch(pre, (_cdiv(rows * chunks, BWD_PRE_THREADS), 1, 1), BWD_PRE_THREADS, 0),
-        dkdv=Launch(name, grid, tile.threads, tile.smem_bytes),
+        dkdv=Launch(name, grid, threads, smem),
         dq=dq,
         convert_dq=None if sp.dq_separate else Launch(conv_dq, (_cdiv(rows * chunks, BWD_CONV_THREADS), 1, 1),
                                                       BWD_CONV_THREADS, 0),
@@ -1032,12 +1040,13 @@ def bwd_plan(s: BwdShape, dev: Device) -> BwdPlan:
 def bwd_kernels() -> list[str]:
     """Every portable backward instantiation the AOT build compiles (the flash_bwd_*.cu files through
     run_flash_bwd_): per (head_dim, dtype, causal) the dK/dV kernel with BwdTile<D> and BwdTileNarrow<D> (one
-    where they are the same) and the separate dQ kernel; per (head_dim, dtype) the preprocessing and the two
-    conversions."""
+    where they are the same), the two-dimensional dK/dV kernel and the separate dQ kernel; per (head_dim, dtype)
+    the preprocessing and the two conversions."""
     names = []
     for d, bf16, causal in _quant_instantiations("bwd"):
         for traits in dict.fromkeys(BWD_CONFIGS[d]):
             names.append(bwd_dkdv_kernel_name(bf16, traits, causal))
+        names.append(bwd_2d_kernel_name(bf16, d, causal))
         names.append(bwd_dq_kernel_name(bf16, d, causal))
         if causal:
             names += bwd_kernel_names(bf16, d)

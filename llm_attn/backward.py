@@ -177,12 +177,13 @@ BWD_TILES = _plan.BWD_TILE_IDS
 def force_bwd_tile(tile: str):
     """Force the backward's dK/dV kernel (tests, benchmarks), process-wide:
 
-    - 'auto' (the default) chooses by the device: the Hopper kernel (wgmma/TMA) on compute capability 9.0, else the
-      portable one with the tile the device's shared memory allows;
+    - 'auto' (the default) chooses by the device: the Hopper kernel (wgmma/TMA) on compute capability 9.0; else at
+      head_dim 128 the two-dimensional portable kernel where its 161 KB of shared memory fit a block (sm_80, sm_87),
+      otherwise the portable one with the tile the device's shared memory allows (sm_86, sm_89, head_dim 64);
     - 'portable' the portable kernel (mma.sync) with that tile, also on a Hopper GPU, dQ by float32 atomics;
       'portable_separate_dq' with dQ by a separate kernel instead, without atomics;
-    - 'portable_2d' the portable kernel with two-dimensional warp tiles (kernels/flash_bwd_2d_kernel.cuh; the compiled
-      extension only; where its shared memory does not fit a block, the tile 'portable' would take);
+    - 'portable_2d' the portable kernel with two-dimensional warp tiles (kernels/flash_bwd_2d_kernel.cuh), also at
+      head_dim 64 and on a Hopper GPU; where its shared memory does not fit a block, the tile 'portable' would take;
     - 'narrow' the portable kernel's narrow tile (head_dim 128: 4 warps x 64 keys, as on sm_86/89) on any device;
     - 'hopper' the Hopper kernel (compute capability 9.0 and a build with sm_90a code only: the extension built
       for 9.0, or NVRTC 12.0 or newer; ValueError elsewhere),
@@ -197,9 +198,8 @@ def force_bwd_tile(tile: str):
         raise ValueError("tile 'hopper' needs a compute capability 9.0 GPU (H100, H200) and a build with sm_90a code "
                          "(the extension built with LLM_ATTN_CUDA_ARCHS containing 9.0, or NVRTC 12.0 or newer)")
     prev = ext.set_bwd_tile(BWD_TILES[tile])
-    if prev < 0:
-        raise ValueError(f"tile {tile!r} is not in this build (the NVRTC build has "
-                         f"{', '.join(repr(t) for t in BWD_TILES if t not in _plan.BWD_AOT_ONLY)})")
+    if prev < 0:  # an extension built before this tile existed
+        raise ValueError(f"tile {tile!r} is not in this build: rebuild the extension")
     try:
         yield
     finally:

@@ -91,15 +91,7 @@ def forced_kernel(cuda_ext, kernel):
 
     if kernel.startswith("hopper") and not cuda_ext.sm90_available():
         pytest.skip("the Hopper backward needs a compute capability 9.0 GPU and an sm_90a build")
-    _skip_aot_only(kernel)
     return force_bwd_tile(kernel)
-
-
-def _skip_aot_only(kernel):
-    from llm_attn import _ext, _plan
-
-    if kernel in _plan.BWD_AOT_ONLY and _ext.kernel_build() == "nvrtc":
-        pytest.skip(f"the {kernel!r} backward is in the compiled extension only, not the NVRTC build")
 
 
 @pytest.mark.parametrize("dtype,causal,d,heads,kernel,sq,sk",
@@ -611,12 +603,11 @@ def run_raw_det(ext, q, k, v, dout, causal, out_lse=None):
 def test_deterministic_backward_repeats_bit_for_bit(cuda_ext, tile, splits, causal, d, heads, sq, sk):
     """deterministic=True: the same dq, dk, dv bits over 50 reruns on the same inputs (issue 39's count), whatever
     the split (the automatic one splits the 2048-token causal grid; 3 and 5 forced), and within the float64 bound.
-    On a compute capability 9.0 GPU 'auto' runs the portable kernel then (the Hopper one's dQ has no fixed order)."""
+    On a compute capability 9.0 GPU 'auto' runs a portable kernel then (the Hopper one's dQ has no fixed order)."""
     from llm_attn.backward import force_bwd_splits, force_bwd_tile
 
     if tile == "narrow" and d != 128:
         pytest.skip("head_dim 64's narrow tile is its tile")
-    _skip_aot_only(tile)
     hq, hkv = HEADS[heads]
     seed = zlib.crc32(repr((tile, splits, causal, d, sq)).encode())
     q, k, v, dout = _qkv(1, hq, hkv, sq, sk, d, torch.bfloat16, seed)

@@ -164,7 +164,7 @@ def test_backward_kernels_compile_without_local_memory(arch, request):
     no spills (the dK/dV kernels' registers: kernels/NOTES.md "The backward through NVRTC")."""
     cpu_check_here(request, "every-arch NVRTC compile")
     nvrtc = _nvrtc_or_skip()
-    assert len(BWD_KERNELS) == 32  # per (head_dim, dtype): 3 + per mask (dK/dV tiles + the dQ kernel)
+    assert len(BWD_KERNELS) == 40  # per (head_dim, dtype): 3 + per mask (dK/dV tiles, the 2d kernel, the dQ kernel)
     assert "FlashBwdParams" in nvrtc.program_source(BWD_KERNELS)
     spilled = _local_memory(nvrtc, BWD_KERNELS, *compiled(request, arch), arch)
     assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
@@ -1433,8 +1433,6 @@ BWD_HOST_LINES = (
                     "'portable', 'narrow' or 'portable_separate_dq'\"); p.deterministic = deterministic;"),
     ("binding.cpp", "const char* v = std::getenv(\"LLM_ATTN_BWD_SPLITS\"); return v != nullptr && std::atoi(v) > 0 ? "
                     "std::atoi(v) : 0;"),
-    # The binding takes one id more than the NVRTC plan: kBwdPortable2d (the compiled extension's only,
-    # _plan.BWD_AOT_ONLY), which _nvrtc.set_bwd_tile refuses.
     ("binding.cpp", "if (tile < llm_attn::kBwdAuto || tile > llm_attn::kBwdPortable2d) return -1;"),
     ("binding.cpp", "if (splits < 0) return -1;"),
 )
@@ -1468,6 +1466,15 @@ def test_backward_launches_mirror_the_cpp_host_code():
     p = _plan.bwd_plan(s, RTX4060TI)
     assert p.splits.narrow and not p.splits.hopper and p.sm90 is None
     assert p.dkdv.kernel.endswith("BwdTraits<128, 32, 64, 4, 1>, true>") and p.dkdv.threads == 128
+    # On an A100 (163 KB a block) head_dim 128 takes the two-dimensional kernel (161 KB, 8 warps), head_dim 64 the
+    # 16-keys-a-warp tile; forced 'portable' keeps that tile at 128 too.
+    p = _plan.bwd_plan(s, A100)
+    assert p.splits.layout2d and not p.splits.narrow and p.dkdv.kernel == (
+        "llm_attn::flash_bwd_dkdv_2d_kernel<__nv_bfloat16, llm_attn::Bwd2dTraits<128>, true>")
+    assert (p.dkdv.threads, p.dkdv.smem) == (256, _plan.bwd_2d_smem_bytes(128)) == (256, 164864)
+    for other in (dataclasses.replace(s, head_dim=64), dataclasses.replace(s, force_tile=_plan.BWD_PORTABLE)):
+        p = _plan.bwd_plan(other, A100)
+        assert not p.splits.layout2d and p.dkdv.kernel.startswith("llm_attn::flash_bwd_dkdv_kernel<")
     # Non-causal, 8192 tokens, forced onto the separate dQ kernel: no dQ conversion, no split.
     p = _plan.bwd_plan(_plan.BwdShape(1, 32, 8, 8192, 8192, 128, False, False,
                                       force_tile=_plan.BWD_PORTABLE_SEPARATE_DQ), H100_SM90)
@@ -1513,8 +1520,8 @@ def test_backward_splits_are_the_cpp(tmp_path):
                 p.batch = b, p.num_heads = hq, p.num_kv_heads = hkv, p.seqlen_q = sq, p.seqlen_k = sk, p.head_dim = d;
                 p.causal = causal, p.deterministic = det;
                 llm_attn::flash_bwd_set_splits(p, sms, splits, tile);
-                std::printf("%d %d %d %d %d %d\\n", p.hopper, p.narrow, p.num_splits, p.iters_per_split, p.dq_shared,
-                            p.dq_separate);
+                std::printf("%d %d %d %d %d %d %d\\n", p.hopper, p.narrow, p.num_splits, p.iters_per_split,
+                            p.dq_shared, p.dq_separate, p.layout2d);
             }
         }
     """))
@@ -1537,7 +1544,7 @@ def test_backward_splits_are_the_cpp(tmp_path):
     for (s, dev), line in zip(cases, got):
         sp = _plan.bwd_set_splits(s, dev)
         want = " ".join(str(int(x)) for x in (sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split, sp.dq_shared,
-                                              sp.dq_separate))
+                                              sp.dq_separate, sp.layout2d))
         if line != want:
             bad.append((s, dev, line, want))
     assert not bad, f"{len(bad)} of {len(cases)} cases differ, e.g. {bad[:3]}"
@@ -1608,8 +1615,8 @@ def test_backward_entry_points_are_the_bindings(monkeypatch):
     prev_splits, prev_tile = nvrtc.set_bwd_splits(0), nvrtc.set_bwd_tile(0)
     try:
         assert nvrtc.set_bwd_splits(5) == 0 and nvrtc.set_bwd_splits(-1) == -1 and nvrtc.set_bwd_splits(0) == 5
-        assert nvrtc.set_bwd_tile(6) == 0 and nvrtc.set_bwd_tile(7) == -1 and nvrtc.set_bwd_tile(-1) == -1
-        assert nvrtc.set_bwd_tile(0) == 6
+        assert nvrtc.set_bwd_tile(7) == 0 and nvrtc.set_bwd_tile(8) == -1 and nvrtc.set_bwd_tile(-1) == -1
+        assert nvrtc.set_bwd_tile(0) == 7
     finally:
         nvrtc.set_bwd_splits(prev_splits)
         nvrtc.set_bwd_tile(prev_tile)
@@ -1618,11 +1625,7 @@ def test_backward_entry_points_are_the_bindings(monkeypatch):
         assert nvrtc._bwd_splits_from_env() == want
     for name, i in _plan.BWD_TILE_IDS.items():
         monkeypatch.setenv("LLM_ATTN_BWD_TILE", name)
-        if name in _plan.BWD_AOT_ONLY:  # the compiled extension's only: NVRTC warns and runs auto
-            with pytest.warns(UserWarning, match="compiled extension only"):
-                assert nvrtc._bwd_tile_from_env() == 0
-        else:
-            assert nvrtc._bwd_tile_from_env() == i
+        assert nvrtc._bwd_tile_from_env() == i
         assert f'std::strcmp(v, "{name}") == 0' in binding
     monkeypatch.setenv("LLM_ATTN_BWD_TILE", "wide")
     with pytest.warns(UserWarning, match="LLM_ATTN_BWD_TILE=wide is not auto, portable, narrow"):
