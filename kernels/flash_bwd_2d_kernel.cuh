@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             const DqFragAdder<kHeadDim> dq(
                 params.dq_accum + ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
                     ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4),
-                tq % 4, q_row < seqlen_q, q_row + 8 < seqlen_q);
+                q_row < seqlen_q, q_row + 8 < seqlen_q);
 #pragma unroll
             for (int i = 0; i < kDW; ++i) dq.add(i * 8, acc_dq[i]);
         }

@@ -178,39 +178,32 @@ __device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
 
 // dQ accumulator += n8 C fragments of one m16 tile: rows q_row (c[0], c[1]) and q_row + 8 (c[2], c[3]), columns
 // 2t, 2t + 1 of each fragment. `p` points at (q_row, column 2t) of a float32 buffer with kHeadDim columns; ok0 / ok8:
-// whether the rows exist. Built once per tile: the lane's address and predicate are worked out here, and each
-// fragment costs its shuffles and one atomic at a constant offset (issue 39, BP3: per fragment the address math was
-// redone under a branch, ~20 instructions an atomic).
-// On sm_90 one 16-byte atomic per lane instead of two 8-byte ones (half the L2 atomic operations): lanes t and t ^ 1
-// swap halves so that even t holds row g, columns 2t .. 2t + 3 and odd t row g + 8, columns 2t - 2 .. 2t + 1.
+// whether the rows exist. Each fragment is two predicated reductions straight from its accumulator registers (one
+// 8-byte vector red each on sm_90, two 4-byte ones before), at constant offsets from one address (issue 39, BP4).
+// - Predicated, not under `if`: in a branch ptxas rebuilt the 64-bit address inside each fragment's branch (BP3).
+// - No lane exchange for one 16-byte red a lane: its shuffles and selects waited on the last dQ products, and ncu
+//   put ~15 % of the two-dimensional kernel's stall samples there (BP4).
 template <int kHeadDim>
 struct DqFragAdder {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    float* p;
-    bool odd, ok;
-    __device__ __forceinline__ DqFragAdder(float* row, int t, bool ok0, bool ok8)
-        : p(row + ((t & 1) ? 8 * kHeadDim - 2 : 0)), odd(t & 1), ok((t & 1) ? ok8 : ok0) {}
-    // Fragment `c` of column offset `col` (a multiple of 8, known at compile time after unrolling).
-    __device__ __forceinline__ void add(int col, const float (&c)[4]) const {
-        const float x0 = __shfl_xor_sync(0xffffffff, odd ? c[0] : c[2], 1);
-        const float x1 = __shfl_xor_sync(0xffffffff, odd ? c[1] : c[3], 1);
-        const float4 val = odd ? make_float4(x0, x1, c[2], c[3]) : make_float4(c[0], c[1], x0, x1);
-        // A predicated red, not `if (ok) atomicAdd`: under a branch ptxas rebuilt the 64-bit address inside each
-        // fragment's branch (the registers are short); predicated, every fragment adds a constant to one address.
-        asm volatile(
-            "{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n@q red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(p + col),
-            "f"(val.x), "f"(val.y), "f"(val.z), "f"(val.w), "r"(static_cast<int>(ok))
-            : "memory");
-    }
-#else
     float* p;
     bool ok0, ok8;
-    __device__ __forceinline__ DqFragAdder(float* row, int, bool ok0_, bool ok8_) : p(row), ok0(ok0_), ok8(ok8_) {}
+    __device__ __forceinline__ DqFragAdder(float* row, bool ok0_, bool ok8_) : p(row), ok0(ok0_), ok8(ok8_) {}
+    // Fragment `c` of column offset `col` (a multiple of 8, known at compile time after unrolling).
     __device__ __forceinline__ void add(int col, const float (&c)[4]) const {
-        if (ok0) atomic_add2(p + col, c[0], c[1]);
-        if (ok8) atomic_add2(p + col + 8 * kHeadDim, c[2], c[3]);
+        red2(p + col, c[0], c[1], ok0);
+        red2(p + col + 8 * kHeadDim, c[2], c[3], ok8);
     }
+    __device__ __forceinline__ static void red2(float* q, float x, float y, bool ok) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(q),
+                     "f"(x), "f"(y), "r"(static_cast<int>(ok))
+                     : "memory");
+#else
+        asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q red.global.add.f32 [%0], %1;\n@q red.global.add.f32 [%0+4], %2;\n}\n" ::"l"(q),
+                     "f"(x), "f"(y), "r"(static_cast<int>(ok))
+                     : "memory");
 #endif
+    }
 };
 
 // A split launch's epilogue for one key row: this thread's dK (times the softmax scale) and dV of C rows 2r, 2r + 1
@@ -546,7 +539,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
             const DqFragAdder<kHeadDim> dq(
                 params.dq_accum + ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
                     dq_col0 + 2 * t,
-                t, q_row < seqlen_q, q_row + 8 < seqlen_q);
+                q_row < seqlen_q, q_row + 8 < seqlen_q);
 #pragma unroll
             for (int dg = 0; dg < Traits::kColsDQ / 32; ++dg) {
                 float acc[4][4];
