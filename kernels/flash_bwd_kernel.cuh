@@ -180,7 +180,8 @@ __device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
 // 2t, 2t + 1 of each fragment. `p` points at (q_row, column 2t) of a float32 buffer with kHeadDim columns; ok0 / ok8:
 // whether the rows exist. Each fragment is two predicated reductions straight from its accumulator registers (one
 // 8-byte vector red each on sm_90, two 4-byte ones before), at constant offsets from one address (issue 39, BP4).
-// - Predicated, not under `if`: in a branch ptxas rebuilt the 64-bit address inside each fragment's branch (BP3).
+// - On sm_90 predicated PTX, not `if`: there ptxas rebuilt the 64-bit address inside each fragment's branch (BP3;
+//   with the address fixed here, the portable kernel's `if` still costs 8 more instructions a step than the PTX).
 // - No lane exchange for one 16-byte red a lane: its shuffles and selects waited on the last dQ products, and ncu
 //   put ~15 % of the two-dimensional kernel's stall samples there (BP4).
 template <int kHeadDim>
@@ -198,10 +199,11 @@ struct DqFragAdder {
         asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(q),
                      "f"(x), "f"(y), "r"(static_cast<int>(ok))
                      : "memory");
-#else
-        asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q red.global.add.f32 [%0], %1;\n@q red.global.add.f32 [%0+4], %2;\n}\n" ::"l"(q),
-                     "f"(x), "f"(y), "r"(static_cast<int>(ok))
-                     : "memory");
+#else  // the same two reds in PTX cost 18-48 more instructions a step on sm_80 (a branch each); here one per pair
+        if (ok) {
+            atomicAdd(q, x);
+            atomicAdd(q + 1, y);
+        }
 #endif
     }
 };
