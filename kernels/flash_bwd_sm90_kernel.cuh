@@ -115,8 +115,8 @@ struct Sm90BwdSmem {
 };
 
 // Step `it` of block b: its query head and first query row. Query blocks up, heads outer: the portable kernels'
-// order (BwdBlock::step, query blocks down, heads inner) measured 0.95x at 8k causal head_dim 128 here and
-// 0.99-1.01x elsewhere but 1.06x at head_dim 64 causal (H100, kernels/NOTES.md BP3), so this kernel keeps its own.
+// order (BwdBlock::step, query blocks down, heads inner) measured 0.95x at 8k causal head_dim 128 here, and
+// 0.96-0.99x at head_dim 64 causal (H100, kernels/NOTES.md BP3, BP5), so this kernel keeps its own.
 __device__ __forceinline__ int2 bwd_step(const BwdBlock& b, int it, int block_m) {
     return make_int2(b.kv_head * b.group + it / b.per_head, (b.m_block_min + it % b.per_head) * block_m);
 }
