@@ -5,7 +5,8 @@
 //      +inf for rows that saw no key so that their P = exp2(S - lse) is exactly 0.
 //   2. flash_bwd_dkdv_kernel: one block per (KV head, kBlockN-key block, batch). The block keeps K and V in shared memory
 //      and dK, dV accumulators in registers, and walks every query block of every query head of its KV head's group
-//      (GQA/MQA: dK/dV are summed over the group inside the block, deterministic, K/V never expanded). Per query
+//      (query blocks from the last down, the group's heads inner: BwdBlock::Step; GQA/MQA: dK/dV are summed over the
+//      group inside the block, deterministic, K/V never expanded). Per query
 //      block it recomputes S^T = K Q^T and dP^T = V dO^T (each warp owns 16 keys, so the softmax columns it needs
 //      come from the saved lse, no cross-warp reduction), P^T = exp2(S^T - lse), dS^T = P^T (dP^T - dsum), then
 //      dV += P^T dO and dK += dS^T Q from registers (the S accumulators re-packed as A fragments, as in the forward),
