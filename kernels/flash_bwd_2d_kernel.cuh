@@ -148,9 +148,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             __syncthreads();
 
             // 1. S = Q K^T and dP = dO V^T (32 queries x 32 keys each), two independent chains of mma in one loop
-            //    over head_dim (in rolled groups of four k-steps, the LdsmAddr bases). The three product loops are
-            //    rolled because unrolled they spilled at head_dim 128 (BP1); since BP3/BP4 they compile unrolled
-            //    without spills, 994 instructions a step against 1130, not yet measured (kernels/NOTES.md BP6).
+            //    over head_dim (in groups of four k-steps, the LdsmAddr bases). The three product loops are
+            //    unrolled: 994 instructions a step against 1130 rolled, 1-5 % faster, no spills on any arch since
+            //    BP3/BP4 (kernels/NOTES.md BP6; BP1 rolled them when they spilled).
             float acc_s[2][4][4], acc_dp[2][4][4];
 #pragma unroll
             for (int m = 0; m < 2; ++m)
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
                 for (int i = 0; i < 4; ++i)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc_s[m][i][e] = acc_dp[m][i][e] = 0.f;
-#pragma unroll 1
+#pragma unroll
             for (int kh = 0; kh < kKD / 4; ++kh)
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -234,8 +234,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
                                        sLse + (stage ^ 1) * kBlockM, sDsum + (stage ^ 1) * kBlockM, tid);
             cp_async_commit();
 
-            // 2. dV += P^T dO, dK += dS^T Q: this warp's 32 keys x head_dim / 2 (a rolled loop, see 1.).
-#pragma unroll 1
+            // 2. dV += P^T dO, dK += dS^T Q: this warp's 32 keys x head_dim / 2.
+#pragma unroll
             for (int kk = 0; kk < kKM; ++kk) {
                 uint32_t ap[2][4];
 #pragma unroll
@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             float acc_dq[kDW][4];
 #pragma unroll
             for (int i = 0; i < kDW; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
-            // Key k-steps in rolled groups of four (addr_ds's four swizzle bases; rolled, see 1.).
-#pragma unroll 1
+            // Key k-steps in groups of four (addr_ds's four swizzle bases).
+#pragma unroll
             for (int kh = 0; kh < kKN / 4; ++kh) {
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {

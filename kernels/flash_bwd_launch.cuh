@@ -23,19 +23,24 @@ template <int kHeadDim, template <int> class Tile>
 using BwdConfigOf = BwdTraits<kHeadDim, Tile<kHeadDim>::kBlockM, Tile<kHeadDim>::kBlockN, Tile<kHeadDim>::kNWarps,
                               Tile<kHeadDim>::kSplitDp>;
 
-template <typename T, typename Traits, bool kCausal>
-cudaError_t launch_flash_bwd_dkdv(FlashBwdParams& params, cudaStream_t stream) {
-    auto kernel = flash_bwd_dkdv_kernel<T, Traits, kCausal>;
+// One dK/dV kernel (flash_bwd_dkdv_kernel or flash_bwd_dkdv_2d_kernel: both read their block from BwdBlock::make) on
+// its grid: (key block, KV head, batch x split). Causal: KV heads in x so the longest key blocks (the first ones)
+// launch first across heads (the binding keeps n_blocks within gridDim.y's 65535).
+template <auto kKernel, typename Traits, bool kCausal>
+cudaError_t launch_bwd_dkdv(FlashBwdParams& params, cudaStream_t stream) {
     constexpr int smem = Traits::kSmemBytes;
-    cudaError_t err = opt_in_dynamic_smem<flash_bwd_dkdv_kernel<T, Traits, kCausal>, smem>();
+    cudaError_t err = opt_in_dynamic_smem<kKernel, smem>();
     if (err != cudaSuccess) return err;
     const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    // Causal: KV heads in x so the longest key blocks (the first ones) launch first across heads (the binding keeps
-    // n_blocks within gridDim.y's 65535).
     dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads,
               params.batch * params.num_splits);
-    kernel<<<grid, Traits::kThreads, smem, stream>>>(params);
+    kKernel<<<grid, Traits::kThreads, smem, stream>>>(params);
     return cudaGetLastError();
+}
+
+template <typename T, typename Traits, bool kCausal>
+cudaError_t launch_flash_bwd_dkdv(FlashBwdParams& params, cudaStream_t stream) {
+    return launch_bwd_dkdv<flash_bwd_dkdv_kernel<T, Traits, kCausal>, Traits, kCausal>(params, stream);
 }
 
 // Preprocessing, the dK/dV kernel that `dkdv` launches (this file's, or the Hopper one: flash_bwd_sm90_launch.cuh),
@@ -80,19 +85,12 @@ cudaError_t launch_flash_bwd_dq(FlashBwdParams& params, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// The two-dimensional kernel (flash_bwd_2d_kernel.cuh), same grid as launch_flash_bwd_dkdv's.
+// The two-dimensional kernel (flash_bwd_2d_kernel.cuh).
 template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch_flash_bwd_dkdv_2d(FlashBwdParams& params, cudaStream_t stream) {
     using Traits = Bwd2dTraits<kHeadDim>;
     static_assert(Traits::kSmemBytes == bwd_2d_smem_bytes(kHeadDim), "flash.h's size of the layout");
-    constexpr int smem = Traits::kSmemBytes;
-    cudaError_t err = opt_in_dynamic_smem<flash_bwd_dkdv_2d_kernel<T, Traits, kCausal>, smem>();
-    if (err != cudaSuccess) return err;
-    const int n_blocks = (params.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : params.num_kv_heads,
-              params.batch * params.num_splits);
-    flash_bwd_dkdv_2d_kernel<T, Traits, kCausal><<<grid, Traits::kThreads, smem, stream>>>(params);
-    return cudaGetLastError();
+    return launch_bwd_dkdv<flash_bwd_dkdv_2d_kernel<T, Traits, kCausal>, Traits, kCausal>(params, stream);
 }
 
 template <typename T, int kHeadDim, bool kCausal>
