@@ -36,6 +36,7 @@ Needs ``peft`` and ``datasets``:  python -m pip install -e ".[finetune]"
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -247,6 +248,11 @@ class ImplRun:
             report = patch_model(base, impl=self.impl, on_unsupported="error", backend=args.backend)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        # Python's cyclic garbage collector paused over the timed step, as timeit does: a collection landing inside
+        # one implementation's step (tens of ms on a model's autograd graph) would be noise in the paired interval.
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
         try:
             ids = ids.to(args.device)
             _sync(args.device)
@@ -266,6 +272,8 @@ class ImplRun:
             if step in (1, last):
                 self.grads[step] = {n: p.grad.detach().float().clone() for n, p in self.trainable.items()}
         finally:
+            if gc_was_enabled:
+                gc.enable()
             if report is not None:
                 unpatch_model(base)
                 for k, v in report.native_calls.items():

@@ -265,37 +265,74 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             }
             if (params.dq_separate) continue;
 
-            // dQ[m0 + 16 wk .. + 16, this warp's head_dim half] += dS K.
-            float acc_dq[kDW][4];
+            // dQ[m0 + 16 wk .. + 16, this warp's head_dim half] += dS K. The thread's row and column come from %tid.x
+            // again (as in the epilogue below): kept live across the step, they cost head_dim 128's causal kernel a
+            // 4-byte spill on sm_80.
+            const auto dq_adder = [&] {
+                const uint32_t tq = fresh_tid();
+                const int q_row = m0 + (tq / 64) * 16 + (tq % 32) / 4;
+                return DqFragAdder<kHeadDim>(params.dq_accum +
+                                                 ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) *
+                                                     kHeadDim +
+                                                 ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4),
+                                             q_row < seqlen_q, q_row + 8 < seqlen_q);
+            };
+            if constexpr (kHeadDim == 128) {
+                // In two column parts (BP7): the first part's 8 reds go out under the second part's mma instead of
+                // 16 in one burst at the end of the step, which filled the global-memory queue (ncu: 5.5 % of the
+                // samples on lg_throttle, all on the last reds of the burst). The dS fragments of all key k-steps
+                // are held across the parts (loaded once, as before). +3-6 % (kernels/NOTES.md "BP7").
+                constexpr int kDP = kDW / 2;  // n8 tiles a part
+                uint32_t a_ds[kKN][4];
 #pragma unroll
-            for (int i = 0; i < kDW; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
-            // Key k-steps in groups of four (addr_ds's four swizzle bases).
+                for (int kk = 0; kk < kKN; ++kk) ldsm_x4(a_ds[kk], addr_ds.base[kk % 4] + 2 * ((kk / 4) * 64));
+                const DqFragAdder<kHeadDim> dq = dq_adder();
 #pragma unroll
-            for (int kh = 0; kh < kKN / 4; ++kh) {
+                for (int part = 0; part < 2; ++part) {
+                    float acc_dq[kDP][4];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int kk = 4 * kh + u;
-                    uint32_t a[4];
-                    ldsm_x4(a, addr_ds.base[u] + 2 * (kh * 64));
+                    for (int kk = 0; kk < kKN; ++kk)
 #pragma unroll
-                    for (int dp = 0; dp < kDW / 2; ++dp) {
-                        uint32_t bk[4];
-                        ldsm_x4_t(bk, addr_t[dp] + 2 * (kOffK + kk * 16 * kHeadDim));
-                        mma_16816<T>(acc_dq[2 * dp], a, bk[0], bk[1]);
-                        mma_16816<T>(acc_dq[2 * dp + 1], a, bk[2], bk[3]);
+                        for (int dp = 0; dp < kDP / 2; ++dp) {
+                            uint32_t bk[4];
+                            ldsm_x4_t(bk, addr_t[part * (kDP / 2) + dp] + 2 * (kOffK + kk * 16 * kHeadDim));
+                            if (kk == 0) {
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) acc_dq[2 * dp][e] = acc_dq[2 * dp + 1][e] = 0.f;
+                            }
+                            mma_16816<T>(acc_dq[2 * dp], a_ds[kk], bk[0], bk[1]);
+                            mma_16816<T>(acc_dq[2 * dp + 1], a_ds[kk], bk[2], bk[3]);
+                        }
+#pragma unroll
+                    for (int i = 0; i < kDP; ++i) dq.add((part * kDP + i) * 8, acc_dq[i]);
+                }
+            } else {
+                // head_dim 64: one part (two accumulator chains a part would be too few), as BP6; holding every
+                // dS fragment measured 1 % slower there.
+                float acc_dq[kDW][4];
+#pragma unroll
+                for (int i = 0; i < kDW; ++i) acc_dq[i][0] = acc_dq[i][1] = acc_dq[i][2] = acc_dq[i][3] = 0.f;
+                // Key k-steps in groups of four (addr_ds's four swizzle bases).
+#pragma unroll
+                for (int kh = 0; kh < kKN / 4; ++kh) {
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const int kk = 4 * kh + u;
+                        uint32_t a[4];
+                        ldsm_x4(a, addr_ds.base[u] + 2 * (kh * 64));
+#pragma unroll
+                        for (int dp = 0; dp < kDW / 2; ++dp) {
+                            uint32_t bk[4];
+                            ldsm_x4_t(bk, addr_t[dp] + 2 * (kOffK + kk * 16 * kHeadDim));
+                            mma_16816<T>(acc_dq[2 * dp], a, bk[0], bk[1]);
+                            mma_16816<T>(acc_dq[2 * dp + 1], a, bk[2], bk[3]);
+                        }
                     }
                 }
-            }
-            // The thread's row and column from %tid.x again (as in the epilogue below): kept live across the step,
-            // they cost head_dim 128's causal kernel a 4-byte spill on sm_80.
-            const uint32_t tq = fresh_tid();
-            const int q_row = m0 + (tq / 64) * 16 + (tq % 32) / 4;
-            const DqFragAdder<kHeadDim> dq(
-                params.dq_accum + ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim +
-                    ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4),
-                q_row < seqlen_q, q_row + 8 < seqlen_q);
+                const DqFragAdder<kHeadDim> dq = dq_adder();
 #pragma unroll
-            for (int i = 0; i < kDW; ++i) dq.add(i * 8, acc_dq[i]);
+                for (int i = 0; i < kDW; ++i) dq.add(i * 8, acc_dq[i]);
+            }
         }
     }
 
