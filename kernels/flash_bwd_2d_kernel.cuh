@@ -271,11 +271,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) flash_bwd_dkdv_2d_kernel(
             const auto dq_adder = [&] {
                 const uint32_t tq = fresh_tid();
                 const int q_row = m0 + (tq / 64) * 16 + (tq % 32) / 4;
-                return DqFragAdder<kHeadDim>(params.dq_accum +
-                                                 ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) *
-                                                     kHeadDim +
-                                                 ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4),
-                                             q_row < seqlen_q, q_row + 8 < seqlen_q);
+                float* row = params.dq_accum +
+                             ((static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + q_row) * kHeadDim;
+                return DqFragAdder<kHeadDim>(row + ((tq / 32) % 2) * (kHeadDim / 2) + 2 * (tq % 4), q_row < seqlen_q,
+                                             q_row + 8 < seqlen_q);
             };
             if constexpr (kHeadDim == 128) {
                 // In two column parts (BP7): the first part's 8 reds go out under the second part's mma instead of
