@@ -1388,7 +1388,7 @@ def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forc
 # -- the backward's plan --------------------------------------------------------------------------------------------
 BWD_HOST_LINES = (
     ("flash_bwd_launch.cuh", "dim3 grid(kCausal ? params.num_kv_heads : n_blocks, kCausal ? n_blocks : "
-                             "params.num_kv_heads, params.batch * params.num_splits); kernel<<<grid, Traits::kThreads, "
+                             "params.num_kv_heads, params.batch * params.num_splits); kKernel<<<grid, Traits::kThreads, "
                              "smem, stream>>>(params);"),
     ("flash_bwd_launch.cuh", "constexpr int kPreThreads = 128; const int64_t pre_blocks = (rows * kChunks + "
                              "kPreThreads - 1) / kPreThreads; flash_bwd_preprocess_kernel<T, kHeadDim><<<static_cast<"
