@@ -422,6 +422,11 @@ def _function(index: int, kernel: str, smem: int):
             _drv_check(driver.cuFuncSetAttribute(
                 fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                 "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+            carveout = _plan._tuning_env("LLM_ATTN_SMEM_CARVEOUT", -1)  # kernels/launch_smem.h, the same knob
+            if 0 <= carveout <= 100:
+                _drv_check(driver.cuFuncSetAttribute(
+                    fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout),
+                    "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)")
         stats = compile_stats.setdefault((arch, kernel), {})
         stats["load_seconds"] = time.perf_counter() - t0
         _functions[(index, kernel)] = fn
@@ -1124,7 +1129,7 @@ def set_bwd_tile(tile: int) -> int:
     """Force the backward's dK/dV kernel (a BwdTileId, 0 auto); returns the previous one, -1 (nothing changed) for
     an unknown id."""
     global _bwd_tile
-    if not _plan.BWD_AUTO <= int(tile) <= _plan.BWD_PORTABLE_2D:
+    if int(tile) not in _plan.BWD_TILE_IDS.values():
         return -1
     prev, _bwd_tile = _bwd_tile, int(tile)
     return prev
