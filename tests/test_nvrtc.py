@@ -524,6 +524,24 @@ def _kernels_text(name: str) -> str:
         return " ".join(f.read().split())
 
 
+def test_smem_carveout_knob_is_the_extensions():
+    """LLM_ATTN_SMEM_CARVEOUT (a measurement knob, kernels/launch_smem.h) means the same in the NVRTC build: the same
+    variable, 0..100 set as the preferred shared-memory carveout of every kernel above 48 KB, anything else the
+    driver's choice."""
+    import inspect
+
+    from llm_attn import _nvrtc
+
+    for line in ('const char* v = std::getenv("LLM_ATTN_SMEM_CARVEOUT");', "return p >= 0 && p <= 100 ? p : -1;",
+                 "if constexpr (kSmemBytes <= 48 * 1024) { return cudaSuccess; }",
+                 "err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout, "
+                 "smem_carveout_from_env());"):
+        assert line in _kernels_text("launch_smem.h"), f"launch_smem.h no longer has `{line}`: update _nvrtc._function"
+    src = " ".join(inspect.getsource(_nvrtc._function).split())
+    assert ('if smem > 48 * 1024:' in src and 'carveout = _plan._tuning_env("LLM_ATTN_SMEM_CARVEOUT", -1)' in src
+            and "if 0 <= carveout <= 100:" in src and "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout" in src)
+
+
 def test_hopper_choice_mirrors_the_extension():
     """_plan takes the Hopper kernel exactly where kernels/flash_fwd.cu does: use_sm90 (forced, or automatic when
     the portable kernel would not split and the device runs sm_90a code) after the decode check, no split when
