@@ -362,13 +362,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     set_shared_params(f.p, q, k, v, out, lse, seqused_k, scale, causal);
     f.p.num_splits = 1;
     const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hkv = k.size(1), sk = k.size(2);
-    const int64_t q_blocks = (sq + llm_attn::kFp8QBlock - 1) / llm_attn::kFp8QBlock;
-    const int64_t k_blocks = (sk + llm_attn::kFp8KBlock - 1) / llm_attn::kFp8KBlock;
+    const int64_t k_block = llm_attn::fp8_k_block(pv_input), k_blocks = (sk + k_block - 1) / k_block;
     const int64_t pad = llm_attn::fp8_seqlen_k_pad(static_cast<int>(sk));
     const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d;  // multiples of 64
     const int64_t n_vt8 = pv_input ? 0 : b * hkv * d * pad;           // P V in the input dtype reads the caller's V
     at::Tensor bytes = at::empty({n_q8 + n_k8 + n_vt8}, q.options().dtype(at::kByte));
-    const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, n_vs = b * hkv * d;
+    const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * sq, n_ks = b * hkv * k_blocks, n_vs = b * hkv * d;
     const int64_t n_qm = b * hq * sq;
     at::Tensor floats = at::empty({n_stats + n_qs + n_ks + n_vs + n_qm}, q.options().dtype(at::kFloat));
     floats.narrow(0, 0, n_stats).zero_();  // only the statistics are accumulated into

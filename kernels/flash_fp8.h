@@ -2,7 +2,7 @@
 // warp-specialised wgmma kernel on e4m3 operands (flash_fwd_fp8_sm90_kernel.cuh). No torch headers.
 //
 // What the call computes (llm_attn/quant_reference.py holds the same algorithm in PyTorch):
-//   Q: e4m3 with one scale per (batch, head, 64 query rows) = amax / 448, or int8 with amax / 127 (Fp8Qk below).
+//   Q: e4m3 with one scale per (batch, head, query row) = amax / 448, or int8 with amax / 127 (Fp8Qk below).
 //   K: smoothed by its per-channel mean over the valid keys (q . mean is the same for every key of a row, so no
 //      softmax row changes), then e4m3 (or int8, as Q) with one scale per (batch, KV head, 64 keys): a 64-key column
 //      group of the kernel's S tile (2 in a 128-key tile, 3 in a 192-key one), applied in its softmax.
@@ -21,17 +21,21 @@
 namespace llm_attn {
 
 // Workspace geometry: blocks of rows the scales cover.
-constexpr int kFp8QBlock = 64;    // query rows per Q scale (one consumer warpgroup's rows)
+constexpr int kFp8QBlock = 64;    // query rows per block of the Q pre-pass (each row has a scale of its own)
 constexpr int kFp8KBlock = 64;    // keys per K scale (a column group of the kernel's 128- or 192-key S tile)
+// With P V in the input dtype (llm_attn_int8qk, the accurate variant) K scales are finer: what is left of its error
+// is int8 Q K^T's rounding (kernels/NOTES.md "per-row Q scales").
+constexpr int kFp8KBlockPvInput = 32;
+constexpr int fp8_k_block(bool pv_input) { return pv_input ? kFp8KBlockPvInput : kFp8KBlock; }
 constexpr int kFp8KvChunk = 128;  // keys per block of the K/V pre-pass, and the padding of V^T's rows
 
 struct FlashFwdFp8Params {
     FlashFwdParams p;  // the caller's q, k, v (fp16/bf16), o, lse, strides, shapes, seqused_k, scale, causal
     // Workspaces, allocated by the caller (the binding), contiguous:
     uint8_t* q8;         // (batch, num_heads, seqlen_q, head_dim) e4m3
-    float* q_scale;      // (batch, num_heads, ceil(seqlen_q / kFp8QBlock))
+    float* q_scale;      // (batch, num_heads, seqlen_q)
     uint8_t* k8;         // (batch, num_kv_heads, seqlen_k, head_dim) e4m3, mean-subtracted
-    float* k_scale;      // (batch, num_kv_heads, ceil(seqlen_k / kFp8KBlock))
+    float* k_scale;      // (batch, num_kv_heads, ceil(seqlen_k / fp8_k_block(pv_input)))
     uint8_t* vt8;        // (batch, num_kv_heads, head_dim, seqlen_k_pad) e4m3, seqlen_k_pad = fp8_seqlen_k_pad; keys at
                          // or past the valid ones are zero
     float* v_scale;      // (batch, num_kv_heads, head_dim)

@@ -2,8 +2,8 @@
 // producer warpgroup, two consumer warpgroups of 64 query rows, software-pipelined and ping-ponged wgmma) on the
 // e4m3 operands the pre-pass writes (quant_fp8.cuh; flash_fp8.h says what is computed):
 //   S = Q8 K8^T      wgmma m64n{kBlockN}k32 e4m3 (kBlockN = 128 or 192 keys), both operands K-major from shared
-//                    memory; dequantised by q_scale * k_scale of each 64-key column group, folded into the softmax
-//                    scale of that group's columns (fp8_update_scores)
+//                    memory; dequantised by the row's q_scale times the k_scale of each 64-key column group, folded
+//                    into the softmax scale of that row's group (fp8_update_scores)
 //   softmax          online, base 2, fp32, with the exact running max (SoftmaxState<.., 0, 8>): P' = 2^8 P lies in
 //                    [0, 256], inside e4m3's range (448) and keeping small probabilities out of its subnormals
 //   O += P8 V8       wgmma m64n{head_dim}k32 e4m3, P from registers, V^T (head_dim rows of keys: one 128-key box,
@@ -45,7 +45,8 @@ struct Fp8Traits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr bool kQkInt8 = kQkInt8_;
     static constexpr bool kPvInput = kPvInput_;
-    static constexpr int kKGroups = kBlockN / kFp8KBlock;  // K scales (64-key column groups) per S tile
+    static constexpr int kKBlock = fp8_k_block(kPvInput);  // keys per K scale
+    static constexpr int kKGroups = kBlockN / kKBlock;     // K scales (column groups) per S tile
     static constexpr int kStages = kStages_;
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kConsumerThreads = 128 * kConsumers;
@@ -66,9 +67,8 @@ struct Fp8Traits {
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
-    static_assert(kBlockM == kFp8QBlock * kConsumers, "one Q scale per consumer warpgroup");
     static_assert(kBlockN == 128 || kBlockN == 192, "WgmmaFp8<kBlockN> exists for 128 and 192 (TMA boxes <= 256 rows)");
-    static_assert(kBlockN % kFp8KBlock == 0 && kFp8KBlock % 32 == 0, "whole K-scale groups, whole k32 steps each");
+    static_assert(kBlockN % kKBlock == 0 && kKBlock % 32 == 0, "whole K-scale groups, whole k32 steps each");
     static_assert(kVtBoxKeys % 32 == 0 && kVtBoxBytes % 1024 == 0, "k32 steps inside a box; boxes swizzle-aligned");
     static_assert(!kPvInput || kQkInt8, "P V in the input dtype: int8 Q K^T");
     static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 64 * 1024, "the SM's register file");
@@ -141,9 +141,10 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
     }
 }
 
-// SoftmaxState::update_scores with one scale per 64-key column group of S (the K scales of the tile's groups, each
-// times q_scale and the softmax scale): the group's max times its scale (positive, so the max of the scaled scores),
-// and the scale inside the exp2's FMA, so finer K scales cost no instruction per score. Exact running max (the
+// SoftmaxState::update_scores with one scale per row and 64-key column group of S: the group's K scale times the
+// softmax scale (scale_log2[g]) times the row's Q scale (row_scale[r]); the group's max times its scale (positive,
+// so the max of the scaled scores), the row's max times the row's scale, and the scale inside the exp2's FMA, so
+// finer scales cost no instruction per score (one FMUL per row and group). Exact running max (the
 // state's kRescaleLog2 is 0): rescale whenever a row max grows.
 // kBiased (the INT8 S): each score is the float 1.5 x 2^23 + s (kS8Bias, s the integer dot product; exact, as
 // |s| < 2^22), so the group max is (max - kS8Bias) x scale (an exact subtraction) and the exp2's FMA takes the bias
@@ -153,7 +154,8 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
 constexpr float kS8Bias = 12582912.f;  // 1.5 x 2^23: bits 0x4B400000
 template <int kGroups, int kNT, bool kBiased = false, typename State>
 __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][kNT][4],
-                                                  const float (&scale_log2)[kGroups], float (&alpha)[1][2]) {
+                                                  const float (&scale_log2)[kGroups], const float (&row_scale)[2],
+                                                  float (&alpha)[1][2]) {
     constexpr int kNTG = kNT / kGroups;  // n8 blocks per group
     static_assert(kNT % kGroups == 0, "whole n8 blocks per group");
     float tile_max[2];
@@ -171,7 +173,7 @@ __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][k
             if constexpr (kBiased) gm -= kS8Bias;  // -inf stays -inf
             mx = fmaxf(mx, gm * scale_log2[g]);
         }
-        tile_max[r] = quad_max(mx);
+        tile_max[r] = quad_max(mx) * row_scale[r];  // the row's scale is positive and the same for every group
         grow |= tile_max[r] > st.row_max[0][r];  // -inf > -inf is false: fully masked rows never ask
     }
     const bool rescale = __any_sync(0xffffffff, grow);
@@ -181,15 +183,18 @@ __device__ __forceinline__ bool fp8_update_scores(State& st, float (&acc_s)[1][k
         const float mm = new_max == -INFINITY ? 0.f : new_max;  // a row with no key yet: exp2 gives 0, not NaN
         alpha[0][r] = exp2f(st.row_max[0][r] - mm);
         const float shift = static_cast<float>(kPOffsetLog2) - mm;
-        float shift_g[kGroups];
+        float sc[kGroups], shift_g[kGroups];
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) shift_g[g] = kBiased ? fmaf(-kS8Bias, scale_log2[g], shift) : shift;
+        for (int g = 0; g < kGroups; ++g) {
+            sc[g] = scale_log2[g] * row_scale[r];
+            shift_g[g] = kBiased ? fmaf(-kS8Bias, sc[g], shift) : shift;
+        }
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-            const float sc = scale_log2[nt / kNTG], sh = shift_g[nt / kNTG];
-            acc_s[0][nt][2 * r] = exp2f(fmaf(acc_s[0][nt][2 * r], sc, sh));
-            acc_s[0][nt][2 * r + 1] = exp2f(fmaf(acc_s[0][nt][2 * r + 1], sc, sh));
+            const float s = sc[nt / kNTG], sh = shift_g[nt / kNTG];
+            acc_s[0][nt][2 * r] = exp2f(fmaf(acc_s[0][nt][2 * r], s, sh));
+            acc_s[0][nt][2 * r + 1] = exp2f(fmaf(acc_s[0][nt][2 * r + 1], s, sh));
             sum += acc_s[0][nt][2 * r] + acc_s[0][nt][2 * r + 1];
         }
         st.row_sum[0][r] = st.row_sum[0][r] * alpha[0][r] + sum;  // per-thread partial; quad-reduced at the end
@@ -213,13 +218,14 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     const int warp = tid / 32, lane = tid % 32;
     const int wg_row0 = b.m_block * Traits::kBlockM + wg * 64;
     const int warp_row0 = wg_row0 + warp * 16;
-    const int q_blocks = (p.seqlen_q + kFp8QBlock - 1) / kFp8QBlock;
-    const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
+    const int k_blocks = (p.seqlen_k + Traits::kKBlock - 1) / Traits::kKBlock;
     const float* k_scale = params.f.k_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * k_blocks;
-    // Rows past seqlen_q (a partial last block) have no scale of their own: their Q rows arrive as zeros anyway.
-    const int q_blk = min(b.m_block * Traits::kConsumers + wg, q_blocks - 1);
-    const float qk_scale_log2 =
-        p.scale_log2 * params.f.q_scale[(static_cast<int64_t>(b.batch) * p.num_heads + b.head) * q_blocks + q_blk];
+    // This thread's two rows' Q scales (rows g and g + 8 of the warp's 16). Rows past seqlen_q (a partial last
+    // block) have no scale of their own: their Q rows arrive as zeros, and the last row's scale keeps them finite.
+    const float* q_scale = params.f.q_scale + (static_cast<int64_t>(b.batch) * p.num_heads + b.head) * p.seqlen_q;
+    float q_row_scale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) q_row_scale[r] = __ldg(q_scale + min(warp_row0 + lane / 4 + 8 * r, p.seqlen_q - 1));
 
     SoftmaxState<1, kDT, 0, kPOffsetLog2> st;
     st.init();
@@ -309,16 +315,14 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     // clamp keeps the read inside this head's scales (a finite scale, so -inf stays -inf).
     auto tile_scale = [&](int n_block, float (&sc)[kKGroups]) {
 #pragma unroll
-        for (int g = 0; g < kKGroups; ++g) {
-            sc[g] = qk_scale_log2 * __ldg(k_scale + min(n_block * kKGroups + g, k_blocks - 1));
-        }
+        for (int g = 0; g < kKGroups; ++g) sc[g] = p.scale_log2 * __ldg(k_scale + min(n_block * kKGroups + g, k_blocks - 1));
     };
     auto softmax = [&](int n_block, const float (&sc)[kKGroups], float (&alpha)[1][2]) {
         const int key0 = n_block * kBlockN;
         if (key0 + kBlockN > b.kv_len || (kCausal && key0 + kBlockN - 1 > warp_row0 + b.causal_offset)) {
             mask_scores<kCausal>(acc_s, key0, warp_row0, b.kv_len, b.causal_offset, lane);
         }
-        return fp8_update_scores<kKGroups, kNT, Traits::kQkInt8>(st, acc_s, sc, alpha);
+        return fp8_update_scores<kKGroups, kNT, Traits::kQkInt8>(st, acc_s, sc, q_row_scale, alpha);
     };
     auto release = [&](uint64_t* bar) {
         __syncwarp();

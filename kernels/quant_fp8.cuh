@@ -1,8 +1,8 @@
 // The FP8 forward's quantising pre-pass (flash_fp8.h says what it computes): three kernels, all memory-bound, each
 // reading its bf16/fp16 input once in 16-byte chunks.
 //   fp8_kv_stats_kernel   K's channel sums and V's channel amax over the valid keys (float atomics into `stats`)
-//   fp8_quant_q_kernel    Q -> e4m3 (or int8, kQkInt8), one scale per 64 rows of a head
-//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 or int8 (one scale per 64 keys), V -> e4m3 transposed
+//   fp8_quant_q_kernel    Q -> e4m3 (or int8, kQkInt8), one scale per row
+//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 or int8 (one scale per 64 keys, 32 without V^T), V -> e4m3 transposed
 //                         (one scale per channel), key-permuted for the kernel's P registers
 // With P V in the input dtype (the kernel's kPvInput) V is not touched: kStatsV / kWriteV false skip its amax and its
 // e4m3 V^T, and the kernel reads the caller's V.
@@ -111,16 +111,18 @@ __global__ void __launch_bounds__(kThreads) fp8_kv_stats_kernel(const FlashFwdFp
     }
 }
 
-// grid (ceil(seqlen_q / kFp8QBlock), num_heads, batch).
+// grid (ceil(seqlen_q / kFp8QBlock), num_heads, batch). One scale per row: a row's amax over its head_dim values,
+// reduced across the row's kChunks lanes (consecutive lanes of one warp). Per-row scales put a peaky row's int8
+// step at amax / 127 of its own 128 values rather than of its block's 8192 (relative L1 on peaky rows ~0.87x,
+// kernels/NOTES.md "per-row Q scales"); the kernel reads two a thread, before its loop.
 template <typename T, int kHeadDim, bool kQkInt8 = false>
 __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8Params params) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8QBlock / kRowStep;
     const FlashFwdParams& p = params.p;
     const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks, blk = blockIdx.x;
-    __shared__ float red[1][kThreads / 32];
-    float x[kIters][8];
-    float amax[1] = {0.f};
+    float x[kIters][8], inv[kIters];
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + c * 8;
+    const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
         const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;
@@ -130,15 +132,16 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
 #pragma unroll
             for (int i = 0; i < 8; ++i) x[it][i] = 0.f;
         }
+        float amax = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) amax[0] = fmaxf(amax[0], fabsf(x[it][i]));
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[it][i]));
+#pragma unroll
+        for (int o = kChunks / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        const float scale = qk_scale<kQkInt8>(amax);
+        inv[it] = 1.f / scale;
+        if (c == 0 && row < p.seqlen_q) params.q_scale[bh * p.seqlen_q + row] = scale;
     }
-    block_max(amax, red);
-    const float scale = qk_scale<kQkInt8>(amax[0]), inv = 1.f / scale;
-    const int64_t bh = static_cast<int64_t>(b) * p.num_heads + h;
-    if (threadIdx.x == 0) params.q_scale[bh * gridDim.x + blk] = scale;
-    // q . mean(K) of each row (the smoothing's shift of its scores, for its lse): the row's kChunks lanes are
-    // consecutive lanes of one warp.
+    // q . mean(K) of each row (the smoothing's shift of its scores, for its lse).
     const int kv_len = valid_keys(p, b);
     const int64_t bkv = static_cast<int64_t>(b) * p.num_kv_heads + h / (p.num_heads / p.num_kv_heads);
     float mean[8];
@@ -158,9 +161,10 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_q_kernel(const FlashFwdFp8
     for (int it = 0; it < kIters; ++it) {
         const int row = blk * kFp8QBlock + it * kRowStep + threadIdx.x / kChunks;
         if (row >= p.seqlen_q) continue;
+        const float s = inv[it];
         uint2 out;
-        out.x = pack4_qk<kQkInt8>(x[it][0] * inv, x[it][1] * inv, x[it][2] * inv, x[it][3] * inv);
-        out.y = pack4_qk<kQkInt8>(x[it][4] * inv, x[it][5] * inv, x[it][6] * inv, x[it][7] * inv);
+        out.x = pack4_qk<kQkInt8>(x[it][0] * s, x[it][1] * s, x[it][2] * s, x[it][3] * s);
+        out.y = pack4_qk<kQkInt8>(x[it][4] * s, x[it][5] * s, x[it][6] * s, x[it][7] * s);
         *reinterpret_cast<uint2*>(params.q8 + (bh * p.seqlen_q + row) * kHeadDim + c * 8) = out;
     }
 }
@@ -175,8 +179,9 @@ __device__ __forceinline__ int vt_key_of_position(int j) { return (j & 3) < 2 ? 
 template <typename T, int kHeadDim, bool kQkInt8 = false, bool kWriteV = true>
 __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp8Params params) {
     constexpr int kChunks = kHeadDim / 8, kRowStep = kThreads / kChunks, kIters = kFp8KvChunk / kRowStep;
-    constexpr int kScales = kFp8KvChunk / kFp8KBlock, kItersPerScale = kIters / kScales;
-    static_assert(kFp8KvChunk % kFp8KBlock == 0 && kFp8KBlock % kRowStep == 0, "whole scale blocks per iteration");
+    constexpr int kKBlock = fp8_k_block(/*pv_input=*/!kWriteV);  // no V^T exactly when P V runs in the input dtype
+    constexpr int kScales = kFp8KvChunk / kKBlock, kItersPerScale = kIters / kScales;
+    static_assert(kFp8KvChunk % kKBlock == 0 && kKBlock % kRowStep == 0, "whole scale blocks per iteration");
     constexpr int kPitch = kHeadDim + 16;  // V bytes of a key in shared memory, padded against bank conflicts
     const FlashFwdParams& p = params.p;
     const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kChunks, blk = blockIdx.x;
@@ -228,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quant_kv_kernel(const FlashFwdFp
         }
     }
     block_max(amax, red);  // its barrier also orders v_s
-    const int k_blocks = (p.seqlen_k + kFp8KBlock - 1) / kFp8KBlock;
+    const int k_blocks = (p.seqlen_k + kKBlock - 1) / kKBlock;
     float inv[kScales];
 #pragma unroll
     for (int s = 0; s < kScales; ++s) {

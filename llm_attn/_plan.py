@@ -519,8 +519,9 @@ def prefill_fp8kv_kernels() -> list[str]:
 # launch_fwd_int8 in flash_fwd_int8_launch.cuh, the workspace flash_fwd_int8_workspace). The constants below are
 # those headers' (tests/test_nvrtc.py reads the C++ values back through NVRTC and compares).
 QUANT_THREADS = 256       # fp8::kThreads, int8fwd::kQuantThreads: the block of every pre-pass kernel
-FP8_Q_BLOCK = 64          # kFp8QBlock: query rows per Q scale
+FP8_Q_BLOCK = 64          # kFp8QBlock: query rows per block of the Q pre-pass (one scale per row)
 FP8_K_BLOCK = 64          # kFp8KBlock: keys per K scale
+FP8_K_BLOCK_PV_INPUT = 32  # kFp8KBlockPvInput: the same with P V in the input dtype
 FP8_KV_CHUNK = 128        # kFp8KvChunk: keys per block of the K/V quantisation, and V^T's row padding
 FP8_STATS_KEYS = 512      # fp8_kv_stats_kernel's kRows: keys per block of the channel statistics
 INT8_BLOCK_N = 128        # kInt8BlockN: keys per K scale and per key tile
@@ -712,8 +713,8 @@ def fp8_workspace(s: Shape, pv_input: bool = False) -> Fp8Workspace:
     b, hq, hkv, sq, sk, d = s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q, s.seqlen_k, s.head_dim
     vt8 = 0 if pv_input else b * hkv * d * fp8_seqlen_k_pad(sk)
     return Fp8Workspace(q8=b * hq * sq * d, k8=b * hkv * sk * d, vt8=vt8,
-                        stats=2 * b * hkv * d, q_scale=b * hq * _cdiv(sq, FP8_Q_BLOCK),
-                        k_scale=b * hkv * _cdiv(sk, FP8_K_BLOCK), v_scale=b * hkv * d, q_dot_kmean=b * hq * sq)
+                        stats=2 * b * hkv * d, q_scale=b * hq * sq,
+                        k_scale=b * hkv * _cdiv(sk, FP8_K_BLOCK_PV_INPUT if pv_input else FP8_K_BLOCK), v_scale=b * hkv * d, q_dot_kmean=b * hq * sq)
 
 
 INT8_WORKSPACE_FIELDS = ("k_int8", "k_scale", "k_mean", "v_fp8", "v_scale", "stats")

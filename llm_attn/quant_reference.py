@@ -1,11 +1,12 @@
 """The FP8 attention forward in PyTorch: the quantised algorithm of ``kernels/flash_fp8.h``, block for block and scale
 for scale, so that the CUDA kernel can be checked against it and the CPU can run what the GPU runs.
 
-- Q: one scale per (batch, head, 64 query rows), 1 for an all-zero block; with ``qk="int8"`` (the default) Q / scale
+- Q: one scale per (batch, head, query row), 1 for an all-zero row; with ``qk="int8"`` (the default) Q / scale
   rounded to the nearest integer (ties to even), scale = amax / 127; with ``qk="e4m3"`` e4m3, scale = amax / 448.
 - K: minus its per-channel mean over the valid keys (``q . mean`` is the same for every key of a row, so no softmax
   row changes; it removes the per-channel bias that makes K's amax large), then as Q (int8 or e4m3) with one scale
-  per (batch, KV head, 64 keys): a 64-key column group of the kernel's S tile, whichever tile (128 or 192) it runs.
+  per (batch, KV head, 64 keys): a 64-key column group of the kernel's S tile, whichever tile (128 or 192) it runs;
+  32 keys with ``pv="input"``.
 - V: with ``pv="e4m3"`` (the default) e4m3 with one scale per (batch, KV head, channel) over the valid keys; with
   ``pv="input"`` not quantised (the caller's fp16/bf16 V, as the kernel's TMA reads it), keys past seqused_k zero
   either way.
@@ -34,8 +35,9 @@ E4M3_MAX = 448.0
 INT8_MAX = 127.0
 QK = ("int8", "e4m3")  # the operands of Q K^T (kernels/flash_fp8.h Fp8Qk)
 PV = ("e4m3", "input")  # the operands of P V (kernels/flash_fp8.h Fp8Pv)
-Q_BLOCK = 64     # query rows per Q scale (kernels/flash_fp8.h kFp8QBlock)
+Q_BLOCK = 1      # query rows per Q scale (kernels/quant_fp8.cuh fp8_quant_q_kernel: one per row)
 K_BLOCK = 64     # keys per K scale (kFp8KBlock: a 64-key column group of the kernel's S tile)
+K_BLOCK_PV_INPUT = 32  # the same with pv="input" (kFp8KBlockPvInput: finer, for that variant's accuracy)
 P_SCALE = 256.0  # P in [0, 1] -> [0, 256] before e4m3 (or the input dtype: the kernel's P' either way)
 
 
@@ -85,7 +87,7 @@ def quantize_fp8(q, k, v, seqused_k=None, return_mean=False, qk: str = "int8", p
     mean = kf.sum(dim=2, keepdim=True) / used.clamp(min=1).view(b, 1, 1, 1).float()
     ks = torch.where(valid, kf - mean, 0.0)
     qd, _ = _blockwise(q.float(), Q_BLOCK, qk)
-    kd, _ = _blockwise(ks, K_BLOCK, qk)
+    kd, _ = _blockwise(ks, K_BLOCK_PV_INPUT if pv == "input" else K_BLOCK, qk)
     if pv == "input":
         vd = vf
     else:

@@ -696,7 +696,7 @@ QUANT_HOST_LINES = (
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
     ("binding.cpp", "const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d;"),
     ("binding.cpp", "const int64_t n_vt8 = pv_input ? 0 : b * hkv * d * pad;"),
-    ("binding.cpp", "const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * q_blocks, n_ks = b * hkv * k_blocks, "
+    ("binding.cpp", "const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * sq, n_ks = b * hkv * k_blocks, "
                     "n_vs = b * hkv * d; const int64_t n_qm = b * hq * sq;"),
     ("binding.cpp", "floats.narrow(0, 0, n_stats).zero_();"),
     ("binding.cpp", "f.q8 = base, f.k8 = base + n_q8, f.vt8 = pv_input ? nullptr : base + n_q8 + n_k8;"),
@@ -736,7 +736,7 @@ def test_quant_launches_mirror_the_cpp_host_code():
     assert big.grid == (17, 32, 1) and big.kernel.endswith("Fp8Traits<128, 2, 192>, false>")
     ws = _plan.fp8_workspace(s)
     assert (ws.q8, ws.k8, ws.vt8) == (32 * 2049 * 128, 8 * 2049 * 128, 8 * 128 * (17 + 1) * 128)
-    assert (ws.stats, ws.q_scale, ws.k_scale, ws.v_scale, ws.q_dot_kmean) == (2048, 32 * 33, 8 * 33, 1024, 32 * 2049)
+    assert (ws.stats, ws.q_scale, ws.k_scale, ws.v_scale, ws.q_dot_kmean) == (2048, 32 * 2049, 8 * 33, 1024, 32 * 2049)
     # P V in the input dtype: the same grids; K's statistics and K only (V untouched), the kernel Fp8Traits<D, 2,
     # 128, true, true> with the caller's V in shared memory (2 bytes an element); no V^T workspace.
     pv = _plan.fp8_launches(s, _plan.fp8_traits(128, 128, True, True))
@@ -748,8 +748,10 @@ def test_quant_launches_mirror_the_cpp_host_code():
                                       "llm_attn::sm90::Fp8Traits<128, 2, 128, true, true>, true>"]
     assert (pv[-1].threads, pv[-1].smem) == (384, 128 * 128 + 2 * (128 * 128 + 128 * 128 * 2) + 9 * 8 + 1024)
     assert _plan.Fp8Traits(64, 2, 128, True, True).smem_bytes == 128 * 64 + 2 * (128 * 64 + 128 * 64 * 2) + 72 + 1024
-    assert dataclasses.replace(_plan.fp8_workspace(s, True), vt8=ws.vt8) == ws and _plan.fp8_workspace(s, True).vt8 == 0
-    assert _plan.fp8_workspace(s, True).bytes_ == ws.q8 + ws.k8 and _plan.fp8_workspace(s, True).floats == ws.floats
+    # ... and K scales per 32 keys (kFp8KBlockPvInput), the rest as the e4m3 P V's.
+    pw = _plan.fp8_workspace(s, True)
+    assert dataclasses.replace(pw, vt8=ws.vt8, k_scale=ws.k_scale) == ws and pw.vt8 == 0 and pw.k_scale == 8 * 65
+    assert pw.bytes_ == ws.q8 + ws.k8 and pw.floats == ws.floats + 8 * 32
     # INT8: the two pre-pass kernels over (chunks, batch x KV heads), then the kernel; e4m3 P V only on sm_89.
     for fp8_pv in (False, True):
         st, qk, kern = _plan.int8_launches(s, fp8_pv)
@@ -847,6 +849,7 @@ def test_quant_constants_match_cpp():
     padding and chunking functions, flash_fwd_int8_workspace's layout) and its PTX is read back."""
     _nvrtc_or_skip()
     want = {"llm_attn::kFp8QBlock": _plan.FP8_Q_BLOCK, "llm_attn::kFp8KBlock": _plan.FP8_K_BLOCK,
+            "llm_attn::kFp8KBlockPvInput": _plan.FP8_K_BLOCK_PV_INPUT,
             "llm_attn::kFp8KvChunk": _plan.FP8_KV_CHUNK, "llm_attn::fp8::kThreads": _plan.QUANT_THREADS,
             "llm_attn::int8fwd::kQuantThreads": _plan.QUANT_THREADS, "llm_attn::kInt8BlockN": _plan.INT8_BLOCK_N,
             "llm_attn::kInt8BlockM": _plan.Int8Traits.block_m,

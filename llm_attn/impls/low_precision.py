@@ -2,7 +2,8 @@
 harness (``bench --mode accuracy`` against float64, the ``correctness`` measurement against stock):
 
 - ``llm_attn_fp8``: FP8 prefill attention (``flash_attn_func(..., precision='fp8')``): Q and K in int8 (or e4m3:
-  ``LLM_ATTN_FP8_QK=e4m3``), P and V in e4m3, quantised inside each call (per-block scales, K smoothed), fp32
+  ``LLM_ATTN_FP8_QK=e4m3``), P and V in e4m3, quantised inside each call (a scale per query row, per 64 keys and
+  per V channel; K smoothed), fp32
   accumulation and softmax; the Hopper kernel on its FP8/INT8 tensor cores.
 - ``llm_attn_fp8_e4m3``: the same kernel with Q and K in e4m3 too (``flash_attn_func(..., fp8_qk="e4m3")``):
   4-10 % faster than int8 Q K^T on the H100, less accurate on peaky rows (kernels/NOTES.md "FP8 forward v4/v5"). A
@@ -10,8 +11,8 @@ harness (``bench --mode accuracy`` against float64, the ``correctness`` measurem
 - ``llm_attn_int8qk``: the same kernel with int8 Q K^T and P V in the input dtype (``flash_attn_func(...,
   fp8_qk="int8", fp8_pv="input")``): P rounded to bf16/fp16, V not quantised, a bf16/fp16 wgmma for P V (what
   ``llm_attn_int8`` computes on the H100, on Hopper's tensor cores). The accurate one of the FP8 kernel's entries:
-  e4m3's rounding of P and V, the larger part of their error, is gone, the int8 Q K^T's remains; what the bf16 P V
-  costs in speed is measured (``bench``), not assumed. Its own name for the same reason as the e4m3 entry's.
+  e4m3's rounding of P and V, the larger part of their error, is gone, the int8 Q K^T's remains (K scales per 32
+  keys here, for it); what the bf16 P V costs in speed is measured (``bench``), not assumed. Its own name for the same reason as the e4m3 entry's.
 - ``llm_attn_int8``: INT8 Q K^T (K smoothed, per-block scales), P V in e4m3 on sm_89 and in the input dtype
   elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin, A100, H100).
 
