@@ -5,7 +5,8 @@
 //   Q: e4m3 with one scale per (batch, head, query row) = amax / 448, or int8 with amax / 127 (Fp8Qk below).
 //   K: smoothed by its per-channel mean over the valid keys (q . mean is the same for every key of a row, so no
 //      softmax row changes), then e4m3 (or int8, as Q) with one scale per (batch, KV head, 64 keys): a 64-key column
-//      group of the kernel's S tile (2 in a 128-key tile, 3 in a 192-key one), applied in its softmax.
+//      group of the kernel's S tile (2 in a 128-key tile, 3 in a 192-key one), applied in its softmax; 32 keys
+//      with P V in the input dtype (fp8_k_block).
 //   V: e4m3 with one scale per (batch, KV head, channel) over the valid keys, stored transposed (head_dim rows of
 //      keys: wgmma's fp8 B operand is K-major), keys permuted inside each group of 16 to match the registers that
 //      hold P (flash_fwd_fp8_sm90_kernel.cuh); keys past the valid ones are zero.

@@ -2,8 +2,9 @@
 // producer warpgroup, two consumer warpgroups of 64 query rows, software-pipelined and ping-ponged wgmma) on the
 // e4m3 operands the pre-pass writes (quant_fp8.cuh; flash_fp8.h says what is computed):
 //   S = Q8 K8^T      wgmma m64n{kBlockN}k32 e4m3 (kBlockN = 128 or 192 keys), both operands K-major from shared
-//                    memory; dequantised by the row's q_scale times the k_scale of each 64-key column group, folded
-//                    into the softmax scale of that row's group (fp8_update_scores)
+//                    memory; dequantised by the row's q_scale times the k_scale of each column group (64 keys, 32
+//                    with P V in the input dtype), folded into the softmax scale of that row's group
+//                    (fp8_update_scores)
 //   softmax          online, base 2, fp32, with the exact running max (SoftmaxState<.., 0, 8>): P' = 2^8 P lies in
 //                    [0, 256], inside e4m3's range (448) and keeping small probabilities out of its subnormals
 //   O += P8 V8       wgmma m64n{head_dim}k32 e4m3, P from registers, V^T (head_dim rows of keys: one 128-key box,
@@ -141,7 +142,7 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
     }
 }
 
-// SoftmaxState::update_scores with one scale per row and 64-key column group of S: the group's K scale times the
+// SoftmaxState::update_scores with one scale per row and column group of S (Traits::kKBlock keys): the group's K scale times the
 // softmax scale (scale_log2[g]) times the row's Q scale (row_scale[r]); the group's max times its scale (positive,
 // so the max of the scaled scores), the row's max times the row's scale, and the scale inside the exp2's FMA, so
 // finer scales cost no instruction per score (one FMUL per row and group). Exact running max (the

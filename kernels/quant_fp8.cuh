@@ -2,8 +2,8 @@
 // reading its bf16/fp16 input once in 16-byte chunks.
 //   fp8_kv_stats_kernel   K's channel sums and V's channel amax over the valid keys (float atomics into `stats`)
 //   fp8_quant_q_kernel    Q -> e4m3 (or int8, kQkInt8), one scale per row
-//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 or int8 (one scale per 64 keys, 32 without V^T), V -> e4m3 transposed
-//                         (one scale per channel), key-permuted for the kernel's P registers
+//   fp8_quant_kv_kernel   128 keys per block: K - mean -> e4m3 or int8 (one scale per 64 keys; 32 without V^T),
+//                         V -> e4m3 transposed (one scale per channel), key-permuted for the kernel's P registers
 // With P V in the input dtype (the kernel's kPvInput) V is not touched: kStatsV / kWriteV false skip its amax and its
 // e4m3 V^T, and the kernel reads the caller's V.
 // Keys at or past a batch's valid length (seqused_k) may hold anything (NaN in an unused cache slot): they are never
