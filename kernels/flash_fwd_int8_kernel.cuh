@@ -3,14 +3,14 @@
 // that writes K (int8, mean-subtracted) and V (e4m3, transposed) into the workspace.
 //
 // One thread block owns 128 query rows of one (batch, head): 8 warps x 16 rows, as the bf16 kernel's Large tile.
-// Prologue: the block's Q tile (fp16/bf16) lands in shared memory; each warp quantises its 16 rows to int8 with one
-// scale (amax / 127) straight into its m16n8k32 A fragments, which stay in registers for the whole loop, and
-// computes q . mean(K) per row for the lse. Main loop over 128-key tiles, double-buffered with cp.async (tile j + 1
+// Prologue: the block's Q tile (fp16/bf16) lands in shared memory; each warp quantises its 16 rows to int8, one
+// scale (amax / 127) per row, straight into its m16n8k32 A fragments, which stay in registers for the whole loop,
+// and computes q . mean(K) per row for the lse. Main loop over 128-key tiles, double-buffered with cp.async (tile j + 1
 // loads while tile j is multiplied):
 //   S (int32) = Q8 K8^T by mma.sync m16n8k32 s8. The accumulators start at 0x4B400000 (the float 1.5 * 2^23), so
 //     each one, read as a float, is 12582912 + S exactly (|S| <= 128 * 127 * 127 < 2^22): no int -> float
-//     conversion instruction; the bias is folded into the exp2's FMA with the dequantisation factor
-//     c = q_scale * k_scale[tile] * scale * log2(e).
+//     conversion instruction; the bias is folded into the exp2's FMA with the dequantisation factor of the row and
+//     32-key group, c = q_scale[row] * k_scale[group] * scale * log2(e).
 //   Masking only on tiles that cross the causal diagonal or the end of the keys (as the bf16 kernel).
 //   fp8_pv: exact running max, P * 256 = exp2(S c - max + 8) <= 256 packed to e4m3 as the A fragments of
 //     m16n8k32 (the S accumulator columns of two adjacent n8 tiles are the 4 bytes of one thread, keys 2t, 2t+1,
@@ -187,7 +187,6 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
     constexpr int kBlockN = Traits::kBlockN;
     constexpr int kWarpRows = Traits::kWarpRows;
     constexpr bool kFp8 = Traits::kFp8PV;
-    constexpr int kNT = kBlockN / 8;     // n8 tiles of S
     constexpr int kDT = kHeadDim / 8;    // n8 tiles of O
     constexpr int kKQ = kHeadDim / 32;   // k32 steps of Q K^T
     constexpr int kSubN = 64;            // fp8: keys per softmax / P V step (two per 128-key tile)
@@ -228,7 +227,7 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
     const T* q_ptr = reinterpret_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
                      static_cast<int64_t>(row0) * p.q_row_stride;
     const int8_t* k_q = p.k_int8 + bhk * seqlen_k_pad * kHeadDim;
-    const float* k_scale = p.k_scale + bhk * (seqlen_k_pad / kBlockN);
+    const float* k_scale = p.k_scale + bhk * (seqlen_k_pad / kInt8KBlock);
 
     auto load_k = [&](int n_block, int stage) {
         load_bytes_tile<kBlockN, kHeadDim, Traits::kThreads>(smem_raw + stage * Traits::kStageBytes,
@@ -278,7 +277,7 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
         // This warp's 16 rows -> int8 A fragments: k32 step kk, register 2 h + r holds row g + 8 r, columns
         // 32 kk + 16 h + 4t .. +3 (8 bytes of one swizzled 16-byte chunk). Two passes: the amax, then the values.
         uint32_t q_frag[kKQ][4];
-        float c_warp;  // q_scale * scale * log2(e)
+        float c_row[2];  // q_scale * scale * log2(e) of rows g and g + 8
         uint4* sQ8 = reinterpret_cast<uint4*>(smem_raw + 2 * Traits::kStageBytes) + warp * kKQ * 32 + lane;
         {
             auto q_at = [&](int kk, int h, int r) {
@@ -288,7 +287,8 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
                 const float2 lo = unpack2<T>(u.x), hi = unpack2<T>(u.y);
                 return make_float4(lo.x, lo.y, hi.x, hi.y);
             };
-            float amax = 0.f;
+            // A row's values are held by the 4 lanes of its quad: the row's amax is their max.
+            float amax[2] = {0.f, 0.f}, inv[2];
 #pragma unroll
             for (int kk = 0; kk < kKQ; ++kk)
 #pragma unroll
@@ -296,11 +296,14 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const float4 x = q_at(kk, h, r);
-                        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
+                        amax[r] = fmaxf(amax[r], fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
                     }
-            amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(amax)));
-            const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
-            c_warp = __fdiv_rn(amax, 127.f) * p.scale_log2;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                amax[r] = quad_max(amax[r]);
+                inv[r] = amax[r] > 0.f ? __fdiv_rn(127.f, amax[r]) : 0.f;
+                c_row[r] = __fdiv_rn(amax[r], 127.f) * p.scale_log2;
+            }
             const bool want_lse = p.lse != nullptr;
             const float* mean = p.k_mean + bhk * kHeadDim;
 #pragma unroll
@@ -312,8 +315,8 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const float4 x = q_at(kk, h, r);
-                        q_frag[kk][2 * h + r] = pack4_s8_regs(__float2int_rn(x.x * inv), __float2int_rn(x.y * inv),
-                                                              __float2int_rn(x.z * inv), __float2int_rn(x.w * inv));
+                        q_frag[kk][2 * h + r] = pack4_s8_regs(__float2int_rn(x.x * inv[r]), __float2int_rn(x.y * inv[r]),
+                                                              __float2int_rn(x.z * inv[r]), __float2int_rn(x.w * inv[r]));
                         q_mean[r] += x.x * mu.x + x.y * mu.y + x.z * mu.z + x.w * mu.w;
                     }
                 }
@@ -349,11 +352,21 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
         };
         auto warp_masked_out = [&](int key0) { return kCausal && key0 > warp_row0 + kWarpRows - 1 + causal_offset; };
 
-        // The math of kN keys [key0, key0 + kN) of the tile in stage sK / sV (koff: their offset in the tile), with
-        // dequantisation factor c: S, the online softmax, O += P V.
-        auto tile_math = [&](auto kn, int key0, uint32_t sK, uint32_t sV, int koff, float c) {
+        // The math of kN keys [key0, key0 + kN) of the tile in stage sK / sV (koff: their offset in the tile), ks the
+        // K scales of those keys (one per kInt8KBlock): S, the online softmax, O += P V.
+        auto tile_math = [&](auto kn, int key0, uint32_t sK, uint32_t sV, int koff, const float* ks) {
             constexpr int kN = decltype(kn)::value;
             constexpr int kNTs = kN / 8;
+            constexpr int kGroups = kN / kInt8KBlock, kNTG = kInt8KBlock / 8;  // K-scale groups; n-tiles in one
+            // Dequantisation factor per row and group (> 0, so that an all-zero Q row or K group gives scores 0,
+            // not NaN); loaded before S's mma so that the loads' latency hides behind them.
+            float c[2][kGroups];
+#pragma unroll
+            for (int gi = 0; gi < kGroups; ++gi) {
+                const float k = __ldg(ks + gi);
+                c[0][gi] = fmaxf(c_row[0] * k, 1e-30f);
+                c[1][gi] = fmaxf(c_row[1] * k, 1e-30f);
+            }
             uint32_t s[kNTs][4];
             // S = Q8 K8^T + bias.
             const uint32_t k_base = sK + koff * kHeadDim + k_lane;
@@ -400,17 +413,23 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
             }
             if (need_mask(key0, kN)) mask_biased<kCausal>(s, key0, warp_row0, seqlen_k, causal_offset, lane);
 
-            // Each row's max in the base-2 scaled domain; c > 0, so a masked -inf stays -inf.
+            // Each row's max in the base-2 scaled domain: each group's max times its factor (c > 0, so a masked -inf
+            // stays -inf), then the quad's.
             float tile_max[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 float mx = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < kNTs; ++nt)
-                    mx = fmaxf(mx, fmaxf(__uint_as_float(s[nt][2 * r]), __uint_as_float(s[nt][2 * r + 1])));
-                tile_max[r] = (quad_max(mx) - kSBiasF) * c;
+                for (int gi = 0; gi < kGroups; ++gi) {
+                    float gm = -INFINITY;
+#pragma unroll
+                    for (int nt = gi * kNTG; nt < (gi + 1) * kNTG; ++nt)
+                        gm = fmaxf(gm, fmaxf(__uint_as_float(s[nt][2 * r]), __uint_as_float(s[nt][2 * r + 1])));
+                    mx = fmaxf(mx, (gm - kSBiasF) * c[r][gi]);
+                }
+                tile_max[r] = quad_max(mx);
             }
-            float alpha[2], nb[2];
+            float alpha[2], nb[2][kGroups];
             bool rescale = true;
             if constexpr (!kFp8) {
                 const bool grow = tile_max[0] > row_max[0] + kRescaleLog2 || tile_max[1] > row_max[1] + kRescaleLog2;
@@ -423,11 +442,14 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
                 const float mm = new_max == -INFINITY ? 0.f : new_max;
                 alpha[r] = exp2f(row_max[r] - mm);
                 row_max[r] = new_max;
-                nb[r] = -fmaf(kSBiasF, c, mm - kPOff);  // exp2(S c - mm + kPOff) = exp2(fma(12582912 + S, c, nb))
+#pragma unroll
+                for (int gi = 0; gi < kGroups; ++gi) {  // exp2(S c - mm + kPOff) = exp2(fma(12582912 + S, c, nb))
+                    nb[r][gi] = -fmaf(kSBiasF, c[r][gi], mm - kPOff);
+                }
             }
             float sum[2] = {0.f, 0.f};
             auto p_of = [&](int nt, int e) {
-                const float v = exp2f(fmaf(__uint_as_float(s[nt][e]), c, nb[e / 2]));
+                const float v = exp2f(fmaf(__uint_as_float(s[nt][e]), c[e / 2][nt / kNTG], nb[e / 2][nt / kNTG]));
                 sum[e / 2] += v;
                 return v;
             };
@@ -509,16 +531,14 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
             if constexpr (kFp8) {
                 // Two 64-key halves in a rolled loop: S, P and the prefetched K/V fragments of a whole 128-key tile
                 // do not fit 255 registers beside O (ptxas spilled 16-24 bytes on sm_89).
-                const float c = fmaxf(c_warp * k_scale[n_block], 1e-30f);
 #pragma unroll 1
                 for (int koff = 0; koff < kBlockN; koff += kSubN) {
                     if (!warp_masked_out(key0 + koff))
-                        tile_math(std::integral_constant<int, kSubN>{}, key0 + koff, sK, sV, koff, c);
+                        tile_math(std::integral_constant<int, kSubN>{}, key0 + koff, sK, sV, koff,
+                                  k_scale + (key0 + koff) / kInt8KBlock);
                 }
             } else if (!warp_masked_out(key0)) {
-                // Dequantisation factor of this tile (> 0, so that an all-zero Q or K tile gives scores 0, not NaN).
-                const float c = fmaxf(c_warp * k_scale[n_block], 1e-30f);
-                tile_math(std::integral_constant<int, kBlockN>{}, key0, sK, sV, 0, c);
+                tile_math(std::integral_constant<int, kBlockN>{}, key0, sK, sV, 0, k_scale + key0 / kInt8KBlock);
             }
             cp_async_wait<0>();
             __syncthreads();  // tile n + 1 landed for everyone; everyone is done reading tile n's stage

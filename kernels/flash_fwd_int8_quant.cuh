@@ -65,16 +65,22 @@ __device__ __forceinline__ uint32_t pack4_e4m3_any(float a, float b, float c, fl
 // fragment (flash_fwd_int8_kernel.cuh, pv_fp8). Key of position j: j < 16 -> {2t, 2t+1, 8+2t, 9+2t}[i], j = 4t+i.
 __host__ __device__ constexpr int int8_v_key_of_position(int j) { return 2 * (j >> 2) + (j & 1) + ((j & 2) << 2); }
 
-// Max over the block's threads of a non-negative value (every thread gets it).
-__device__ __forceinline__ float block_max(float v, float* red) {
+// Max over the block's threads of each of N non-negative values (every thread gets them).
+template <int N>
+__device__ __forceinline__ void block_max(float (&v)[N], float (&red)[N][kQuantThreads / 32]) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v[i] = fmaxf(v[i], __shfl_xor_sync(0xffffffff, v[i], o));
+        if (threadIdx.x % 32 == 0) red[i][threadIdx.x / 32] = v[i];
+    }
     __syncthreads();
-    v = red[0];
 #pragma unroll
-    for (int w = 1; w < kQuantThreads / 32; ++w) v = fmaxf(v, red[w]);
-    return v;
+    for (int i = 0; i < N; ++i) {
+        v[i] = red[i][0];
+#pragma unroll
+        for (int w = 1; w < kQuantThreads / 32; ++w) v[i] = fmaxf(v[i], red[i][w]);
+    }
 }
 
 // grid (int8_stat_chunks(seqlen_k), batch * num_kv_heads). Thread tid sums chunk tid % kChunks (8 channels) of rows
@@ -127,15 +133,18 @@ __global__ void __launch_bounds__(kQuantThreads, 2) int8_kv_stats_kernel(const F
     }
 }
 
-// grid (seqlen_k_pad / kInt8BlockN, batch * num_kv_heads): one 128-key tile of one (batch, KV head).
+// grid (seqlen_k_pad / kInt8BlockN, batch * num_kv_heads): one 128-key tile of one (batch, KV head), its K scales
+// one per kInt8KBlock keys (iterations [g kItersPerScale, (g + 1) kItersPerScale) of a thread cover group g).
 template <typename T, int kHeadDim, bool kFp8V>
 __global__ void __launch_bounds__(kQuantThreads, 2) int8_quant_kv_kernel(const FlashFwdInt8Params p) {
     constexpr int kTile = kInt8BlockN;
     constexpr int kChunks = kHeadDim / 8, kRowStep = kQuantThreads / kChunks, kIters = kTile / kRowStep;
+    constexpr int kScales = kTile / kInt8KBlock, kItersPerScale = kIters / kScales;
     static_assert(kTile % kRowStep == 0, "the tile's rows divide among the threads");
+    static_assert(kTile % kInt8KBlock == 0 && kInt8KBlock % kRowStep == 0, "whole scale blocks per iteration");
     __shared__ float s_mean[kHeadDim];
     __shared__ float s_vinv[kFp8V ? kHeadDim : 1];
-    __shared__ float s_red[kQuantThreads / 32];
+    __shared__ float s_red[kScales][kQuantThreads / 32];
     __shared__ __align__(16) T s_v[kFp8V ? kTile : 1][kHeadDim];  // V's tile, rows of keys, for the transpose
 
     const int tid = threadIdx.x;
@@ -171,7 +180,7 @@ __global__ void __launch_bounds__(kQuantThreads, 2) int8_quant_kv_kernel(const F
     {
         const T* kp = reinterpret_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride + col * 8;
         float x[kIters][8];
-        float amax = 0.f;
+        float amax[kScales] = {};
 #pragma unroll
         for (int it = 0; it < kIters; ++it) {
             const int key = key0 + r + it * kRowStep;
@@ -180,25 +189,33 @@ __global__ void __launch_bounds__(kQuantThreads, 2) int8_quant_kv_kernel(const F
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     x[it][i] -= s_mean[col * 8 + i];
-                    amax = fmaxf(amax, fabsf(x[it][i]));
+                    amax[it / kItersPerScale] = fmaxf(amax[it / kItersPerScale], fabsf(x[it][i]));
                 }
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) x[it][i] = 0.f;
             }
         }
-        amax = block_max(amax, s_red);
-        const float inv = amax > 0.f ? __fdiv_rn(127.f, amax) : 0.f;
+        block_max(amax, s_red);
+        float inv[kScales];
+#pragma unroll
+        for (int s = 0; s < kScales; ++s) inv[s] = amax[s] > 0.f ? __fdiv_rn(127.f, amax[s]) : 0.f;
         int8_t* kq = p.k_int8 + (static_cast<int64_t>(bh) * seqlen_k_pad + key0 + r) * kHeadDim + col * 8;
 #pragma unroll
         for (int it = 0; it < kIters; ++it) {
             int q[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) q[i] = __float2int_rn(x[it][i] * inv);
+            for (int i = 0; i < 8; ++i) q[i] = __float2int_rn(x[it][i] * inv[it / kItersPerScale]);
             *reinterpret_cast<uint2*>(kq + it * kRowStep * kHeadDim) =
                 make_uint2(pack4_s8(q[0], q[1], q[2], q[3]), pack4_s8(q[4], q[5], q[6], q[7]));
         }
-        if (tid == 0) p.k_scale[static_cast<int64_t>(bh) * (seqlen_k_pad / kTile) + blockIdx.x] = __fdiv_rn(amax, 127.f);
+        if (tid == 0) {
+#pragma unroll
+            for (int s = 0; s < kScales; ++s) {
+                p.k_scale[static_cast<int64_t>(bh) * (seqlen_k_pad / kInt8KBlock) + blockIdx.x * kScales + s] =
+                    __fdiv_rn(amax[s], 127.f);
+            }
+        }
     }
 
     if constexpr (kFp8V) {

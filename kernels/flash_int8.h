@@ -6,11 +6,11 @@
 // What one call computes (two pre-pass launches, then the attention kernel, all on the caller's stream):
 //   K: smoothed by its per-channel mean over the valid keys of its (batch, KV head) (q . mean is the same for every
 //      key of a row, so no softmax row changes; the lse adds it back), then int8 with one scale per (batch, KV
-//      head, kInt8BlockN keys) = amax / 127.
-//   Q: int8 inside the attention kernel (no workspace), one scale per (batch, head, kInt8WarpRows rows) = amax / 127:
-//      the rows one warp owns. softmax_scale * log2(e) is folded into the dequantisation factor of each S tile.
-//   S = (Q8 K8^T) in int32 by mma.sync m16n8k32 s8, times q_scale * k_scale * scale * log2(e) in fp32; online
-//      softmax in base 2.
+//      head, kInt8KBlock keys) = amax / 127.
+//   Q: int8 inside the attention kernel (no workspace), one scale per (batch, head, row) = amax / 127.
+//      softmax_scale * log2(e) is folded into the dequantisation factor of each row and 32-key group of S.
+//   S = (Q8 K8^T) in int32 by mma.sync m16n8k32 s8, times q_scale[row] * k_scale[group] * scale * log2(e) in fp32;
+//      online softmax in base 2.
 //   fp8_pv (sm_89 only: sm_90 lowers e4m3 mma.sync to f16 unpacks + HMMA): V in e4m3 with one scale per (batch, KV head, channel) = amax / 448 over the valid keys,
 //      stored transposed (head_dim rows of keys) with the keys of each 16 permuted to match P's registers; P * 256 in
 //      e4m3 (exact running max); O += P8 V8 by mma.sync m16n8k32 e4m3 into a per-64-key fp32 accumulator that is
@@ -27,10 +27,13 @@
 
 namespace llm_attn {
 
-// The granularity of the scales (also the kernel's tiles: 8 warps x 16 query rows, 128-key tiles).
-constexpr int kInt8WarpRows = 16;   // query rows per Q scale (one warp's m16 tile)
+// The kernel's tiles (8 warps x 16 query rows, 128-key tiles) and the granularity of the K scales. Q has one scale
+// per row, and K one per 32 keys: on queries with 4x the score spread (peaky) int8 Q K^T's rounding is most of the
+// error, and its size follows each scale's block (kernels/NOTES.md "Per-row Q scales").
+constexpr int kInt8WarpRows = 16;   // query rows per warp (one m16 tile)
 constexpr int kInt8BlockM = 128;    // query rows per thread block
-constexpr int kInt8BlockN = 128;    // keys per K scale and per key tile
+constexpr int kInt8BlockN = 128;    // keys per key tile
+constexpr int kInt8KBlock = 32;     // keys per K scale (4 per key tile)
 constexpr int kInt8MaxStatChunks = 32;  // the K/V statistics pass splits each (batch, KV head) into at most this many
 
 // Keys rounded up to whole kInt8BlockN tiles: the workspace's key dimension (pad keys are zero).
@@ -76,7 +79,7 @@ struct FlashFwdInt8Params {
     // seqlen_k_pad = int8_seqlen_k_pad(seqlen_k), n_chunks = int8_stat_chunks(seqlen_k). Nothing needs zeroing:
     // the pre-pass writes every element the kernel reads.
     int8_t* __restrict__ k_int8;    // (batch, num_kv_heads, seqlen_k_pad, head_dim) int8, (K - mean) / k_scale
-    float* __restrict__ k_scale;    // (batch, num_kv_heads, seqlen_k_pad / kInt8BlockN) float32, amax / 127 (0: all 0)
+    float* __restrict__ k_scale;    // (batch, num_kv_heads, seqlen_k_pad / kInt8KBlock) float32, amax / 127 (0: all 0)
     float* __restrict__ k_mean;     // (batch, num_kv_heads, head_dim) float32, K's channel mean over the valid keys
     uint8_t* __restrict__ v_fp8;    // fp8_pv: (batch, num_kv_heads, seqlen_k_pad / 128, head_dim, 128) e4m3:
                                     // V^T / v_scale tile-major (each 128-key tile one contiguous block), keys
@@ -105,7 +108,7 @@ inline FlashFwdInt8Workspace flash_fwd_int8_workspace(const FlashFwdInt8Params& 
     w.k_int8 = at;
     at += align256(heads * pad * d);
     w.k_scale = at;
-    at += align256(heads * (pad / kInt8BlockN) * sizeof(float));
+    at += align256(heads * (pad / kInt8KBlock) * sizeof(float));
     w.k_mean = at;
     at += align256(heads * d * sizeof(float));
     w.v_fp8 = at;

@@ -524,7 +524,8 @@ FP8_K_BLOCK = 64          # kFp8KBlock: keys per K scale
 FP8_K_BLOCK_PV_INPUT = 32  # kFp8KBlockPvInput: the same with P V in the input dtype
 FP8_KV_CHUNK = 128        # kFp8KvChunk: keys per block of the K/V quantisation, and V^T's row padding
 FP8_STATS_KEYS = 512      # fp8_kv_stats_kernel's kRows: keys per block of the channel statistics
-INT8_BLOCK_N = 128        # kInt8BlockN: keys per K scale and per key tile
+INT8_BLOCK_N = 128        # kInt8BlockN: keys per key tile
+INT8_K_BLOCK = 32         # kInt8KBlock: keys per K scale
 INT8_MAX_STAT_CHUNKS = 32  # kInt8MaxStatChunks
 
 
@@ -714,7 +715,8 @@ def fp8_workspace(s: Shape, pv_input: bool = False) -> Fp8Workspace:
     vt8 = 0 if pv_input else b * hkv * d * fp8_seqlen_k_pad(sk)
     return Fp8Workspace(q8=b * hq * sq * d, k8=b * hkv * sk * d, vt8=vt8,
                         stats=2 * b * hkv * d, q_scale=b * hq * sq,
-                        k_scale=b * hkv * _cdiv(sk, FP8_K_BLOCK_PV_INPUT if pv_input else FP8_K_BLOCK), v_scale=b * hkv * d, q_dot_kmean=b * hq * sq)
+                        k_scale=b * hkv * _cdiv(sk, FP8_K_BLOCK_PV_INPUT if pv_input else FP8_K_BLOCK),
+                        v_scale=b * hkv * d, q_dot_kmean=b * hq * sq)
 
 
 INT8_WORKSPACE_FIELDS = ("k_int8", "k_scale", "k_mean", "v_fp8", "v_scale", "stats")
@@ -724,7 +726,7 @@ def int8_workspace(s: Shape, fp8_pv: bool) -> tuple[dict[str, int], int]:
     """flash_fwd_int8_workspace (kernels/flash_int8.h): ({buffer: byte offset}, total bytes) of the one allocation,
     each buffer 256-byte aligned; v_fp8 and v_scale take no room without fp8_pv (their pointers are then null)."""
     heads, pad, d = s.batch * s.num_kv_heads, int8_seqlen_k_pad(s.seqlen_k), s.head_dim
-    sizes = (heads * pad * d, heads * (pad // INT8_BLOCK_N) * 4, heads * d * 4,
+    sizes = (heads * pad * d, heads * (pad // INT8_K_BLOCK) * 4, heads * d * 4,
              heads * d * pad if fp8_pv else 0, heads * d * 4 if fp8_pv else 0,
              heads * int8_stat_chunks(s.seqlen_k) * 2 * d * 4)
     offsets, at = {}, 0

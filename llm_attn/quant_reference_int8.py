@@ -5,10 +5,10 @@ What the kernel computes, and so this file:
 
 - K is smoothed: ``K' = K - mean``, the per-channel mean over the valid keys of each (batch, KV head). ``q . mean``
   is the same for every key of a row, so no softmax row changes; the lse adds ``scale * q . mean`` back.
-- K' in int8 with one scale per (batch, KV head, 128 keys) = amax / 127; Q in int8 with one scale per (batch, head,
-  16 rows counted from row 0: one warp's rows) = amax / 127. Rounding to nearest even.
-- S = (Q8 K8^T) * q_scale * k_scale * scale * log2(e), per 128-key tile, masked (keys past ``seqused_k``, above the
-  bottom-right causal diagonal).
+- K' in int8 with one scale per (batch, KV head, 32 keys) = amax / 127; Q in int8 with one scale per (batch, head,
+  row) = amax / 127. Rounding to nearest even.
+- S = (Q8 K8^T) * q_scale[row] * k_scale[32-key group] * scale * log2(e), per 128-key tile, masked (keys past
+  ``seqused_k``, above the bottom-right causal diagonal).
 - ``pv="e4m3"`` (the kernel's path on sm_89; sm_90 has no native e4m3 mma.sync): V in e4m3 with one scale per (batch, KV head, channel) = amax /
   448; exact running max; P * 256 = exp2(S - max + 8) rounded to e4m3 for P V; the row sum over the unrounded P.
 - ``pv="input"`` (sm_80/86/87/90, or forced): V as given; the bf16 kernel's lazy rescale (a 16-row group moves its max
@@ -28,8 +28,9 @@ import math
 
 import torch
 
-BLOCK_N = 128      # keys per K scale and per key tile (kInt8BlockN)
-WARP_ROWS = 16     # query rows per Q scale (kInt8WarpRows)
+BLOCK_N = 128      # keys per key tile (kInt8BlockN)
+K_BLOCK = 32       # keys per K scale (kInt8KBlock): 4 per tile
+WARP_ROWS = 16     # query rows per warp (kInt8WarpRows): the lazy rescale's vote; Q has one scale per row
 E4M3_MAX = 448.0
 P_OFFSET_E4M3 = 8.0   # P * 2^8 in e4m3
 RESCALE_LOG2 = 8.0    # the input-dtype path's lazy-rescale threshold
@@ -61,7 +62,7 @@ def _div_or_zero(num: float, den: torch.Tensor) -> torch.Tensor:
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, seqused_k=None, pv: str = "e4m3") -> dict:
     """The pre-pass (int8_kv_stats_kernel + int8_quant_kv_kernel) in the workspace's layout:
 
-    ``k_int8`` (B, Hkv, Sk_pad, D) int8; ``k_scale`` (B, Hkv, Sk_pad / 128); ``k_mean`` (B, Hkv, D);
+    ``k_int8`` (B, Hkv, Sk_pad, D) int8; ``k_scale`` (B, Hkv, Sk_pad / 32); ``k_mean`` (B, Hkv, D);
     ``v_fp8`` (B, Hkv, Sk_pad / 128, D, 128) as uint8 e4m3 bits (V^T per 128-key tile, tile-major), keys permuted
     within each 16 (``v_key_of_position``), and ``v_scale`` (B, Hkv, D) with ``pv="e4m3"``. Also, for the attention below: ``kq`` (K8 as float32, keys in order),
     ``vq`` (V as the kernel multiplies it, float32, keys in order, not yet times v_scale), ``used`` (B,).
@@ -77,8 +78,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, seqused_k=None, pv: str = "e4m
     mean = kf.sum(dim=2) / used.clamp(min=1).to(torch.float32).view(b, 1, 1)      # (B, Hkv, D)
     ks = torch.where(valid, kf - mean.unsqueeze(2), torch.zeros((), device=k.device))
     ks = torch.nn.functional.pad(ks, (0, 0, 0, sk_pad - sk))
-    blocks = ks.view(b, hkv, sk_pad // BLOCK_N, BLOCK_N, d)
-    amax = blocks.abs().amax(dim=(-1, -2))                                          # (B, Hkv, nkb)
+    blocks = ks.view(b, hkv, sk_pad // K_BLOCK, K_BLOCK, d)
+    amax = blocks.abs().amax(dim=(-1, -2))                                          # (B, Hkv, Sk_pad / 32)
     k_scale = amax / 127.0
     kq = torch.round(blocks * _div_or_zero(127.0, amax)[..., None, None]).view(b, hkv, sk_pad, d)
     out = {"k_int8": kq.to(torch.int8), "k_scale": k_scale, "k_mean": mean, "kq": kq, "used": used}
@@ -100,12 +101,13 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, seqused_k=None, pv: str = "e4m
 
 
 def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8 (B, H, Sq_pad, D) as float32 integers and q_scale (B, H, Sq_pad / 16): what each warp of the kernel holds."""
+    """Q8 (B, H, Sq_pad, D) as float32 integers and q_scale (B, H, Sq_pad), one per row: what each warp of the kernel
+    holds (rows padded to whole warps of 16, the padding zero)."""
     b, h, sq, d = q.shape
     sq_pad = (sq + WARP_ROWS - 1) // WARP_ROWS * WARP_ROWS
-    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, sq_pad - sq)).view(b, h, sq_pad // WARP_ROWS, WARP_ROWS, d)
-    amax = qf.abs().amax(dim=(-1, -2))
-    qq = torch.round(qf * _div_or_zero(127.0, amax)[..., None, None]).view(b, h, sq_pad, d)
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, sq_pad - sq))
+    amax = qf.abs().amax(dim=-1)                                                     # (B, H, Sq_pad)
+    qq = torch.round(qf * _div_or_zero(127.0, amax)[..., None])
     return qq, amax / 127.0
 
 
@@ -122,12 +124,12 @@ def attention_int8(q, k, v, causal=False, scale=None, seqused_k=None, *, pv: str
     qq, q_scale = quantize_q(q)
     sq_pad = qq.shape[2]
     n_groups = sq_pad // WARP_ROWS
-    c_warp = (q_scale * scale_log2).view(b, hq, n_groups, 1, 1)                     # per 16-row group
+    c_row = (q_scale * scale_log2).unsqueeze(-1)                                     # (B, Hq, Sq_pad, 1)
 
     heads = torch.arange(hq, device=q.device) // group                               # query head -> KV head
     kq = kv["kq"][:, heads]                                                           # (B, Hq, Sk_pad, D)
     vq = kv["vq"][:, heads]
-    k_scale = kv["k_scale"][:, heads]                                                 # (B, Hq, nkb)
+    k_scale = kv["k_scale"][:, heads]                                                 # (B, Hq, Sk_pad / 32)
     p_off = P_OFFSET_E4M3 if pv == "e4m3" else 0.0
     n_tiles = kq.shape[2] // BLOCK_N
 
@@ -140,8 +142,9 @@ def attention_int8(q, k, v, causal=False, scale=None, seqused_k=None, *, pv: str
         key0 = n * BLOCK_N
         keys = torch.arange(key0, key0 + BLOCK_N, device=q.device).view(1, 1, 1, -1)
         s_int = torch.matmul(qq.double(), kq[:, :, key0:key0 + BLOCK_N].double().transpose(-1, -2))
-        c = torch.clamp(c_warp * k_scale[:, :, n].view(b, hq, 1, 1, 1), min=1e-30)
-        x = (s_int.float().view(b, hq, n_groups, WARP_ROWS, BLOCK_N) * c).view(b, hq, sq_pad, BLOCK_N)
+        ks = k_scale[:, :, key0 // K_BLOCK:(key0 + BLOCK_N) // K_BLOCK].repeat_interleave(K_BLOCK, dim=-1)
+        c = torch.clamp(c_row * ks.unsqueeze(2), min=1e-30)                          # (B, Hq, Sq_pad, BLOCK_N)
+        x = s_int.float() * c
         ok = keys < used.view(b, 1, 1, 1)
         if causal:
             ok = ok & (keys <= rows + offset)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from llm_attn.quant_reference_int8 import (BLOCK_N, E4M3_MAX, attention_int8, quantize_kv, quantize_q,
+from llm_attn.quant_reference_int8 import (BLOCK_N, E4M3_MAX, K_BLOCK, attention_int8, quantize_kv, quantize_q,
                                            v_key_of_position)
 from llm_attn.reference import attention_naive
 
@@ -116,22 +116,22 @@ def test_smoothing_is_what_keeps_k_offsets_accurate():
     is far smaller. (The softmax is invariant to the offset: the reference's lse adds q . mean back.)"""
     q, k, v = _outlier_inputs(1, 4, 4, 256, 512, 128, torch.bfloat16, seed=3, outlier=1.0)
     ws = quantize_kv(k, v, None, "input")
-    kq = ws["kq"][:, :, :512] * ws["k_scale"].repeat_interleave(BLOCK_N, dim=2)[:, :, :512, None]
+    kq = ws["kq"][:, :, :512] * ws["k_scale"].repeat_interleave(K_BLOCK, dim=2)[:, :, :512, None]
     err_smoothed = (kq + ws["k_mean"][:, :, None] - k.float()).abs().mean()
-    amax = k.float().view(1, 4, 4, BLOCK_N, 128).abs().amax(dim=(-1, -2), keepdim=True)
-    kq_raw = torch.round(k.float().view(1, 4, 4, BLOCK_N, 128) * 127 / amax) * amax / 127
+    amax = k.float().view(1, 4, 512 // K_BLOCK, K_BLOCK, 128).abs().amax(dim=(-1, -2), keepdim=True)
+    kq_raw = torch.round(k.float().view(1, 4, 512 // K_BLOCK, K_BLOCK, 128) * 127 / amax) * amax / 127
     err_raw = (kq_raw.view_as(k) - k.float()).abs().mean()
     assert err_smoothed < 0.5 * err_raw
 
 
 def test_workspace_layout():
-    """The pre-pass's layout, which the CUDA pre-pass must reproduce: int8 K in [-127, 127], per-128-key scales,
+    """The pre-pass's layout, which the CUDA pre-pass must reproduce: int8 K in [-127, 127], per-32-key scales,
     e4m3 V^T with each 16-key group permuted so that position 4t + i holds key (2t, 2t+1, 8+2t, 9+2t)[i]."""
     assert [v_key_of_position(j) for j in range(16)] == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
     q, k, v = _outlier_inputs(2, 2, 2, 20, 200, 64, torch.bfloat16, seed=11)
     ws = quantize_kv(k, v, None, "e4m3")
     assert ws["k_int8"].shape == (2, 2, 256, 64) and ws["k_int8"].dtype == torch.int8
-    assert ws["k_int8"].abs().max() <= 127 and ws["k_scale"].shape == (2, 2, 2)
+    assert ws["k_int8"].abs().max() <= 127 and ws["k_scale"].shape == (2, 2, 256 // K_BLOCK)
     assert ws["v_fp8"].shape == (2, 2, 2, 64, 128) and ws["v_fp8"].dtype == torch.uint8  # tile-major V^T
     vt = ws["v_fp8"].view(torch.float8_e4m3fn).float().transpose(2, 3).reshape(2, 2, 64, 256)
     # un-permute and compare with V / v_scale rounded to e4m3
@@ -142,4 +142,7 @@ def test_workspace_layout():
     v_back = vt[..., order].transpose(2, 3)[:, :, :200] * ws["v_scale"][:, :, None]
     assert (v_back - v.float()).abs().max() <= v.float().abs().amax() / E4M3_MAX * 16  # e4m3: 3 mantissa bits
     qq, q_scale = quantize_q(q)
-    assert qq.shape == (2, 2, 32, 64) and q_scale.shape == (2, 2, 2) and qq.abs().max() <= 127
+    assert qq.shape == (2, 2, 32, 64) and q_scale.shape == (2, 2, 32) and qq.abs().max() <= 127
+    # One scale per row: each of the 20 rows reaches +-127, the 12 padding rows are zero with scale 0.
+    assert torch.equal(qq[:, :, :20].abs().amax(dim=-1), torch.full((2, 2, 20), 127.0))
+    assert (qq[:, :, 20:] == 0).all() and (q_scale[:, :, 20:] == 0).all()

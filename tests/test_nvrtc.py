@@ -852,6 +852,7 @@ def test_quant_constants_match_cpp():
             "llm_attn::kFp8KBlockPvInput": _plan.FP8_K_BLOCK_PV_INPUT,
             "llm_attn::kFp8KvChunk": _plan.FP8_KV_CHUNK, "llm_attn::fp8::kThreads": _plan.QUANT_THREADS,
             "llm_attn::int8fwd::kQuantThreads": _plan.QUANT_THREADS, "llm_attn::kInt8BlockN": _plan.INT8_BLOCK_N,
+            "llm_attn::kInt8KBlock": _plan.INT8_K_BLOCK,
             "llm_attn::kInt8BlockM": _plan.Int8Traits.block_m,
             "llm_attn::kInt8MaxStatChunks": _plan.INT8_MAX_STAT_CHUNKS}
     traits = {t for d in (64, 128) for n in _kernel_table.FP8_BLOCK_N[d] for t in

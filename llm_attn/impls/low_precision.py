@@ -13,8 +13,9 @@ harness (``bench --mode accuracy`` against float64, the ``correctness`` measurem
   ``llm_attn_int8`` computes on the H100, on Hopper's tensor cores). The accurate one of the FP8 kernel's entries:
   e4m3's rounding of P and V, the larger part of their error, is gone, the int8 Q K^T's remains (K scales per 32
   keys here, for it); what the bf16 P V costs in speed is measured (``bench``), not assumed. Its own name for the same reason as the e4m3 entry's.
-- ``llm_attn_int8``: INT8 Q K^T (K smoothed, per-block scales), P V in e4m3 on sm_89 and in the input dtype
-  elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin, A100, H100).
+- ``llm_attn_int8``: INT8 Q K^T (K smoothed; a scale per query row and per 32 keys), P V in e4m3 on sm_89 and in
+  the input dtype elsewhere (``precision='int8'``); the portable mma.sync kernel, sm_80-90 (RTX 30/40, Jetson Orin,
+  A100, H100).
 
 What each serves: prefill-shaped calls (more than ``DECODE_MAX_Q_LEN`` query rows) in low precision; decode-shaped calls (one
 token, or a few) keep the native fp16/bf16 kernel, whose cost is reading the cache, not arithmetic (an FP8 KV
