@@ -142,10 +142,10 @@ __device__ __forceinline__ void fp8_producer(const Fp8Sm90Params& params, const 
     }
 }
 
-// SoftmaxState::update_scores with one scale per row and column group of S (Traits::kKBlock keys): the group's K scale times the
-// softmax scale (scale_log2[g]) times the row's Q scale (row_scale[r]); the group's max times its scale (positive,
-// so the max of the scaled scores), the row's max times the row's scale, and the scale inside the exp2's FMA, so
-// finer scales cost no instruction per score (one FMUL per row and group). Exact running max (the
+// SoftmaxState::update_scores with one scale per row and column group of S (Traits::kKBlock keys): the group's K
+// scale times the softmax scale (scale_log2[g]) times the row's Q scale (row_scale[r]); the group's max times its
+// scale (positive, so the max of the scaled scores), the row's max times the row's scale, and the scale inside the
+// exp2's FMA, so finer scales cost no instruction per score (one FMUL per row and group). Exact running max (the
 // state's kRescaleLog2 is 0): rescale whenever a row max grows.
 // kBiased (the INT8 S): each score is the float 1.5 x 2^23 + s (kS8Bias, s the integer dot product; exact, as
 // |s| < 2^22), so the group max is (max - kS8Bias) x scale (an exact subtraction) and the exp2's FMA takes the bias
@@ -316,7 +316,9 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     // clamp keeps the read inside this head's scales (a finite scale, so -inf stays -inf).
     auto tile_scale = [&](int n_block, float (&sc)[kKGroups]) {
 #pragma unroll
-        for (int g = 0; g < kKGroups; ++g) sc[g] = p.scale_log2 * __ldg(k_scale + min(n_block * kKGroups + g, k_blocks - 1));
+        for (int g = 0; g < kKGroups; ++g) {
+            sc[g] = p.scale_log2 * __ldg(k_scale + min(n_block * kKGroups + g, k_blocks - 1));
+        }
     };
     auto softmax = [&](int n_block, const float (&sc)[kKGroups], float (&alpha)[1][2]) {
         const int key0 = n_block * kBlockN;

@@ -315,8 +315,9 @@ __device__ __forceinline__ void flash_fwd_int8_block(const FlashFwdInt8Params& p
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const float4 x = q_at(kk, h, r);
-                        q_frag[kk][2 * h + r] = pack4_s8_regs(__float2int_rn(x.x * inv[r]), __float2int_rn(x.y * inv[r]),
-                                                              __float2int_rn(x.z * inv[r]), __float2int_rn(x.w * inv[r]));
+                        const float s = inv[r];
+                        q_frag[kk][2 * h + r] = pack4_s8_regs(__float2int_rn(x.x * s), __float2int_rn(x.y * s),
+                                                              __float2int_rn(x.z * s), __float2int_rn(x.w * s));
                         q_mean[r] += x.x * mu.x + x.y * mu.y + x.z * mu.z + x.w * mu.w;
                     }
                 }
