@@ -21,6 +21,7 @@ from llm_attn.harness.agreement import (
     agreement_fields,
     agreement_misses,
     continuation_tokens,
+    forced_top1,
     kl_divergence,
     token_agreement,
 )
@@ -64,6 +65,38 @@ def test_greedy_target_is_99_percent_over_64_tokens():
     assert agreement_cells({"greedy_agreement": 1.0}) == ["", ""]  # rows measured before the columns existed
 
 
+def test_forced_top1_counts_flips_and_reads_them_against_stock_margins():
+    # Stock's gaps between its first and second log-probability: 2.0, 0.1, 0.01, 3.0 nats (one row, 4 positions).
+    ref = torch.tensor([[[0.0, -2.0, -9.0], [0.0, -0.1, -9.0], [-0.01, 0.0, -9.0], [-3.0, -9.0, 0.0]]],
+                       dtype=torch.float64)
+    same = forced_top1(ref, ref.clone())
+    assert same == {"agreement": 1.0, "flips": 0, "positions": 4, "flip_margin_max": None, "flip_margin_share": None}
+    other = ref.clone()
+    other[0, 1] = torch.tensor([-0.1, 0.0, -9.0])  # flips the 0.1-nat position
+    other[0, 2] = torch.tensor([0.0, -0.01, -9.0])  # and the 0.01-nat one
+    f = forced_top1(ref, other)
+    assert f["flips"] == 2 and f["agreement"] == pytest.approx(0.5)
+    assert f["flip_margin_max"] == pytest.approx(0.1)
+    assert f["flip_margin_share"] == pytest.approx(0.5)  # gaps 0.1 and 0.01 of the four are <= 0.1
+    with pytest.raises(ValueError):
+        forced_top1(ref, ref[:, :2])
+
+
+def test_the_miss_line_carries_the_flips():
+    ref_tok = torch.arange(64).view(1, 64)
+    tok = ref_tok.clone()
+    tok[0, 10:] = -1
+    lp = torch.log_softmax(torch.randn(1, 70, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
+    lp2 = lp.clone()
+    lp2[0, 6] = lp[0, 6].flip(-1)  # a different first token at one position
+    f = agreement_fields(ref_tok, tok, lp, lp2, 6)
+    assert f["top1_forced"]["flips"] == 1 and f["top1_forced"]["positions"] == 70
+    row = {"measurement": "correctness", "status": "ok", "impl": "x", "reference_impl": "sdpa", "batch": 1,
+           "seq": 8, **f}
+    (line,) = agreement_misses([row])
+    assert "teacher-forced, 1 top-1 flip in 70 positions, where stock's top-2 gap was <=" in line
+
+
 class _Cfg:
     max_position_embeddings = 100
 
@@ -99,6 +132,7 @@ def test_ours_agrees_with_stock_on_the_tiny_model(tiny):
     kl = r["logit_kl"]
     assert kl["positions"] == 24 + 64 and kl["prompt_positions"] == 24
     assert 0 <= kl["mean"] < 1e-9 and kl["max"] < 1e-8  # float32 model: rounding only
+    assert r["top1_forced"]["flips"] == 0 and r["top1_forced"]["positions"] == 2 * (24 + 64)
     assert len(r["tokens_reference"][0]) == 8  # the existing column keeps --new-tokens
     json.dumps(r)
 
@@ -126,11 +160,13 @@ def test_a_perturbed_model_is_flagged(tiny):
     assert r["greedy_agreement_64"] < 0.99 and not r["greedy_target"]["met"]
     assert r["first_divergence_64"] is not None
     assert r["logit_kl"]["mean"] > 1e-3
+    assert r["top1_forced"]["flips"] > 0 and r["top1_forced"]["agreement"] < 1
     row = {**r, "measurement": "correctness", "status": "ok", "impl": "bad", "batch": 1, "seq": 24,
            "model": {"name": "tiny"}, "dtype": "float32", "experiment": None, "model_spec": "tiny",
            "new_tokens": 8}
     text = correctness_table([row])
     assert "MISSED" in text and "MISS greedy agreement over the first 64 tokens: bad vs sdpa" in text
+    assert "top-1 flip" in text
 
 
 def test_correctness_through_the_cli_on_prompts(tmp_path, capsys):

@@ -11,6 +11,11 @@ given, else seeded random ids).
   the last ``KL_PROMPT_POSITIONS`` prompt positions and every continuation position: the mean over those positions
   (and the batch), and the largest. Feeding the same tokens keeps one early divergence from making every later
   position incomparable.
+- Top-1, teacher-forced: at those same positions, the fraction where both put the same token first, and the flips
+  read against stock's own confidence there: the largest gap between stock's first and second log-probability at a
+  flipped position, and the share of all positions where stock's gap is no larger. Free-running greedy agreement
+  counts every token after the first flip as a miss; this says how often a flip happens, and at what margins, so a
+  kernel that only flips stock's near-ties reads apart from one that flips confident tokens.
 
 Long prompts: the model's positions bound the continuation (``continuation_tokens``); the logits kept are the last
 ``KL_PROMPT_POSITIONS + tokens`` positions only (``logits_to_keep``), so memory does not grow with the prompt.
@@ -64,9 +69,32 @@ def token_agreement(ref_tokens: torch.Tensor, tokens: torch.Tensor) -> tuple[flo
     return float(same.float().mean()), (int(differ[0, 0]) if differ.numel() else None)
 
 
+def forced_top1(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> dict:
+    """Top-1 agreement of two (B, positions, vocab) log-probability tensors fed the same tokens: ``agreement`` (the
+    fraction of positions with the same most likely token), ``flips`` of ``positions``, ``flip_margin_max`` (the
+    largest gap, nats, between stock's first and second log-probability at a flipped position; None without flips)
+    and ``flip_margin_share`` (the fraction of all positions whose stock gap is at most that: how rare the margins
+    that flipped are)."""
+    if ref_logprobs.shape != logprobs.shape or ref_logprobs.dim() != 3 or ref_logprobs.shape[-1] < 2:
+        raise ValueError(f"need two equal (batch, positions, vocab >= 2) tensors, got {tuple(ref_logprobs.shape)} "
+                         f"and {tuple(logprobs.shape)}")
+    top2 = ref_logprobs.to(torch.float64).topk(2, dim=-1)
+    margin = top2.values[..., 0] - top2.values[..., 1]  # (B, positions), >= 0
+    flipped = top2.indices[..., 0] != logprobs.argmax(dim=-1)
+    n, flips = margin.numel(), int(flipped.sum())
+    out = {"agreement": 1.0 - flips / n if n else 1.0, "flips": flips, "positions": int(n),
+           "flip_margin_max": None, "flip_margin_share": None}
+    if flips:
+        worst = float(margin[flipped].max())
+        out["flip_margin_max"] = worst
+        out["flip_margin_share"] = float((margin <= worst).double().mean())
+    return out
+
+
 def agreement_fields(ref_tokens: torch.Tensor, tokens: torch.Tensor, ref_logprobs: torch.Tensor | None,
                      logprobs: torch.Tensor | None, prompt_positions: int) -> dict:
-    """The row fields: ``greedy_agreement_64`` (with its target verdict), ``first_divergence_64``, ``logit_kl``."""
+    """The row fields: ``greedy_agreement_64`` (with its target verdict), ``first_divergence_64``, ``logit_kl``,
+    ``top1_forced``."""
     agree, first = token_agreement(ref_tokens, tokens)
     out = {"agreement_tokens": int(ref_tokens.shape[1]), "greedy_agreement_64": agree, "first_divergence_64": first,
            "greedy_target": {"threshold": GREEDY_TARGET, "met": agree >= GREEDY_TARGET}}
@@ -77,6 +105,7 @@ def agreement_fields(ref_tokens: torch.Tensor, tokens: torch.Tensor, ref_logprob
                            if kl.shape[1] > prompt_positions else None,
                            "positions": int(kl.shape[1]), "prompt_positions": prompt_positions,
                            "direction": "KL(stock || impl), nats, teacher-forced on stock's continuation"}
+        out["top1_forced"] = forced_top1(ref_logprobs, logprobs)
     return out
 
 
@@ -85,11 +114,13 @@ def agreement_fields(ref_tokens: torch.Tensor, tokens: torch.Tensor, ref_logprob
 AGREEMENT_HEADERS = ("greedy, first 64", "KL mean (max)")
 AGREEMENT_NOTE = ("(greedy, first 64: identical greedy tokens over the first 64 generated, each implementation "
                   "free-running; target >= 99 %. KL: KL(stock || impl) in nats of the next-token distributions at the "
-                  "last 64 prompt positions and along stock's continuation, both fed the same tokens)")
+                  "last 64 prompt positions and along stock's continuation, both fed the same tokens. A miss's line "
+                  "below counts the top-1 flips at those positions)")
 
 
 def agreement_cells(row: dict) -> list[str]:
-    """The two cells, e.g. ``100.0% met`` and ``2.1e-07 (3.4e-06)``; empty for rows measured before they existed."""
+    """The two cells, e.g. ``100.0% met`` and ``2.1e-07 (3.4e-06)``; empty for rows measured before they existed.
+    (The teacher-forced top-1 flips go to the miss lines: a third column would pass the table's 120 columns.)"""
     if row.get("greedy_agreement_64") is None:
         return ["", ""]
     n = row.get("agreement_tokens", AGREEMENT_TOKENS)
@@ -101,12 +132,25 @@ def agreement_cells(row: dict) -> list[str]:
 
 
 def agreement_misses(rows) -> list[str]:
-    """One line per correctness row that missed the greedy-agreement target (never left to a table cell alone)."""
+    """One line per correctness row that missed the greedy-agreement target (never left to a table cell alone), with
+    the teacher-forced flips that explain it when the row has them."""
     return [f"MISS greedy agreement over the first {r.get('agreement_tokens', AGREEMENT_TOKENS)} tokens: {r['impl']} "
             f"vs {r['reference_impl']} at batch {r['batch']}, seq {r['seq']}: {100 * r['greedy_agreement_64']:.1f}% "
             f"< {100 * GREEDY_TARGET:.0f}% (first difference at token {r['first_divergence_64']})"
+            + _flips_clause(r.get("top1_forced"))
             for r in rows if r.get("measurement") == "correctness" and r.get("status") == "ok"
             and r.get("greedy_target") and not r["greedy_target"]["met"]]
+
+
+def _flips_clause(top1: dict | None) -> str:
+    if not top1:
+        return ""
+    if not top1["flips"]:
+        return f"; teacher-forced, no top-1 flip in {top1['positions']} positions"
+    flips = f"{top1['flips']} top-1 flip{'s' if top1['flips'] > 1 else ''}"
+    return (f"; teacher-forced, {flips} in {top1['positions']} positions, where stock's top-2 gap "
+            f"was <= {top1['flip_margin_max']:.2g} nats (as small at {100 * top1['flip_margin_share']:.1f}% of "
+            f"positions)")
 
 
 def low_precision_note(impl_info: dict | None) -> str | None:
