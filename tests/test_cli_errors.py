@@ -78,6 +78,8 @@ def test_resource_problem_names_the_disk_when_the_checkpoint_would_not_fit(tmp_p
 
     real = shutil.disk_usage
     monkeypatch.setattr(synthetic.shutil, "disk_usage", lambda p: real(p)._replace(free=10**9))
+    # As if gptqmodel were installed (an optional dependency): without it the backend check answers first.
+    monkeypatch.setattr(loading, "_gptqmodel_available", lambda: True)
     problem = loading.resource_problem("llama-3-8b:awq", "cpu", torch.float16, cache_dir=tmp_path)
     assert problem is not None and "not enough free disk" in problem and "tiny:fp16" in problem, problem
     assert loading.resource_problem("tiny:fp16", "cpu", torch.float32, cache_dir=tmp_path) is None
