@@ -392,7 +392,7 @@ def test_gpu_events_graph_and_kernel(tmp_path, capsys):
                       "--decode-repeats", "2", "--no-progress", "--out", str(out)])
     rows = rows_of(out)
     assert code == 0, [r["error"] for r in rows if r["status"] != "ok"]
-    assert len(rows) == 3 * 2 * 3 + 2
+    assert len(rows) == 3 * 2 * 3 + 2 * 2  # correctness: eager (the stock floor) and llm_attn against sdpa
     by = {(r["measurement"], r["impl"], r["seq"]): r for r in rows}
     for r in rows:
         validate_row(r)
@@ -415,8 +415,9 @@ def test_gpu_events_graph_and_kernel(tmp_path, capsys):
             if impl == "llm_attn" and kernel_available():
                 assert t["patch"]["native_calls"].get("cuda", 0) > 0, t["patch"]
     for seq in (64, 200):
-        c = by[("correctness", "llm_attn", seq)]
-        assert c["max_abs_logit_diff"] < 0.1 and c["greedy_agreement"] >= 0.5, c
+        for impl in ("eager", "llm_attn"):
+            c = by[("correctness", impl, seq)]
+            assert c["max_abs_logit_diff"] < 0.1 and c["greedy_agreement"] >= 0.5, c
 
 
 # -- bad --out: a clear message and exit status 2, never a traceback -----------------------------------------------
