@@ -210,3 +210,37 @@ def test_the_fp8_kv_cache_against_the_unquantised_cache(tiny):
            "kv_cache": "fp8", "model": {"name": "tiny"}, "dtype": "float32", "experiment": None, "model_spec": "tiny",
            "new_tokens": 8}
     assert "llm_attn (FP8 KV cache) | sdpa (unquantised cache)" in correctness_table([row])
+
+
+def test_the_report_counts_the_flips_beside_the_stock_floor(tmp_path):
+    """report.md's correctness table has the flips column, read from real rows (the H100 run that put HF's eager
+    attention, a second stock implementation, beside ours: experiments/results/h100-80gb-hbm3)."""
+    from pathlib import Path
+
+    from llm_attn import report
+
+    src = Path(__file__).resolve().parents[1] / "experiments" / "results" / "h100-80gb-hbm3" / \
+        "correctness_8b_floor_2048.jsonl"
+    rows = [json.loads(x) for x in src.read_text().splitlines() if x.strip()]
+    assert {r["impl"] for r in rows} == {"eager", "llm_attn", "llm_attn_int8qk", "llm_attn_fp8"}
+    assert report.main([str(src), "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "top-1 flips (largest stock gap)" in text and "stock's largest gap" in text
+    for r in rows:
+        t = r["top1_forced"]
+        want = f"{t['flips']} of {t['positions']} (<= {t['flip_margin_max']:.2g})"
+        assert any(f"| {r['impl']} " in ln and want in ln for ln in text.splitlines()), (r["impl"], want)
+
+
+def test_the_report_says_which_rows_ran_on_the_fp8_kv_cache(tmp_path):
+    """Rows of ``--kv-cache fp8`` are labelled in report.md as on the CLI's table: "sdpa vs sdpa" at 75 % alone
+    would read as noise, not as the cache's effect (real rows: experiments/results/h100-80gb-hbm3)."""
+    from pathlib import Path
+
+    from llm_attn import report
+
+    src = Path(__file__).resolve().parents[1] / "experiments" / "results" / "h100-80gb-hbm3" / \
+        "tinylm_correctness_fp8kv_flips.jsonl"
+    assert report.main([str(src), "--out", str(tmp_path / "r")]) == 0
+    lines = [ln for ln in (tmp_path / "r" / "report.md").read_text().splitlines() if "| sdpa (FP8 KV cache)" in ln]
+    assert len(lines) == 2 and all("| sdpa (unquantised cache)" in ln for ln in lines)

@@ -26,8 +26,10 @@ from llm_attn.harness import energy, flops, hostenv
 from llm_attn.harness.agreement import (
     AGREEMENT_HEADERS,
     AGREEMENT_NOTE,
+    MISS_FLIPS_NOTE,
     agreement_cells,
     agreement_misses,
+    correctness_names,
     low_precision_note,
 )
 from llm_attn.harness.breakdown import measure_breakdown
@@ -701,16 +703,14 @@ def correctness_table(rows: list[dict], tablefmt: str = "github") -> str:
         if r["status"] != "ok":
             table.append([r["impl"], "", r["batch"], r["seq"], r["status"].upper(), "", "", ""])
             continue
-        fp8 = r.get("kv_cache") == "fp8"  # the implementation on the FP8 KV cache, stock on transformers' own
-        table.append([r["impl"] + (" (FP8 KV cache)" if fp8 else ""),
-                      r["reference_impl"] + (" (unquantised cache)" if fp8 else ""), r["batch"], r["seq"],
-                      f"{r['max_abs_logit_diff']:.3g}", f"{100 * r['greedy_agreement']:.1f}%", *agreement_cells(r)])
+        table.append([*correctness_names(r), r["batch"], r["seq"], f"{r['max_abs_logit_diff']:.3g}",
+                      f"{100 * r['greedy_agreement']:.1f}%", *agreement_cells(r)])
     if not table:
         return ""
     return "\n".join([tabulate(sorted(table, key=lambda x: (x[2], x[3])),
                                 headers=["impl", "vs", "batch", "seq", "max |Δlogit|", "greedy agreement",
                                          *AGREEMENT_HEADERS], tablefmt=tablefmt, disable_numparse=True),
-                       AGREEMENT_NOTE, *agreement_misses(latest_rows(rows).values())])
+                       AGREEMENT_NOTE + " " + MISS_FLIPS_NOTE, *agreement_misses(latest_rows(rows).values())])
 
 
 def breakdown_table(rows: list[dict], tablefmt: str = "github") -> str:

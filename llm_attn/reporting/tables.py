@@ -5,7 +5,15 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from llm_attn.harness import flops
-from llm_attn.harness.agreement import AGREEMENT_HEADERS, AGREEMENT_NOTE, agreement_cells
+from llm_attn.harness.agreement import (
+    AGREEMENT_HEADERS,
+    AGREEMENT_NOTE,
+    FLIPS_HEADER,
+    FLIPS_NOTE,
+    agreement_cells,
+    correctness_names,
+    flips_cell,
+)
 from llm_attn.harness.devices import Device
 from llm_attn.harness.stats import ratio_header
 from llm_attn.harness.sweep import row_notes, verdict_cell
@@ -142,16 +150,17 @@ def correctness_md(m: Merged, device: str) -> str:
         if r["measurement"] != "correctness":
             continue
         if r["status"] != "ok":
-            lines.append([_model_label(r), r["batch"], r["seq"], r["impl"], "", r["status"].upper(), "", "", ""])
+            lines.append([_model_label(r), r["batch"], r["seq"], r["impl"], "", r["status"].upper(), "",
+                          *[""] * (len(AGREEMENT_HEADERS) + 1)])
         else:
-            lines.append([_model_label(r), r["batch"], r["seq"], r["impl"], r["reference_impl"],
-                          f"{r['max_abs_logit_diff']:.3g}", f"{100 * r['greedy_agreement']:.1f}%",
-                          *agreement_cells(r)])
+            impl, vs = correctness_names(r)
+            lines.append([_model_label(r), r["batch"], r["seq"], impl, vs, f"{r['max_abs_logit_diff']:.3g}",
+                          f"{100 * r['greedy_agreement']:.1f}%", *agreement_cells(r), flips_cell(r)])
     if not lines:
         return ""
     return tabulate(lines, headers=["model", "batch", "seq", "impl", "vs", "max abs logit diff", "greedy agreement",
-                                    *AGREEMENT_HEADERS], tablefmt="github", disable_numparse=True) \
-        + "\n\n" + AGREEMENT_NOTE
+                                    *AGREEMENT_HEADERS, FLIPS_HEADER], tablefmt="github", disable_numparse=True) \
+        + "\n\n" + AGREEMENT_NOTE + " " + FLIPS_NOTE
 
 
 def failures_md(m: Merged, device: str) -> str:
