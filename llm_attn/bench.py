@@ -10,6 +10,7 @@
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
     python -m llm_attn.bench --mode host                        # host µs per call: ours, the patch, SDPA
     python -m llm_attn.bench --mode accuracy --seqs 8192 131072  # error vs float64: SDPA bf16, ours, fp8, int8
+    python -m llm_attn.bench --mode accuracy --capture MODEL --prompts FILE --seqs 2048   # on the model's own Q, K, V
 
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,
 halved when causal; TFLOP/s from the median of CUDA-event timings after warm-up, inputs rotated among several
@@ -37,7 +38,9 @@ Accuracy (issue 34): each implementation's output against float64 on the same in
 peaky queries, both; --kinds), compared on a seeded sample of --rows query rows of every length (harness/accuracy.py
 says how the reference stays bounded at 128k): cosine, relative L1, max error, the error as a multiple of SDPA's,
 and pass/FAIL per target (cosine >= 0.999, rel L1 <= 0.03 on the outlier inputs). Exit status 1 when a target is
-missed. Runs on CPU too (small sizes by default; our paths run their PyTorch references there).
+missed. Runs on CPU too (small sizes by default; our paths run their PyTorch references there). --capture MODEL
+measures on a model's own attention inputs instead (harness/captured.py: one stock prefill of --seqs tokens, the
+first, middle and last layers or --layers; the targets apply there too).
 
 Each row of the JSONL output carries the environment and the command that reproduces it.
 """
@@ -143,10 +146,26 @@ def main(argv=None):
                    help=f"accuracy: query rows compared with float64 per point (default {ACCURACY_ROWS}; all when S "
                         "is smaller)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="accuracy: seed of the inputs and sampled rows")
+    p.add_argument("--capture", metavar="MODEL",
+                   help="accuracy: instead of the synthetic --kinds, a model's own attention inputs (Q, K, V after "
+                        "RoPE, captured in one stock prefill of --seqs tokens x --batch; harness/captured.py): a "
+                        "preset, a checkpoint folder or a cached hub id, as ttft's --model; heads and head_dim are "
+                        "the model's")
+    p.add_argument("--layers", nargs="+", type=non_negative_int,
+                   help="accuracy with --capture: the attention layers compared (default: first, middle, last)")
+    p.add_argument("--prompts", metavar="SOURCE",
+                   help="accuracy with --capture: the prefill's text (a .jsonl/.txt/.parquet file or dataset folder, "
+                        "as ttft's --prompts; tokenized by the model's tokenizer); default: seeded random token ids")
+    p.add_argument("--prompt-field", help="accuracy with --capture --prompts: the text column")
     p.add_argument("--out", help="append JSONL rows here")
     args = p.parse_args(argv)
     apply_verbose(args)
     accuracy = args.mode == "accuracy"
+    if not accuracy and args.capture:
+        p.error("--capture is for --mode accuracy")
+    for flag, val in (("--layers", args.layers), ("--prompts", args.prompts), ("--prompt-field", args.prompt_field)):
+        if val is not None and not args.capture:
+            p.error(f"{flag} needs --capture MODEL")
     if args.dtypes is None:
         args.dtypes = ["bf16"] if accuracy else ["bf16", "fp16"]
     if args.impls is None:
@@ -302,33 +321,93 @@ def _accuracy_mode(p, args, f, argv) -> int:
     env = environment()
     command = "python -m llm_attn.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = []
-    for dt in args.dtypes:
+
+    def emit(got):
+        for row in got:
+            row.update(env=env, command=command)
+            if f:
+                try:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                except OSError as e:
+                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
+        for row in got:
+            print(accuracy_line(row), flush=True)
+        rows.extend(got)
+
+    if args.capture:
+        _accuracy_captured_mode(p, args, device, emit)
+    for dt in ([] if args.capture else args.dtypes):
         for causal in args.causal:
             for b in args.batch:
                 for kind in args.kinds:
                     for s in args.seqs:
-                        got = accuracy_point(args.impls, kind, batch=b, heads=args.heads, kv_heads=args.kv_heads,
-                                             seq=s, head_dim=args.head_dim, dtype=DTYPES[dt], causal=bool(causal),
-                                             device=device, rows=args.rows, seed=args.seed)
-                        for row in got:
-                            row.update(env=env, command=command)
-                            if f:
-                                try:
-                                    f.write(json.dumps(row) + "\n")
-                                    f.flush()
-                                except OSError as e:
-                                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
-                                              f"{e.strerror or e}\n")
-                        for row in got:
-                            print(accuracy_line(row), flush=True)
-                        rows += got
-    print(f"\nerror against float64 on {device} (B={args.batch}, {args.heads}/{args.kv_heads} heads, "
-          f"hd{args.head_dim}; up to {args.rows} sampled query rows per point; rel L1 / sdpa's: this row's relative "
-          f"L1 error over SDPA's at the same point, > 1 = larger error than SDPA's)")
+                        emit(accuracy_point(args.impls, kind, batch=b, heads=args.heads, kv_heads=args.kv_heads,
+                                            seq=s, head_dim=args.head_dim, dtype=DTYPES[dt], causal=bool(causal),
+                                            device=device, rows=args.rows, seed=args.seed))
+    shape = (f"{args.capture}'s own heads and head_dim" if args.capture else
+             f"{args.heads}/{args.kv_heads} heads, hd{args.head_dim}")
+    print(f"\nerror against float64 on {device} (B={args.batch}, {shape}; up to {args.rows} sampled query rows per "
+          f"point; rel L1 / sdpa's: this row's relative L1 error over SDPA's at the same point, > 1 = larger error "
+          f"than SDPA's)")
     print(accuracy_table(rows))
     text, misses = target_summary(rows)
     print("\n" + text)
     return 1 if misses else 0
+
+
+def _accuracy_captured_mode(p, args, device: str, emit) -> None:
+    """--mode accuracy --capture MODEL: per dtype, batch and length one stock prefill of the model, each captured
+    layer's inputs through every implementation against float64 (``accuracy_captured``). A model or prompt source
+    that cannot be used is one line and exit status 2, before anything is measured."""
+    import torch  # noqa: PLC0415
+
+    from llm_attn.harness.accuracy import accuracy_captured  # noqa: PLC0415
+    from llm_attn.harness.captured import capture_qkv, default_layers  # noqa: PLC0415
+    from llm_attn.harness.kernel_bench import DTYPES  # noqa: PLC0415
+    from llm_attn.harness.prompts import PromptsError  # noqa: PLC0415
+    from llm_attn.harness.session import dataset_prompts_for, load_prompt_texts  # noqa: PLC0415
+    from llm_attn.models import load_model  # noqa: PLC0415
+
+    try:
+        texts = load_prompt_texts(args.prompts, args.prompt_field, None) if args.prompts else None
+    except PromptsError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    for dt in args.dtypes:
+        try:
+            model, info = load_model(args.capture, device=device, dtype=DTYPES[dt])
+            prompts = dataset_prompts_for(model, info, args.prompts, texts, args.prompt_field)
+        except Exception as e:  # noqa: BLE001 (a model that does not load: one line, as ttft says it)
+            p.exit(2, f"{p.prog}: error: --capture {args.capture}: {str(e).splitlines()[0] if str(e) else ''} "
+                      f"({type(e).__name__})\n")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        n_layers = getattr(cfg, "num_hidden_layers", None)
+        layers = args.layers if args.layers is not None else default_layers(n_layers) if n_layers else None
+        if n_layers and layers and max(layers) >= n_layers:
+            p.exit(2, f"{p.prog}: error: --layers {max(layers)}: {args.capture} has {n_layers} layers "
+                      f"(0..{n_layers - 1})\n")
+        limit = getattr(cfg, "max_position_embeddings", None)
+        for b in args.batch:
+            for s in args.seqs:
+                if limit and s > limit:
+                    print(f"skipping S={s}: {args.capture} has {limit} positions", file=sys.stderr)
+                    continue
+                if prompts is not None:
+                    ids = prompts.batch(b, s)
+                    source = f"{args.capture} on {args.prompts}"
+                else:
+                    gen = torch.Generator().manual_seed(args.seed)
+                    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
+                    source = f"{args.capture} on random token ids (seed {args.seed})"
+                for layer in capture_qkv(model, ids.to(model.device), layers):
+                    st = layer.stats()
+                    print(f"{source}, S={s}, layer {layer.layer}: |q| <= {st['q_absmax']:.3g}, |k| <= "
+                          f"{st['k_absmax']:.3g}, strongest K channel bias {st['k_bias_over_spread']:.3g}x K's "
+                          f"spread, score std {st['score_std']:.3g}", flush=True)
+                    emit(accuracy_captured(args.impls, layer, source=source, rows=args.rows, seed=args.seed))
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _fmt_last(table):

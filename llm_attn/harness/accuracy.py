@@ -70,6 +70,8 @@ KINDS = {k.name: k for k in (
     InputKind("peaky", "queries x4: score std 4, a few keys dominate", q_scale=4.0),
     InputKind("outliers+peaky", "K outlier channels and peaky queries", k_outlier_channels=4, q_scale=4.0),
 )}
+# The kind of rows measured on a model's own attention inputs (``harness.captured``, ``bench --capture``).
+CAPTURED = "captured"
 
 
 def make_inputs(kind: str | InputKind, *, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
@@ -186,7 +188,8 @@ class Target:
 
     def applies(self, kind: str) -> bool:
         spec = KINDS.get(kind)
-        return not self.outliers_only or (spec is not None and spec.has_outliers)
+        # A model's own activations (``CAPTURED``) are what the outlier kinds stand in for: every target applies.
+        return not self.outliers_only or kind == CAPTURED or (spec is not None and spec.has_outliers)
 
     def met(self, value: float | None) -> bool:
         if value is None or not math.isfinite(value):
@@ -289,23 +292,46 @@ def accuracy_point(impls: dict[str, AttentionFn] | Sequence[str], kind: str, *, 
     float64 reference: one row per implementation (status 'ok', 'oom' or 'error'; a failure does not stop the
     others). ``impls``: names (``make_impl``) or ``{label: fn(q, k, v, causal)}``."""
     device = torch.device(device)
-    fns = {n: make_impl(n) for n in impls} if not isinstance(impls, dict) else dict(impls)
     q, k, v, planted = make_inputs(kind, batch=batch, heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim,
                                    dtype=dtype, device=device, seed=seed)
+    base = {"kind": kind, "input": asdict(KINDS[kind])}
+    if planted:
+        base["outlier_channels"] = planted["outlier_channels"].tolist()
+    return _compare(impls, q, k, v, causal, base, rows=rows, seed=seed, targets=targets)
+
+
+def accuracy_captured(impls: dict[str, AttentionFn] | Sequence[str], captured, *, source: str,
+                      rows: int = DEFAULT_ROWS, seed: int = 0, targets: Sequence[Target] = TARGETS) -> list[dict]:
+    """``accuracy_point`` on a model's own attention inputs (a ``harness.captured.CapturedLayer``): kind
+    ``CAPTURED``, the layer, the model and prompt (``source``) and the inputs' statistics in each row. The
+    implementations get the inputs as the layer did (its dtype, its causal flag)."""
+    d = captured.q.shape[-1]
+    if abs(captured.scale * d ** 0.5 - 1) > 1e-6:
+        raise ValueError(f"layer {captured.layer} scales scores by {captured.scale:g}, not 1/sqrt({d}): the accuracy "
+                         f"implementations and the reference use 1/sqrt(head_dim)")
+    base = {"kind": CAPTURED, "layer": captured.layer, "source": source, "input_stats": captured.stats(),
+            "input": {"name": CAPTURED, "description": f"{source}, attention layer {captured.layer}"}}
+    return _compare(impls, captured.q, captured.k, captured.v, captured.causal, base, rows=rows, seed=seed,
+                    targets=targets)
+
+
+def _compare(impls, q, k, v, causal: bool, base: dict, *, rows: int, seed: int,
+             targets: Sequence[Target]) -> list[dict]:
+    device = q.device
+    batch, heads, seq, head_dim = q.shape
+    fns = {n: make_impl(n) for n in impls} if not isinstance(impls, dict) else dict(impls)
     idx = query_rows(seq, rows, seed)
     t0 = time.perf_counter()
     ref = reference_rows(q, k, v, idx, causal)
     _sync(device)
     ref_s = time.perf_counter() - t0
-    base = {"schema": SCHEMA, "mode": "accuracy", "kind": kind, "input": asdict(KINDS[kind]), "batch": batch,
-            "heads": heads, "kv_heads": kv_heads, "q_len": seq, "kv_len": seq, "head_dim": head_dim,
-            "dtype": str(dtype).removeprefix("torch."), "causal": bool(causal), "seed": seed,
+    base = {"schema": SCHEMA, "mode": "accuracy", **base, "batch": batch,
+            "heads": heads, "kv_heads": k.shape[1], "q_len": seq, "kv_len": k.shape[2], "head_dim": head_dim,
+            "dtype": str(q.dtype).removeprefix("torch."), "causal": bool(causal), "seed": seed,
             "device_type": device.type, "rows_compared": int(idx.numel()), "rows_total": seq,
             "reference": f"float64 on {int(idx.numel())} of {seq} query rows (seeded; the last included), "
                          f"computed in chunks of rows",
             "reference_s": ref_s}
-    if planted:
-        base["outlier_channels"] = planted["outlier_channels"].tolist()
     out_rows = []
     for name, fn in fns.items():
         row = {**base, "impl": name, "impl_description": ACCURACY_IMPLS.get(name, "attention registry entry")}
@@ -350,9 +376,14 @@ def _verdict(row: dict) -> str:
                                 if t["value"] is not None else f"{t['metric']}: {row['status']}" for t in missed)
 
 
+def input_label(row: dict) -> str:
+    """The input column: the kind, or ``captured L5`` for a model's own layer 5."""
+    return f"{CAPTURED} L{row['layer']}" if row["kind"] == CAPTURED else row["kind"]
+
+
 def accuracy_line(row: dict) -> str:
     """One row as a progress line: the point, the metrics and the target verdict."""
-    point = (f"{row['kind']} S={row['kv_len']} causal={int(row['causal'])} {row['dtype']} {row['impl']}: ")
+    point = (f"{input_label(row)} S={row['kv_len']} causal={int(row['causal'])} {row['dtype']} {row['impl']}: ")
     if row["status"] != "ok":
         return point + row["status"].upper() + f" ({row.get('error', '')})" + (
             f" -> {_verdict(row)}" if row.get("targets") else "")
@@ -368,7 +399,7 @@ def accuracy_table(rows: Sequence[dict], tablefmt: str = "github") -> str:
     table = []
     for r in rows:
         ok = r["status"] == "ok"
-        table.append([r["kind"], r["kv_len"], int(r["causal"]), r["dtype"], r["impl"],
+        table.append([input_label(r), r["kv_len"], int(r["causal"]), r["dtype"], r["impl"],
                       f"{r['cosine']:.6f}" if ok else r["status"].upper(),
                       f"{r['rel_l1']:.2e}" if ok else "", f"{r['max_abs']:.2e}" if ok else "",
                       f"{r['min_row_cosine']:.5f}" if ok else "",
@@ -389,12 +420,14 @@ def target_summary(rows: Sequence[dict], targets: Sequence[Target] = TARGETS) ->
         missed = [(r, v) for r, v in checked if not v["met"]]
         misses += len(missed)
         scope = "outlier inputs" if t.outliers_only else "all inputs"
+        if t.outliers_only and any(r["kind"] == CAPTURED for r, _ in checked):
+            scope = "outlier inputs and the model's own layers"
         lines.append(f"target {t.name} ({scope}, every length): "
                      + (f"met on all {len(checked)} checked" if not missed else
                         f"MISSED on {len(missed)} of {len(checked)}") if checked else
                      f"target {t.name}: not checked (no {scope} measured)")
         for r, v in missed:
             val = f"{v['value']:.6g}" if v["value"] is not None else r["status"]
-            lines.append(f"  MISS {r['impl']} {r['kind']} S={r['kv_len']} causal={int(r['causal'])} {r['dtype']}: "
+            lines.append(f"  MISS {r['impl']} {input_label(r)} S={r['kv_len']} causal={int(r['causal'])} {r['dtype']}: "
                          f"{t.metric} = {val}")
     return "\n".join(lines), misses
