@@ -228,15 +228,7 @@ def main(argv=None):
                                            graph=bool(graph), phase=phase)
                         for row in rows.values():
                             row.update(env=env, command=command)
-                            if f:
-                                try:
-                                    f.write(json.dumps(row) + "\n")
-                                    f.flush()
-                                except OSError as e:  # e.g. the disk is full
-                                    with contextlib.suppress(OSError):
-                                        f.close()  # closes even when the buffered line cannot be flushed
-                                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: "
-                                              f"{e.strerror or e}\n")
+                            _write_row(p, args, f, row)
                         t = _table_row(args.mode, rows, dt, causal, b, s, graph, phase)
                         table.append({"q_len": sq, **t} if args.q_len else t)
                         print(_fmt_last(table), flush=True)
@@ -279,11 +271,7 @@ def _host_mode(p, args, f, argv) -> int:
         for row in rows:
             row.update(mode="host", env=env, command=command)
             if f:
-                try:
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                except OSError as e:
-                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
+                _write_row(p, args, f, row)
                 written += 1
         print(f"\n{dt} on {device}: host µs per call, median of {args.host_rounds} interleaved rounds of "
               f"{args.repeats_host} back-to-back calls (no sync inside); in brackets: torch SDPA's µs / this path's "
@@ -325,12 +313,7 @@ def _accuracy_mode(p, args, f, argv) -> int:
     def emit(got):
         for row in got:
             row.update(env=env, command=command)
-            if f:
-                try:
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                except OSError as e:
-                    p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
+            _write_row(p, args, f, row)
         for row in got:
             print(accuracy_line(row), flush=True)
         rows.extend(got)
@@ -408,6 +391,19 @@ def _accuracy_captured_mode(p, args, device: str, emit) -> None:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _write_row(p, args, f, row: dict) -> None:
+    """One JSONL row to --out (nothing without it); a write that fails (e.g. a full disk) is one line, exit 2."""
+    if not f:
+        return
+    try:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            f.close()  # closes even when the buffered line cannot be flushed
+        p.exit(2, f"{p.prog}: error: --out {args.out}: cannot write: {e.strerror or e}\n")
 
 
 def _fmt_last(table):
