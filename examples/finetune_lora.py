@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recompute each decoder layer in the backward (less activation memory)")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="UTF-8 text file (datasets 'text' builder)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="also write the results to this JSON file (the steps done so far every 10 steps, "
+                         "\"complete\": false, until the run ends)")
     ap.add_argument("--fail-above", type=float, default=None, metavar="RTOL",
                     help="exit 1 when the max relative loss difference exceeds RTOL")
     return ap
@@ -296,10 +298,16 @@ class ImplRun:
         return out
 
 
-def train_interleaved(args, peft_model, base, trainable, init, batches) -> list[ImplRun]:
+# With --json, the steps done so far are written every this many steps ("complete": false until the end), so a
+# run cut short (a time limit, Ctrl-C) keeps what it measured.
+CHECKPOINT_EVERY = 10
+
+
+def train_interleaved(args, peft_model, base, trainable, init, batches, header: dict | None = None) -> list[ImplRun]:
     """Every implementation takes step i before any takes step i + 1, in the listed order on odd steps and the
     reverse on even ones, so that drift (clocks, temperature, the allocator) hits them alike and the step times
-    pair up by step for the paired interval."""
+    pair up by step for the paired interval. ``header``: the JSON's fields besides the runs, for the partial
+    results written every ``CHECKPOINT_EVERY`` steps when ``args.json`` is set."""
     runs = [ImplRun(impl, args, trainable, init) for impl in args.impl]
     last = len(batches)
     for step, ids in enumerate(batches, 1):
@@ -308,7 +316,18 @@ def train_interleaved(args, peft_model, base, trainable, init, batches) -> list[
                 run.step(step, ids, base, peft_model, last)
             except NotImplementedError as e:  # e.g. a backward this build does not have
                 raise UsageError(f"--impl {run.impl}: {e}") from e
+        if getattr(args, "json", None) and step % CHECKPOINT_EVERY == 0 and step < last:
+            write_json(args.json, {**(header or {}), "complete": False, "steps_done": step,
+                                   "runs": [r.result() for r in runs]})
     return runs
+
+
+def write_json(path: Path, result: dict) -> None:
+    """``result`` to ``path`` through a temporary file: a reader (or a kill) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 def grad_agreement(got: dict, ref: dict) -> dict:
@@ -355,7 +374,9 @@ def train_and_compare(args) -> dict:
           f"{args.steps} steps x batch {args.batch} x seq {args.seq}"
           f"{'; gradient checkpointing' if args.gradient_checkpointing else ''}", flush=True)
 
-    trained = train_interleaved(args, peft_model, base, trainable, init, batches)
+    header = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "device": dev_name, "torch": torch.__version__}
+    trained = train_interleaved(args, peft_model, base, trainable, init, batches, header)
     runs, grads = [t.result() for t in trained], [t.grads for t in trained]
 
     ref = runs[0]
@@ -379,11 +400,9 @@ def train_and_compare(args) -> dict:
         r["grad_last"] = grad_agreement(g[last], grads[0][last])
     print()
     print(summary_table(runs, last))
-    result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "device": dev_name, "torch": torch.__version__, "runs": runs}
+    result = {**header, "complete": True, "steps_done": args.steps, "runs": runs}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
+        write_json(args.json, result)
     return result
 
 

@@ -13,6 +13,7 @@ Skips with the reason when peft or datasets is missing (``python -m pip install 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -146,3 +147,31 @@ def test_implementations_take_turns_step_by_step(example, monkeypatch):
     runs = example.train_interleaved(args, None, None, {"w": w}, {"w": w.detach().clone()}, [None] * 3)
     assert [r.impl for r in runs] == ["sdpa", "llm_attn"]
     assert order == [(1, "sdpa"), (1, "llm_attn"), (2, "llm_attn"), (2, "sdpa"), (3, "sdpa"), (3, "llm_attn")]
+
+
+def test_a_run_cut_short_keeps_its_steps_in_the_json(example, monkeypatch, tmp_path):
+    """--json holds the steps done so far (every CHECKPOINT_EVERY steps, "complete": false), so a run that a time
+    limit kills keeps what it measured; the finished run replaces it ("complete": true)."""
+    out = tmp_path / "lora.json"
+    real_step = example.ImplRun.step
+
+    def step(self, n, *a):
+        if n == 4:
+            raise KeyboardInterrupt  # the time limit, after 3 steps of each implementation
+        return real_step(self, n, *a)
+
+    monkeypatch.setattr(example, "CHECKPOINT_EVERY", 1)
+    monkeypatch.setattr(example.ImplRun, "step", step)
+    argv = ["--device", "cpu", "--model", "tiny", "--steps", "6", "--seq", "64", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        example.main(argv)
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False and partial["steps_done"] == 3
+    assert [r["impl"] for r in partial["runs"]] == ["sdpa", "llm_attn"]
+    assert all(len(r["step_s"]) == len(r["loss"]) == 3 for r in partial["runs"])
+    assert partial["args"]["steps"] == 6 and not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(example.ImplRun, "step", real_step)
+    result = example.main(argv)
+    done = json.loads(out.read_text())
+    assert done["complete"] is True and done["steps_done"] == 6 and len(done["runs"][0]["loss"]) == 6
+    assert result["complete"] is True
