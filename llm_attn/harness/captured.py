@@ -41,8 +41,10 @@ class CapturedLayer:
         mean = k.mean(dim=2)  # (B, Hkv, D): each channel's bias over the sequence
         spread = k.std(dim=2).median().clamp_min(1e-30)
         q = self.q.float()[:, :, -64:]  # the last rows: scores against every key
-        groups = q.shape[1] // k.shape[1]
-        scores = torch.einsum("bhsd,bhtd->bhst", q, k.repeat_interleave(groups, dim=1)) * self.scale
+        b, hq, s, d = q.shape
+        # Query head h reads KV head h // groups: grouped, so K is not copied per query head.
+        q = q.view(b, k.shape[1], hq // k.shape[1], s, d)
+        scores = torch.einsum("bkgsd,bktd->bkgst", q, k) * self.scale
         return {"q_absmax": float(q.abs().max()), "k_absmax": float(k.abs().max()),
                 "v_absmax": float(self.v.float().abs().max()),
                 "k_bias_over_spread": float(mean.abs().max() / spread),
