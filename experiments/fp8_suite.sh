@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The low-precision forwards on a Hopper GPU in one command (issue 34; INT8 forced on the H100 as the proxy for sm_80-89): build (gpu_suite.sh's build step: carried extension
 # when its stamp matches), the FP8 GPU tests, compute-sanitizer memcheck/racecheck/synccheck of its pipeline, the
-# kernel benchmark (ours bf16, ours FP8 with its quantisation, SDPA cuDNN; CUDA graphs, interleaved) and the accuracy
+# kernel benchmark (ours bf16, ours FP8 with its quantisation, SDPA cuDNN, cuDNN FP8 through JAX where installed; CUDA
+# graphs, interleaved) and the accuracy
 # benchmark against float64. Logs to $OUT; a short table last.
 #   OUT=/tmp/out bash experiments/fp8_suite.sh [build] [test] [sanitize] [bench] [int8bench] [accuracy] [ncu]
 set -uo pipefail
@@ -26,7 +27,7 @@ fi
 if has bench; then
   # llm_attn_fp8: the build's default key tile; ours-fp8-192 (ours-fp8-128): that tile forced, same run;
   # llm_attn_int8qk: P V in the input dtype (the same default tile)
-  python3 -m llm_attn.bench --impls ${FP8_IMPLS:-ours llm_attn_fp8 ours-fp8-192 llm_attn_int8qk cudnn} --seqs ${FP8_SEQS:-4096 8192 16384 32768} --causal 1 0 \
+  python3 -m llm_attn.bench --impls ${FP8_IMPLS:-ours llm_attn_fp8 ours-fp8-192 llm_attn_int8qk cudnn cudnn-fp8} --seqs ${FP8_SEQS:-4096 8192 16384 32768} --causal 1 0 \
     --dtypes bf16 --graph 1 --repeats ${FP8_REPEATS:-10} --out "$OUT/fp8_bench.jsonl" 2>&1 | tee "$OUT/fp8_bench.txt" | tail -30
 fi
 if has int8bench; then  # the portable INT8 kernel against the portable bf16 tiles (what sm_80-89 run) and cuDNN

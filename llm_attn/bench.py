@@ -10,6 +10,7 @@
     python -m llm_attn.bench --plugin examples/my_attention.py --impls ours mine
     python -m llm_attn.bench --mode host                        # host µs per call: ours, the patch, SDPA
     python -m llm_attn.bench --mode accuracy --seqs 8192 131072  # error vs float64: SDPA bf16, ours, fp8, int8
+    python -m llm_attn.bench --impls llm_attn_fp8 cudnn cudnn-fp8 --seqs 16384 65536   # cuDNN's FP8 (needs JAX)
     python -m llm_attn.bench --mode accuracy --capture MODEL --prompts FILE --seqs 2048   # on the model's own Q, K, V
 
 Prefill: B x 32 query heads over 8 KV heads, head_dim 128 (Llama 3 8B), q_len = kv_len = S. FLOPs = 4*B*Hq*S*S*D,

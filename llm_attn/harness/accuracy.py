@@ -226,6 +226,8 @@ ACCURACY_IMPLS = {
     "ours-int8": "llm_attn.flash_attn_func, precision='int8' (int8 Q K^T; P V in e4m3 on sm_89, the input dtype "
                  "elsewhere)",
     "fp8-reference": "llm_attn.quant_reference.attention_fp8 (the quantised PyTorch reference)",
+    "cudnn-fp8": "cuDNN's FP8 attention through JAX (e4m3 Q, K, V, P and O, per-tensor scales: the vendor's FP8 "
+                 "recipe; harness/cudnn_fp8.py)",
 }
 DEFAULT_IMPLS = ("sdpa", "ours", "ours-fp8", "ours-int8qk", "ours-int8")
 BASELINE = "sdpa"  # what the table divides errors by: the error a user of stock attention already accepts
@@ -264,6 +266,10 @@ def make_impl(name: str) -> AttentionFn:
         from llm_attn.quant_reference import attention_fp8  # noqa: PLC0415
 
         return lambda q, k, v, causal: attention_fp8(q, k, v, causal=causal)
+    if name == "cudnn-fp8":
+        from llm_attn.harness.cudnn_fp8 import cudnn_fp8  # noqa: PLC0415
+
+        return cudnn_fp8
     from llm_attn import registry  # noqa: PLC0415
 
     entry = registry.get(name)

@@ -25,8 +25,12 @@ FP8_TILE_IMPLS = {"ours-fp8-128": (128, "", ""), "ours-fp8-192": (192, "", ""), 
 # same with our kernel (flash_attn_func: what the patched attention ran for a prefill before the prefill kernel).
 # Their GB/s count the FP8 bytes (K and V, one byte per element; the scales are 1/32 of that at head_dim 128).
 FP8_KV_IMPLS = ("ours-fp8kv", "ours-fp8kv-copy", "sdpa-fp8kv-copy")
+# The vendor's FP8 attention (cuDNN's FP8 forward through JAX, harness/cudnn_fp8.py): a reference for our FP8 paths,
+# timed by the wall clock around chains of calls in one XLA program (it cannot join a PyTorch CUDA graph), inputs
+# quantised once and not counted.
+VENDOR_FP8_IMPLS = ("cudnn-fp8",)
 BENCH_IMPLS = ["ours", "ours-op", "ours-large", "ours-wide", "ours-small", "ours-hopper", *FP8_TILE_IMPLS,
-               *FP8_KV_IMPLS, "flash", "cudnn", "efficient", "math"]
+               *FP8_KV_IMPLS, "flash", "cudnn", "efficient", "math", *VENDOR_FP8_IMPLS]
 
 
 def _sdpa_backends():
@@ -56,6 +60,16 @@ def make_fn(impl: str, q, k, v, causal: bool):
         return through_op, "op autograd"
     if impl in FP8_KV_IMPLS:
         return _fp8_kv_fn(impl, q, k, v, causal)
+    if impl in VENDOR_FP8_IMPLS:
+        from llm_attn.harness.cudnn_fp8 import CudnnFp8Attention  # noqa: PLC0415
+
+        sq, sk = q.shape[2], k.shape[2]
+        if causal and 1 < sq < sk:
+            raise ValueError("cudnn-fp8 has no bottom-right causal mask (a chunk over a longer cache)")
+        if q.requires_grad:
+            raise ValueError("cudnn-fp8 is a forward (inference) reference: no backward")
+        attn = CudnnFp8Attention(q, k, v, causal and sq == sk and sq > 1)  # q_len 1: every key, as SDPA
+        return attn, attn.note
     if impl in FP8_TILE_IMPLS:  # set for each call/capture, as the forced prefill tiles below
         from llm_attn.ops import flash_attn_func, force_fp8_qk, force_fp8_tile
 
@@ -233,6 +247,8 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
             if phase:
                 fns, note = zip(*(make_train_fn(impl, q, k, v, causal, g, phase, side_stream=graph)
                                   for (q, k, v), g in zip(data, douts)))
+            elif impl in VENDOR_FP8_IMPLS:  # one input set: its quantised copies live on both sides of DLPack
+                fns, note = zip(make_fn(impl, *data[0], causal))
             else:
                 fns, note = zip(*(make_fn(impl, q, k, v, causal) for q, k, v in data))
             out0 = fns[0]()
@@ -240,7 +256,12 @@ def bench_point(mode, impls, b, hq, hkv, sq, sk, d, dtype, causal, warmup, repea
             if ref is None:
                 ref = out0
             row["max_abs_diff_vs_first"] = (out0.float() - ref.float()).abs().max().item()
-            samples = time_cuda(list(fns), warmup, repeats, graph=graph)
+            if impl in VENDOR_FP8_IMPLS:
+                samples = fns[0].time_samples(warmup, repeats)
+                row.update(graph=False, timing=f"wall clock, chains of {fns[0].chain} calls in one XLA program",
+                           single_ms=fns[0].single_ms)
+            else:
+                samples = time_cuda(list(fns), warmup, repeats, graph=graph)
             ms = statistics.median(samples)
             read = kv_bytes // elem if impl in FP8_KV_IMPLS else kv_bytes  # the FP8 cache: one byte per element
             row.update(status="ok", note=note[0], ms=ms, ms_min=min(samples), samples_ms=samples,
