@@ -319,12 +319,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_alloc(const at::Tensor& q_in, const a
 
 // The FP8 forward (kernels/flash_fp8.h): the same inputs as mha_fwd_alloc, quantised by the kernel's pre-pass into
 // workspaces made here (e4m3 Q, K, V^T in one byte buffer; their scales and the zeroed channel statistics in one
-// float32 buffer), so the quantisation is part of every call. block_n: the kernel's key tile (128 or 192 keys per S
-// tile; 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default, kernel_tiles.h Fp8Tiles<D>): a tuning choice, the
-// result's semantics are the same. qk: the operands of S = Q K^T, "int8" or "e4m3" ("" = LLM_ATTN_FP8_QK if set,
-// else int8; flash_fp8.h Fp8Qk): this one changes the result (the rounding of Q and K). pv: the operands of P V,
-// "e4m3" ("" too) or "input" (P in the input dtype times the unquantised V; int8 Q K^T only; no V^T workspace;
-// flash_fp8.h Fp8Pv): it changes the result too.
+// float32 buffer), so the quantisation is part of every call. block_n: the kernel's key tile (128, 192 or 256 keys per
+// S tile, 256 with e4m3 P V only; 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default, kernel_tiles.h
+// Fp8Tiles<D>): a tuning choice, the result's semantics are the same. qk: the operands of S = Q K^T, "int8" or
+// "e4m3" ("" = LLM_ATTN_FP8_QK if set, else int8; flash_fp8.h Fp8Qk): this one changes the result (the rounding of
+// Q and K). pv: the operands of P V, "e4m3" ("" too) or "input" (P in the input dtype times the unquantised V; int8
+// Q K^T only; no V^T workspace; flash_fp8.h Fp8Pv): it changes the result too.
 int fp8_qk_code(const std::string& qk) {
     if (qk.empty()) return llm_attn::flash_fwd_fp8_qk(llm_attn::kFp8QkDefault);
     TORCH_CHECK(qk == "int8" || qk == "e4m3", "llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of "
@@ -355,7 +355,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n), pv_code);
     TORCH_CHECK(tile != 0, "llm_attn.mha_fwd_fp8: the FP8 kernel has no ",
                 block_n ? std::to_string(block_n) + "-key tile" : std::string("tile of the LLM_ATTN_FP8_BLOCK_N set"),
-                " for head_dim ", num(q.size(3)), " in this build (128 or 192: kernel_tiles.h Fp8Tiles)");
+                " for head_dim ", num(q.size(3)), pv_input ? " with pv='input' (128 or 192)" : "",
+                " in this build (kernel_tiles.h Fp8Tiles)");
     at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
     at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
     llm_attn::FlashFwdFp8Params f{};

@@ -35,11 +35,16 @@ int fp8_tile(int requested, int env) {
 }
 
 // LLM_ATTN_FP8_BLOCK_N (read once): the tile of calls that ask for none (block_n 0), e.g. a whole TTFT run; a value
-// this build lacks makes those calls fail in the binding, saying so.
+// this build lacks makes those calls fail in the binding, saying so. P V in the input dtype has the tiles up to
+// kFp8PvInputMaxBlockN (a 256-key bf16 P does not fit the registers beside S and O): a request for a wider one gets
+// 0, and so does the variable's process default fall back to the build's default for it.
 int flash_fwd_fp8_block_n(int head_dim, int requested, int pv) {
-    if (pv != kFp8PvE4m3 && pv != kFp8PvInput) return 0;  // both P V types have both tiles
+    if (pv != kFp8PvE4m3 && pv != kFp8PvInput) return 0;
     static const int env = sm90::tuning_env("LLM_ATTN_FP8_BLOCK_N", 0);
-    return head_dim == 128 ? fp8_tile<128>(requested, env) : head_dim == 64 ? fp8_tile<64>(requested, env) : 0;
+    const bool input = pv == kFp8PvInput;
+    if (input && requested > kFp8PvInputMaxBlockN) return 0;
+    const int e = input && env > kFp8PvInputMaxBlockN ? 0 : env;
+    return head_dim == 128 ? fp8_tile<128>(requested, e) : head_dim == 64 ? fp8_tile<64>(requested, e) : 0;
 }
 
 // LLM_ATTN_FP8_QK (read once): int8 or e4m3, the S operands of calls that ask for neither (qk 0); anything else

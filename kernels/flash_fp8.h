@@ -56,6 +56,8 @@ __host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) {
 // The operands of P V: e4m3 P and V (the pre-pass's V^T, a scale per channel), or P in the input dtype times the
 // caller's V, unquantised (kFp8PvInput: int8 Q K^T only; llm_attn_int8qk).
 enum Fp8Pv : int { kFp8PvE4m3 = 0, kFp8PvInput = 1 };
+// The widest key tile P V in the input dtype has (its bf16/fp16 P of 256 keys would not fit beside S and O).
+constexpr int kFp8PvInputMaxBlockN = 192;
 // The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
 // (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default.
 // The same for either pv (0 for a pv that is neither).

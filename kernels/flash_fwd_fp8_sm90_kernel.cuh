@@ -1,7 +1,7 @@
 // FP8 FlashAttention forward for Hopper (sm_90a): the bf16 kernel's structure (flash_fwd_sm90_kernel.cuh: a TMA
 // producer warpgroup, two consumer warpgroups of 64 query rows, software-pipelined and ping-ponged wgmma) on the
 // e4m3 operands the pre-pass writes (quant_fp8.cuh; flash_fp8.h says what is computed):
-//   S = Q8 K8^T      wgmma m64n{kBlockN}k32 e4m3 (kBlockN = 128 or 192 keys), both operands K-major from shared
+//   S = Q8 K8^T      wgmma m64n{kBlockN}k32 e4m3 (kBlockN = 128, 192 or 256 keys), both operands K-major from shared
 //                    memory; dequantised by the row's q_scale times the k_scale of each column group (64 keys, 32
 //                    with P V in the input dtype), folded into the softmax scale of that row's group
 //                    (fp8_update_scores)
@@ -30,6 +30,10 @@ constexpr int kPOffsetLog2 = 8;
 // barriers and row reductions serve 1.5x the GEMM work; S is then 96 fp32 registers a thread (O 64 at head_dim
 // 128, P 24), inside the consumers' 240. A V^T row of 192 keys is no swizzle width, so its stage is three 64-key
 // boxes with the 64-byte swizzle, each a K-major wgmma operand of its own (k32 steps 2 per box).
+// kBlockN_ 256 (H14, kernels/NOTES.md; head_dim 128, e4m3 P V only): cuDNN's FP8 tile. S is then 128 registers a
+// thread beside O's 64, so P of tile j-1 (32) cannot stay in registers while S of tile j accumulates (ptxas spilled and
+// serialised the wgmmas): each turn issues P V of tile j-1 and waits for it before it issues S of tile j. A V^T stage
+// is two 128-key boxes with the 128-byte swizzle.
 // kQkInt8_ (v4, kernels/NOTES.md): S = Q K^T in int8 (wgmma .s8, s32 accumulators; Q and K scaled by amax / 127
 // in the pre-pass) instead of e4m3: the same tensor rate and shared-memory layout (one byte per element), and 7
 // bits for every element where e4m3 keeps 3 of mantissa (SageAttention2's split: INT8 Q K^T, FP8 P V).
@@ -68,7 +72,10 @@ struct Fp8Traits {
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
-    static_assert(kBlockN == 128 || kBlockN == 192, "WgmmaFp8<kBlockN> exists for 128 and 192 (TMA boxes <= 256 rows)");
+    static_assert(kBlockN == 128 || kBlockN == 192 || kBlockN == 256,
+                  "WgmmaFp8<kBlockN> exists for 128, 192 and 256 (TMA boxes <= 256 rows)");
+    static_assert(kBlockN != 256 || (kHeadDim == 128 && !kPvInput_),
+                  "256 keys: head_dim 128 with e4m3 P V (bf16 P of 256 keys does not fit beside S and O)");
     static_assert(kBlockN % kKBlock == 0 && kKBlock % 32 == 0, "whole K-scale groups, whole k32 steps each");
     static_assert(kVtBoxKeys % 32 == 0 && kVtBoxBytes % 1024 == 0, "k32 steps inside a box; boxes swizzle-aligned");
     static_assert(!kPvInput || kQkInt8, "P V in the input dtype: int8 Q K^T");
@@ -213,6 +220,7 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
     constexpr int kDT = kHeadDim / 8;  // n8 blocks of O per warp
     constexpr int kKP = kBlockN / 32;  // k32 steps of P V
     constexpr int kKGroups = Traits::kKGroups;
+    constexpr bool kSerialPv = kBlockN == 256;  // P V of tile j-1 done before S of tile j is issued (H14)
     using Scores = float[1][kNT][4];
     const FlashFwdParams& p = params.f.p;
     const int tid = threadIdx.x % 128;
@@ -375,23 +383,35 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         mbar_wait(&sm.full_v[prev], prev_parity);
         if (it == 1) clean_v_tail(prev, (b.n_blocks - 1) * kBlockN);  // outside the turn: both consumers meet there
         my_turn();
-        issue_qk(stage);
-        issue_pv(prev);
-        your_turn();
-        wgmma_wait<1>();
+        if constexpr (kSerialPv) {  // 256 keys: P of tile it-1 leaves the registers before S of tile it arrives
+            issue_pv(prev);
+            wgmma_wait<0>();
+            fence_regs(o_flat);
+            release(&sm.empty_v[prev]);
+            issue_qk(stage);
+            your_turn();
+            wgmma_wait<0>();
+        } else {
+            issue_qk(stage);
+            issue_pv(prev);
+            your_turn();
+            wgmma_wait<1>();
+        }
         s_ready();
         release(&sm.empty_k[stage]);
         float alpha[1][2];
         const bool rescale = softmax(b.n_blocks - 1 - it, scale_it, alpha);
         // Non-causal: wait for P V of tile it-1 after the softmax, which then runs under it (H8: +5-6 %). Causal keeps
         // the wait where ptxas hoists a plain one, above the softmax: measured 4-7 % faster there (kernels/NOTES.md).
-        if constexpr (kCausal) {
-            wgmma_wait<0>();
-        } else {
-            wgmma_wait_after<0>(st.row_sum[0][0], st.row_sum[0][1]);
+        if constexpr (!kSerialPv) {
+            if constexpr (kCausal) {
+                wgmma_wait<0>();
+            } else {
+                wgmma_wait_after<0>(st.row_sum[0][0], st.row_sum[0][1]);
+            }
+            fence_regs(o_flat);
+            release(&sm.empty_v[prev]);
         }
-        fence_regs(o_flat);
-        release(&sm.empty_v[prev]);
         if (rescale) st.rescale_o(alpha);
         pack_p();
     }

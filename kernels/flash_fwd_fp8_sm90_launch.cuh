@@ -70,13 +70,20 @@ cudaError_t launch_fp8_tile(FlashFwdFp8Params& f, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// block_n: the key tile, resolved by flash_fwd_fp8_block_n (flash_fp8.cu): 128 or 192 where Fp8Tiles<D> has it.
+// block_n: the key tile, resolved by flash_fwd_fp8_block_n (flash_fp8.cu): 128, 192 or 256 where Fp8Tiles<D> has it
+// (256: e4m3 P V only).
 // qk: the S operands, resolved by flash_fwd_fp8_qk: kFp8QkInt8 or kFp8QkE4m3.
 // LLM_ATTN_FP8_STAGES=3: a third K/V stage for the 128-key tile (tuning A/B; two is the default, kernels/NOTES.md
 // "FP8 forward"); the 192-key tile is built with two only.
 template <typename T, int kHeadDim, bool kCausal, bool kQkInt8>
 cudaError_t launch_fp8_qk(FlashFwdFp8Params& f, cudaStream_t stream, int block_n) {
     static const int stages = tuning_env("LLM_ATTN_FP8_STAGES", 2);
+    if (block_n == 256) {
+        if constexpr (Fp8Tiles<kHeadDim>::has(256)) {
+            return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 256, kQkInt8>, kCausal>(f, stream);
+        }
+        return cudaErrorInvalidValue;
+    }
     if (block_n == 192) {
         if constexpr (Fp8Tiles<kHeadDim>::has(192)) {
             return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, kQkInt8>, kCausal>(f, stream);

@@ -91,8 +91,10 @@ BWD_NARROW = {128: dict(block_m=32, block_n=64, n_warps=4, split_dp=1),
 # LLM_ATTN_FP8_BLOCK_N unset).
 # 192 keys amortise each tile's waits, barriers and row reductions over 1.5x the GEMM work (kernels/NOTES.md "FP8
 # ... v3"): at head_dim 128 it is the default, measured 1.03-1.11x the 128-key tile on an H100 (bf16, S 8k-32k,
-# causal and not); head_dim 64 keeps 128 until measured. The launch knows 128 and 192 only.
-FP8_BLOCK_N = {128: (192, 128), 64: (128, 192)}
+# causal and not); head_dim 64 keeps 128 until measured. 256 keys (H14, head_dim 128, e4m3 P V only: cuDNN's FP8
+# tile) issues each tile's P V before its S, so that P and S never share the registers. The launch knows 128, 192
+# and 256.
+FP8_BLOCK_N = {128: (192, 128, 256), 64: (128, 192)}
 
 # The instantiation files: kind -> (launch header, C++ function template, one file per causal/noncausal?).
 KINDS = {
@@ -266,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="write nothing; exit 1 if a file under --out differs from the spec, or a stale "
                          "instantiation file is there")
     args = ap.parse_args(argv)
-    assert all(set(t) <= {128, 192} and d in HEAD_DIMS for d, t in FP8_BLOCK_N.items()), "FP8 tiles: 128, 192"
+    assert all(set(t) <= ({128, 192, 256} if d == 128 else {128, 192}) and d in HEAD_DIMS
+               for d, t in FP8_BLOCK_N.items()), "FP8 tiles: 128, 192 (and 256 at head_dim 128)"
     files = outputs()
     if args.check:
         bad = [p for p, text in files.items()

@@ -76,7 +76,7 @@ struct Fp8Tiles;
 template <>
 struct Fp8Tiles<128> {
     static constexpr int kDefaultBlockN = 192;
-    static constexpr bool has(int block_n) { return block_n == 192 || block_n == 128; }
+    static constexpr bool has(int block_n) { return block_n == 192 || block_n == 128 || block_n == 256; }
 };
 template <>
 struct Fp8Tiles<64> {

@@ -40,7 +40,7 @@ PREFILL_FP8KV_TRAITS = (4, 3)
 # (n_warps, stages) of PrefillFp8KvConfig<D>::V2: v2 (over half a wave of blocks; LLM_ATTN_FP8KV_PREFILL_V forces)
 PREFILL_FP8KV_V2_TRAITS = (8, 2)
 # per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
-FP8_BLOCK_N = {128: (192, 128), 64: (128, 192)}
+FP8_BLOCK_N = {128: (192, 128, 256), 64: (128, 192)}
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
 INSTANTIATIONS = (
     ('fwd', 128, 'fp16', False, 'flash_fwd_hdim128_fp16_noncausal.cu'),

@@ -864,8 +864,9 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
         tile = _plan.fp8_block_n(d, int(block_n), pv)
         if tile == 0:
             what = f"{block_n}-key tile" if block_n else "tile of the LLM_ATTN_FP8_BLOCK_N set"
-            raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel has no {what} for head_dim {d} in this build "
-                               f"(128 or 192: kernel_tiles.h Fp8Tiles)")
+            raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel has no {what} for head_dim {d}"
+                               f"{' with pv=' + repr(pv) + ' (128 or 192)' if pv == 'input' else ''} in this build "
+                               f"(kernel_tiles.h Fp8Tiles)")
         shape = _plan.Shape(b, hq, k.shape[1], sq, k.shape[2], d, bool(causal), q.dtype == torch.bfloat16)
         ws = _plan.fp8_workspace(shape, pv_input)
         f = FlashFwdFp8Params()

@@ -524,6 +524,7 @@ FP8_K_BLOCK = 64          # kFp8KBlock: keys per K scale
 FP8_K_BLOCK_PV_INPUT = 32  # kFp8KBlockPvInput: the same with P V in the input dtype
 FP8_KV_CHUNK = 128        # kFp8KvChunk: keys per block of the K/V quantisation, and V^T's row padding
 FP8_STATS_KEYS = 512      # fp8_kv_stats_kernel's kRows: keys per block of the channel statistics
+FP8_PV_INPUT_MAX_BLOCK_N = 192  # kFp8PvInputMaxBlockN: the widest key tile with P V in the input dtype
 INT8_BLOCK_N = 128        # kInt8BlockN: keys per key tile
 INT8_K_BLOCK = 32         # kInt8KBlock: keys per K scale
 INT8_MAX_STAT_CHUNKS = 32  # kInt8MaxStatChunks
@@ -643,16 +644,22 @@ def fp8_tuning() -> tuple[int, int]:
 def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
     """flash_fwd_fp8_block_n: the key tile a call runs, `requested` or else LLM_ATTN_FP8_BLOCK_N or else the default
     of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built; the same for P V in the
-    input dtype (pv "input"), 0 for a pv that is neither ("" = e4m3)."""
+    input dtype (pv "input") up to FP8_PV_INPUT_MAX_BLOCK_N (a wider request gets 0, a wider LLM_ATTN_FP8_BLOCK_N
+    the default), 0 for a pv that is neither ("" = e4m3)."""
     if pv not in ("", "e4m3", "input"):
         return 0
     tiles = _table.FP8_BLOCK_N.get(head_dim, ())
-    n = requested or fp8_tuning()[0] or (tiles[0] if tiles else 0)
+    env = fp8_tuning()[0]
+    if pv == "input":
+        if requested > FP8_PV_INPUT_MAX_BLOCK_N:
+            return 0
+        env = 0 if env > FP8_PV_INPUT_MAX_BLOCK_N else env
+    n = requested or env or (tiles[0] if tiles else 0)
     return n if n in tiles else 0
 
 
 def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False, pv_input: bool = False) -> Fp8Traits:
-    """launch_fp8: the 192-key tile with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3; P V in
+    """launch_fp8: the 192- and 256-key tiles with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3; P V in
     the input dtype: Fp8Traits<D, 2, block_n, true, true>, two stages whatever LLM_ATTN_FP8_STAGES says."""
     if pv_input:
         return Fp8Traits(head_dim, 2, block_n, True, True)

@@ -115,8 +115,10 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=None,
                    choices=BENCH_IMPLS + [i for i in ACCURACY_IMPLS if i not in BENCH_IMPLS] + entries,
                    help="ours-<tile>: our kernel with that prefill tile forced (tuning; 'ours' picks automatically); "
-                        "ours-fp8-128, ours-fp8-192: our FP8 kernel with that key tile forced (llm_attn_fp8: the "
-                        "default tile); ours-fp8-e4m3qk, ours-int8qk: with e4m3 Q K^T, with P V in the input dtype; "
+                        "ours-fp8-128, ours-fp8-192, ours-fp8-256: our FP8 kernel with that key tile forced "
+                        "(llm_attn_fp8: the default tile); ours-fp8-e4m3qk, ours-fp8-e4m3qk-256, ours-int8qk: with "
+                        "e4m3 Q K^T (the default tile, 256 keys), with P V in the input dtype; cudnn-fp8: cuDNN's FP8 "
+                        "attention through JAX; "
                         "decode: ours-fp8kv, our decode kernel on the FP8 (e4m3) KV cache, and "
                         "sdpa-fp8kv-copy, SDPA on its dequantised copy made per call (their GB/s: FP8 bytes); "
                         "prefill with --q-len: ours-fp8kv, the prefill kernel over the FP8 cache, and "

@@ -178,14 +178,19 @@ def quant_problem(precision, q: torch.Tensor, use_kernel: bool, available: bool 
     return None
 
 
-def fp8_tile_problem(block_n: int, head_dim: int | None = None) -> str | None:
+def fp8_tile_problem(block_n: int, head_dim: int | None = None, pv: str = "") -> str | None:
     """Why the FP8 kernel cannot run with key tile ``block_n`` (keys per S tile; 0 = the build's default) for
-    ``head_dim`` (None: for some head_dim), or None. The tiles built are kernels/generate_kernels.py's
-    ``FP8_BLOCK_N`` (``kernel_tiles.h`` ``Fp8Tiles<D>``); the choice changes speed, not the result's semantics."""
+    ``head_dim`` (None: for some head_dim) and P V operands ``pv``, or None. The tiles built are
+    kernels/generate_kernels.py's ``FP8_BLOCK_N`` (``kernel_tiles.h`` ``Fp8Tiles<D>``), those up to 192 keys with P V
+    in the input dtype (``pv='input'``); the choice changes speed, not the result's semantics."""
     from llm_attn._kernel_table import FP8_BLOCK_N  # noqa: PLC0415 (plain data, generated)
+    from llm_attn._plan import FP8_PV_INPUT_MAX_BLOCK_N  # noqa: PLC0415
 
     if block_n == 0 and type(block_n) is int:
         return None
+    if pv == "input" and type(block_n) is int and block_n > FP8_PV_INPUT_MAX_BLOCK_N:
+        return (f"the FP8 kernel with P V in the input dtype (fp8_pv='input') has no {block_n}-key tile: its P of "
+                f"{block_n} keys would not fit the registers; the tiles up to {FP8_PV_INPUT_MAX_BLOCK_N} keys run it")
     if head_dim is None:
         tiles = sorted({n for t in FP8_BLOCK_N.values() for n in t})
     else:

@@ -269,7 +269,7 @@ def _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel,
         qk = qk or ("int8" if pv else _fp8_qk_forced)
     else:
         qk, pv = "", ""
-    problem = quant_problem(precision, q, use_kernel) or (use_kernel and fp8_tile_problem(block_n, q.shape[-1]))
+    problem = quant_problem(precision, q, use_kernel) or (use_kernel and fp8_tile_problem(block_n, q.shape[-1], pv))
     if problem:
         raise ValueError(problem)
     ext = _current_ext() if use_kernel and not torch.compiler.is_compiling() else None
@@ -337,7 +337,8 @@ _fp8_block_n = 0
 def force_fp8_tile(block_n: int):
     """Force the FP8 kernel's key tile inside the block (tests and benchmarks: both tiles in one process).
 
-    ``block_n``: keys per S tile, 128 or 192 (those built: kernels/generate_kernels.py ``FP8_BLOCK_N``), or 0 for the
+    ``block_n``: keys per S tile, 128, 192 or 256 (those built: kernels/generate_kernels.py ``FP8_BLOCK_N``; 256 at
+    head_dim 128 with e4m3 P V, not with ``fp8_pv='input'``), or 0 for the
     build's default (``LLM_ATTN_FP8_BLOCK_N`` where set). The result's semantics do not depend on it (the PyTorch
     reference ignores it); only speed does. Applies to ``flash_attn_func(..., precision='fp8')`` calls issued in the
     block (either ``fp8_pv``); process-wide, not for concurrent use from threads.

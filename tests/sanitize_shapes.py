@@ -7,7 +7,7 @@ TMA/mbarrier/warp-specialised pipelines); `--backward` only the backward's.
     compute-sanitizer --tool racecheck --error-exitcode 9 python tests/sanitize_shapes.py --backward
 `--fp8` (`--int8`) runs only the FP8 (INT8) forward's launches (its pre-pass and its TMA/mbarrier/wgmma pipeline: memcheck, racecheck,
 synccheck): tails, GQA/MQA, q_len != kv_len, seqused_k, both head_dims and masks; FP8 with each key tile it has
-(128, 192: llm_attn/_kernel_table.py FP8_BLOCK_N). `--fp8kv` runs only the decode kernel over the FP8 KV cache
+(128, 192, and 256 at head_dim 128: llm_attn/_kernel_table.py FP8_BLOCK_N). `--fp8kv` runs only the decode kernel over the FP8 KV cache
 (llm_attn.ops.decode_fp8_kv: e4m3 bytes to shared memory, the split combine): tails, GQA/MQA, q_len > 1, seqused_k,
 a static cache's unused capacity, each split count forced; then the prefill kernel over the cache (more than 32
 packed rows), v1 (Q staged in the last pipeline stage) and v2 (byte stages, fp16 tiles converted by the whole block,
@@ -67,6 +67,7 @@ FP8_SHAPES = [  # (b, hq, hkv, sq, sk, d, causal, seqused)
     (2, 8, 2, 129, 700, 64, False, [700, 333]),
     (2, 8, 2, 300, 700, 128, True, [700, 5]),
     (1, 4, 1, 200, 577, 128, True, [577]),      # the 192-key tile's tail: 1 key past 3 tiles
+    (1, 4, 1, 300, 513, 128, True, [513]),      # the 256-key tile's tail: 1 key past 2 tiles
 ]
 FP8KV_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused)
     (1, 8, 2, 1, 17, 17, 64, None),

@@ -182,13 +182,18 @@ def test_fp8_tile_choice_is_checked_and_changes_nothing_on_the_reference():
     from llm_attn.kernel_contract import fp8_tile_problem
 
     for d, tiles in _kernel_table.FP8_BLOCK_N.items():
-        assert 128 in tiles and set(tiles) <= {128, 192}, (d, tiles)
+        assert 128 in tiles and set(tiles) <= {128, 192, 256}, (d, tiles)
         assert all(fp8_tile_problem(n, d) is None for n in (0, *tiles))
-    msg = fp8_tile_problem(256, 128)
-    assert "256-key tile" in msg and "128" in msg and "\n" not in msg
-    with pytest.raises(ValueError, match="no 256-key tile"):
-        with ops.force_fp8_tile(256):
+    msg = fp8_tile_problem(320, 128)
+    assert "320-key tile" in msg and "128" in msg and "\n" not in msg
+    with pytest.raises(ValueError, match="no 320-key tile"):
+        with ops.force_fp8_tile(320):
             pass
+    # P V in the input dtype has no 256-key tile (a bf16 P of 256 keys does not fit the registers)
+    assert fp8_tile_problem(256, 128) is None
+    msg = fp8_tile_problem(256, 128, pv="input")
+    assert "fp8_pv='input'" in msg and "256-key tile" in msg and "\n" not in msg
+    assert fp8_tile_problem(192, 128, pv="input") is None
     assert ops._fp8_block_n == 0
     q = torch.randn(1, 4, 70, 64, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 250, 64, dtype=torch.bfloat16)

@@ -45,7 +45,9 @@ PRECISIONS = ["fp8", "int8"]
 VARIANTS = {**{f"fp8-{n}": ("fp8", n, "", "") for n in _kernel_table.FP8_BLOCK_N[128]},
             f"fp8-{_kernel_table.FP8_BLOCK_N[128][0]}-e4m3qk": ("fp8", _kernel_table.FP8_BLOCK_N[128][0], "e4m3", ""),
             "int8": ("int8", 0, "", ""),
-            **{f"fp8-{n}-int8qk": ("fp8", n, "int8", "input") for n in _kernel_table.FP8_BLOCK_N[128]}}
+            **{f"fp8-{n}-int8qk": ("fp8", n, "int8", "input") for n in _kernel_table.FP8_BLOCK_N[128] if n <= 192},
+            # the 256-key tile (H14) with e4m3 Q K^T too: its serial P V is the same code for both S types
+            **{f"fp8-{n}-e4m3qk": ("fp8", n, "e4m3", "") for n in _kernel_table.FP8_BLOCK_N[128] if n > 192}}
 # P V in the input dtype, the kernel against its reference: relative L1 (see the module docstring).
 PV_INPUT_VS_REFERENCE = {torch.bfloat16: 5e-3, torch.float16: 2e-3}
 
@@ -135,7 +137,14 @@ def check(q, k, v, causal, seqused_k=None, precision="fp8", block_n=0, qk="", pv
     assert rel <= 1.25 * rrel + 2e-3, f"kernel rel L1 {rel:.4f} vs the quantised reference's {rrel:.4f}"
 
 
-GRID = grid([list(VARIANTS), list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2)
+def built(variant: str, d: int) -> bool:
+    """Whether the variant's forced FP8 tile exists at head_dim d (the 256-key one at 128 only)."""
+    block_n = VARIANTS[variant][1]
+    return not block_n or block_n in _kernel_table.FP8_BLOCK_N[d]
+
+
+GRID = [c for c in grid([list(VARIANTS), list(DTYPES), [False, True], [64, 128], list(HEADS)], PAIRS, per_combo=2)
+        if built(c.values[0], c.values[3])]
 
 
 @pytest.mark.parametrize("variant,dtype,causal,d,heads,sq,sk", GRID)
@@ -159,6 +168,8 @@ def test_seqused_k_ignores_garbage(cuda_ext, variant, causal, d):
     the input dtype V is read as given, so its slots hold NaN too (0 * NaN in the P V product is NaN: the kernel
     zeroes those rows of its V tile)."""
     precision, block_n, qk, pv = VARIANTS[variant]
+    if not built(variant, d):
+        pytest.skip(f"no {block_n}-key FP8 tile at head_dim {d} (kernels/generate_kernels.py FP8_BLOCK_N)")
     require(cuda_ext, precision)
     b, hq, hkv, sk = 3, 8, 2, 1000
     q = llm_like(b, hq, 300, d, torch.bfloat16, 7)
@@ -206,14 +217,20 @@ def test_fp8_tile_asked_is_the_tile_run(fp8_ext, d):
     one forced, through the op's dispatcher path too (the profiler makes flash_attn_func take it)."""
     assert fp8_ext.fp8_block_n(d, 0) in _kernel_table.FP8_BLOCK_N[d]  # the default, or LLM_ATTN_FP8_BLOCK_N's
     assert all(fp8_ext.fp8_block_n(d, n) == n for n in _kernel_table.FP8_BLOCK_N[d])
-    assert fp8_ext.fp8_block_n(d, 256) == 0 and fp8_ext.fp8_block_n(96, 128) == 0
+    assert fp8_ext.fp8_block_n(d, 320) == 0 and fp8_ext.fp8_block_n(96, 128) == 0
+    assert fp8_ext.fp8_block_n(d, 256, pv="input") == 0  # P V in the input dtype: tiles up to 192 keys
     q = llm_like(1, 4, 300, d, torch.bfloat16, 21)
     k = llm_like(1, 2, 300, d, torch.bfloat16, 22, outliers=True)
-    with pytest.raises(RuntimeError, match="no 256-key tile"):
-        fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, block_n=256)
-    with pytest.raises(ValueError, match="no 256-key tile"):
-        with force_fp8_tile(256):
+    with pytest.raises(RuntimeError, match="no 320-key tile"):
+        fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, block_n=320)
+    with pytest.raises(ValueError, match="no 320-key tile"):
+        with force_fp8_tile(320):
             pass
+    if 256 in _kernel_table.FP8_BLOCK_N[d]:
+        with pytest.raises(RuntimeError, match="no 256-key tile for head_dim 128 with pv='input'"):
+            fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, block_n=256, pv="input")
+        with pytest.raises(ValueError, match="fp8_pv='input'"), force_fp8_tile(256):
+            flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input")
     for block_n in _kernel_table.FP8_BLOCK_N[d]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with force_fp8_tile(block_n):

@@ -679,7 +679,10 @@ QUANT_HOST_LINES = (
                                       "dim3(m_blocks, p.num_heads, p.batch); flash_fwd_fp8_sm90_kernel<T, Traits, "
                                       "kCausal><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(sp);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "static const int stages = tuning_env(\"LLM_ATTN_FP8_STAGES\", 2); if (block_n "
-                                      "== 192) {"),
+                                      "== 256) {"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 256, kQkInt8>, kCausal>(f, "
+                                      "stream);"),
+    ("flash_fwd_fp8_sm90_launch.cuh", "return cudaErrorInvalidValue; } if (block_n == 192) {"),
     ("flash_fwd_fp8_sm90_launch.cuh", "return launch_fp8_tile<T, Fp8Traits<kHeadDim, 2, 192, kQkInt8>, kCausal>(f, "
                                       "stream);"),
     ("flash_fwd_fp8_sm90_launch.cuh", "if (stages == 3) return launch_fp8_tile<T, Fp8Traits<kHeadDim, 3, 128, kQkInt8>, "
@@ -694,6 +697,9 @@ QUANT_HOST_LINES = (
     ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
                      "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
+    ("flash_fp8.cu", "if (input && requested > kFp8PvInputMaxBlockN) return 0; const int e = input && env > "
+                     "kFp8PvInputMaxBlockN ? 0 : env;"),
+    ("flash_fp8.h", "constexpr int kFp8PvInputMaxBlockN = 192;"),
     ("binding.cpp", "const int64_t n_q8 = b * hq * sq * d, n_k8 = b * hkv * sk * d;"),
     ("binding.cpp", "const int64_t n_vt8 = pv_input ? 0 : b * hkv * d * pad;"),
     ("binding.cpp", "const int64_t n_stats = 2 * b * hkv * d, n_qs = b * hq * sq, n_ks = b * hkv * k_blocks, "
@@ -813,6 +819,11 @@ def test_fp8_pv_input_tile(fp8_env, block_n_env, stages_env):
             assert t == _plan.Fp8Traits(d, 2, n, True, True) and t.qk_int8 and t.pv_input
             assert t.cpp() == f"llm_attn::sm90::Fp8Traits<{d}, 2, {n}, true, true>"
     assert _plan.fp8_block_n(96, 0, "input") == 0
+    # the 256-key tile (head_dim 128) runs e4m3 P V only: refused with P V in the input dtype, where a process default
+    # of 256 falls back to the build's default
+    assert _plan.fp8_block_n(128, 256) == 256 and _plan.fp8_block_n(128, 256, "input") == 0
+    fp8_env(block_n="256")
+    assert _plan.fp8_block_n(128) == 256 and _plan.fp8_block_n(128, 0, "input") == _kernel_table.FP8_BLOCK_N[128][0]
     # the e4m3 P V instantiations keep the spelling the AOT build's launch gives them (defaults left out)
     assert [_plan.Fp8Traits(128, *a).cpp()[len("llm_attn::sm90::"):] for a in ((2,), (3,), (2, 192), (2, 128, True))] \
         == ["Fp8Traits<128, 2>", "Fp8Traits<128, 3>", "Fp8Traits<128, 2, 192>", "Fp8Traits<128, 2, 128, true>"]
@@ -830,7 +841,8 @@ def test_every_planned_quant_kernel_is_compiled():
         variants = [_plan.Fp8Traits(d, stages, block_n, qk_int8)
                     for block_n, qk_int8 in itertools.product(_kernel_table.FP8_BLOCK_N[d], (False, True))
                     for stages in ((2, 3) if block_n == 128 else (2,))]
-        for traits in variants + [_plan.fp8_traits(d, n, True, True) for n in _kernel_table.FP8_BLOCK_N[d]]:  # + pv input
+        for traits in variants + [_plan.fp8_traits(d, n, True, True) for n in _kernel_table.FP8_BLOCK_N[d]
+                                  if n <= _plan.FP8_PV_INPUT_MAX_BLOCK_N]:  # + pv input
             for launch in _plan.fp8_launches(s, traits):
                 assert launch.kernel in fp8_known and launch.smem <= H100.smem_per_block_optin
                 assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535 and min(launch.grid) > 0
@@ -953,8 +965,8 @@ def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
     with pytest.raises(RuntimeError, match=r"^llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0"):
         nvrtc.mha_fwd_fp8(q, q, q, None, 0.125, True, 192, "int8", "input")
     monkeypatch.setattr(nvrtc, "fp8_available", lambda: True)
-    for pv in ("e4m3", "input"):
-        refused("the FP8 kernel has no 100-key tile for head_dim 64 in this build (128 or 192: kernel_tiles.h "
+    for pv, with_pv in (("e4m3", ""), ("input", " with pv='input' (128 or 192)")):
+        refused(f"the FP8 kernel has no 100-key tile for head_dim 64{with_pv} in this build (kernel_tiles.h "
                 "Fp8Tiles)", block_n=100, pv=pv)
     for d in (64, 128):
         assert nvrtc.fp8_block_n(d, 0, "input") == nvrtc.fp8_block_n(d, pv="e4m3") == _plan.fp8_block_n(d)

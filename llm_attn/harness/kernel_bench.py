@@ -12,11 +12,12 @@ from llm_attn import registry
 from llm_attn.harness.stats import ratio_header, speed_ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Our FP8 forward (precision='fp8', its quantising pre-pass included) with its key tile forced (128 or 192 keys per S
-# tile; llm_attn.ops.force_fp8_tile), its Q K^T in e4m3 rather than the default int8 (llm_attn.ops.force_fp8_qk), or
-# its P V in the input dtype (fp8_pv='input', int8 Q K^T: llm_attn_int8qk's kernel, the default tile): A/B in one run,
-# beside llm_attn_fp8 (the build's defaults). name -> (block_n, qk, pv); 0 / "": the default.
-FP8_TILE_IMPLS = {"ours-fp8-128": (128, "", ""), "ours-fp8-192": (192, "", ""), "ours-fp8-e4m3qk": (0, "e4m3", ""),
+# Our FP8 forward (precision='fp8', its quantising pre-pass included) with its key tile forced (128, 192 or 256 keys
+# per S tile; llm_attn.ops.force_fp8_tile), its Q K^T in e4m3 rather than the default int8 (llm_attn.ops.force_fp8_qk),
+# both, or its P V in the input dtype (fp8_pv='input', int8 Q K^T: llm_attn_int8qk's kernel, the default tile): A/B in
+# one run, beside llm_attn_fp8 (the build's defaults). name -> (block_n, qk, pv); 0 / "": the default.
+FP8_TILE_IMPLS = {"ours-fp8-128": (128, "", ""), "ours-fp8-192": (192, "", ""), "ours-fp8-256": (256, "", ""),
+                  "ours-fp8-e4m3qk": (0, "e4m3", ""), "ours-fp8-e4m3qk-256": (256, "e4m3", ""),
                   "ours-int8qk": (0, "int8", "input")}
 # Attention over the FP8 (e4m3) KV cache (llm_attn.models.kv_cache's format, quantised once before timing): ours reads
 # the e4m3 bytes (llm_attn.ops.decode_fp8_kv: kernels/flash_decode_fp8kv_kernel.cuh for a decode call, the prefill
@@ -79,7 +80,7 @@ def make_fn(impl: str, q, k, v, causal: bool):
             with force_fp8_tile(block_n), force_fp8_qk(qk):
                 return flash_attn_func(q, k, v, causal=causal, path="kernel", precision="fp8", fp8_pv=pv)
 
-        note = f"fp8 tile {block_n}" if block_n else f"fp8 Q K^T {qk}"
+        note = ", ".join([f"fp8 tile {block_n}"] * bool(block_n) + [f"fp8 Q K^T {qk}"] * bool(qk))
         return fp8_forced, f"{note}, P V in the input dtype" if pv else note
     if impl.startswith("ours-"):  # ours with one prefill tile forced (kernel tuning); set for each call/capture
         from llm_attn.ops import flash_attn_func, force_tile
