@@ -438,8 +438,11 @@ __device__ __forceinline__ void fp8_consumer(const Fp8Sm90Params& params, const 
         } else {
             const float* v_scale =
                 params.f.v_scale + (static_cast<int64_t>(b.batch) * p.num_kv_heads + b.kv_head) * kHeadDim;
-            const float2 s2 = *reinterpret_cast<const float2*>(v_scale + dt * 8 + 2 * t);
-            vs[dt][0] = s2.x, vs[dt][1] = s2.y;
+            // Two 4-byte loads: the workspace puts v_scale after b hq sq Q scales and b hkv ceil(sk / 64) K scales,
+            // an odd count of floats when b, hkv and the K blocks are all odd (MQA, batch 1: a float2 load there
+            // faulted with a misaligned address, tests/sanitize_shapes.py --fp8).
+            vs[dt][0] = __ldg(v_scale + dt * 8 + 2 * t);
+            vs[dt][1] = __ldg(v_scale + dt * 8 + 2 * t + 1);
         }
     }
 #pragma unroll
