@@ -352,7 +352,8 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_fp8(const at::Tensor& q, const at::Te
     TORCH_CHECK(llm_attn::flash_fwd_fp8_available(),
                 "llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) and a build with "
                 "sm_90a (LLM_ATTN_CUDA_ARCHS containing 9.0)");
-    const int tile = llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n), pv_code);
+    const int tile =
+        llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n), pv_code, qk_code);
     TORCH_CHECK(tile != 0, "llm_attn.mha_fwd_fp8: the FP8 kernel has no ",
                 block_n ? std::to_string(block_n) + "-key tile" : std::string("tile of the LLM_ATTN_FP8_BLOCK_N set"),
                 " for head_dim ", num(q.size(3)), pv_input ? " with pv='input' (128 or 192)" : "",
@@ -907,10 +908,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fp8_qk", [](const std::string& qk) { return fp8_qk_code(qk) == llm_attn::kFp8QkInt8 ? "int8" : "e4m3"; },
           "The operands of Q K^T an FP8 call with this qk runs ('' = the default: LLM_ATTN_FP8_QK, else int8)",
           py::arg("qk") = "");
-    m.def("fp8_block_n", [](int64_t head_dim, int64_t block_n, const std::string& pv) {
-        return llm_attn::flash_fwd_fp8_block_n(static_cast<int>(head_dim), static_cast<int>(block_n), fp8_pv_code(pv));
-    }, "The FP8 key tile a call with this head_dim, block_n and pv runs (0 = the default), 0 if not built",
-          py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "");
+    m.def("fp8_block_n", [](int64_t head_dim, int64_t block_n, const std::string& pv, const std::string& qk) {
+        return llm_attn::flash_fwd_fp8_block_n(static_cast<int>(head_dim), static_cast<int>(block_n), fp8_pv_code(pv),
+                                               fp8_qk_code(qk));
+    }, "The FP8 key tile a call with this head_dim, block_n, pv and qk runs (0 = the default), 0 if not built",
+          py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "", py::arg("qk") = "");
     m.def("mha_fwd_int8", &mha_fwd_int8, "INT8 attention forward, quantisation included; returns (out, lse)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("seqused_k"), py::arg("scale"), py::arg("causal"));
     m.def("int8_available", [] {

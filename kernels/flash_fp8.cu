@@ -29,22 +29,25 @@ bool flash_fwd_fp8_available() {
 }
 
 template <int kHeadDim>
-int fp8_tile(int requested, int env) {
-    const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN;
+int fp8_tile(int requested, int env, bool int8_e4m3) {
+    const int def = int8_e4m3 ? Fp8Tiles<kHeadDim>::kDefaultBlockNInt8 : Fp8Tiles<kHeadDim>::kDefaultBlockN;
+    const int n = requested ? requested : env ? env : def;
     return Fp8Tiles<kHeadDim>::has(n) ? n : 0;
 }
 
 // LLM_ATTN_FP8_BLOCK_N (read once): the tile of calls that ask for none (block_n 0), e.g. a whole TTFT run; a value
 // this build lacks makes those calls fail in the binding, saying so. P V in the input dtype has the tiles up to
 // kFp8PvInputMaxBlockN (a 256-key bf16 P does not fit the registers beside S and O): a request for a wider one gets
-// 0, and so does the variable's process default fall back to the build's default for it.
-int flash_fwd_fp8_block_n(int head_dim, int requested, int pv) {
+// 0, and so does the variable's process default fall back to the build's default for it. The default itself depends
+// on the S operands: int8 Q K^T with e4m3 P V takes Fp8Tiles<D>::kDefaultBlockNInt8 (kernels/NOTES.md "H14").
+int flash_fwd_fp8_block_n(int head_dim, int requested, int pv, int qk) {
     if (pv != kFp8PvE4m3 && pv != kFp8PvInput) return 0;
     static const int env = sm90::tuning_env("LLM_ATTN_FP8_BLOCK_N", 0);
     const bool input = pv == kFp8PvInput;
     if (input && requested > kFp8PvInputMaxBlockN) return 0;
     const int e = input && env > kFp8PvInputMaxBlockN ? 0 : env;
-    return head_dim == 128 ? fp8_tile<128>(requested, e) : head_dim == 64 ? fp8_tile<64>(requested, e) : 0;
+    const bool i8 = !input && flash_fwd_fp8_qk(qk) == kFp8QkInt8;
+    return head_dim == 128 ? fp8_tile<128>(requested, e, i8) : head_dim == 64 ? fp8_tile<64>(requested, e, i8) : 0;
 }
 
 // LLM_ATTN_FP8_QK (read once): int8 or e4m3, the S operands of calls that ask for neither (qk 0); anything else
@@ -62,7 +65,7 @@ int flash_fwd_fp8_qk(int requested) {
 cudaError_t run_flash_fwd_fp8(FlashFwdFp8Params& params, cudaStream_t stream, int block_n, int qk, int pv) {
     if (!flash_fwd_fp8_available()) return cudaErrorNotSupported;
     const FlashFwdParams& p = params.p;
-    block_n = flash_fwd_fp8_block_n(p.head_dim, block_n, pv);
+    block_n = flash_fwd_fp8_block_n(p.head_dim, block_n, pv, qk);
     qk = pv == kFp8PvInput ? (qk == kFp8QkDefault || qk == kFp8QkInt8 ? kFp8QkInt8 : 0) : flash_fwd_fp8_qk(qk);
     if (block_n == 0 || qk == 0) return cudaErrorInvalidValue;
 #define LLM_ATTN_FP8_CAUSAL(T, D)                                                   \

@@ -58,16 +58,17 @@ __host__ __device__ inline int fp8_seqlen_k_pad(int seqlen_k) {
 enum Fp8Pv : int { kFp8PvE4m3 = 0, kFp8PvInput = 1 };
 // The widest key tile P V in the input dtype has (its bf16/fp16 P of 256 keys would not fit beside S and O).
 constexpr int kFp8PvInputMaxBlockN = 192;
-// The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
-// (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default.
-// The same for either pv (0 for a pv that is neither).
-int flash_fwd_fp8_block_n(int head_dim, int requested, int pv = kFp8PvE4m3);
 // The operands of S = Q K^T: e4m3, or int8 (Q and K scaled by amax / 127 instead of amax / 448; exact s32
 // accumulation; the same tensor rate on sm_90). kFp8QkDefault resolves to LLM_ATTN_FP8_QK (int8 or e4m3) if set,
 // else int8 (kernels/NOTES.md "FP8 forward v4" says why); V and P are e4m3 either way.
 enum Fp8Qk : int { kFp8QkDefault = 0, kFp8QkE4m3 = 1, kFp8QkInt8 = 2 };
 int flash_fwd_fp8_qk(int requested);  // kFp8QkE4m3 or kFp8QkInt8; 0 for a value that is neither
-// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n, pv),
+// The key tile (kBlockN: keys per S tile) a call with head_dim and `requested` runs: `requested` if this build has it
+// (kernel_tiles.h Fp8Tiles<D>), else 0; requested 0 = LLM_ATTN_FP8_BLOCK_N if set, else the build's default for the
+// S operands qk (Fp8Qk, resolved as flash_fwd_fp8_qk does: int8 with e4m3 P V has its own). P V in the input dtype:
+// the tiles up to kFp8PvInputMaxBlockN (0 for a pv that is neither).
+int flash_fwd_fp8_block_n(int head_dim, int requested, int pv = kFp8PvE4m3, int qk = kFp8QkDefault);
+// Launches the pre-pass and the kernel on `stream` with the key tile flash_fwd_fp8_block_n(head_dim, block_n, pv, qk),
 // the S operands flash_fwd_fp8_qk(qk) and the P V operands pv; never synchronises. With pv = kFp8PvInput, qk default
 // means int8 (LLM_ATTN_FP8_QK does not apply) and e4m3 is refused. cudaErrorNotSupported when this build has no
 // sm_90a code or the device is not compute capability 9.0, cudaErrorInvalidValue for a tile or an operand choice this

@@ -95,6 +95,10 @@ BWD_NARROW = {128: dict(block_m=32, block_n=64, n_warps=4, split_dp=1),
 # tile) issues each tile's P V before its S, so that P and S never share the registers. The launch knows 128, 192
 # and 256.
 FP8_BLOCK_N = {128: (192, 128, 256), 64: (128, 192)}
+# The default tile of int8 Q K^T with e4m3 P V (the default FP8 entry's kernel) where it is not FP8_BLOCK_N's first:
+# 256 keys at head_dim 128, measured 1.04-1.08x the 192-key tile at 16k-64k on an H100 where e4m3 Q K^T loses
+# causal rows on it (kernels/NOTES.md "H14").
+FP8_INT8_DEFAULT = {128: 256}
 
 # The instantiation files: kind -> (launch header, C++ function template, one file per causal/noncausal?).
 KINDS = {
@@ -196,6 +200,8 @@ def tiles_header() -> str:
             "template <int kHeadDim>", "struct Fp8Tiles;"]
     for d, tiles in FP8_BLOCK_N.items():
         out += ["template <>", f"struct Fp8Tiles<{d}> {{", f"    static constexpr int kDefaultBlockN = {tiles[0]};",
+                "    // int8 Q K^T with e4m3 P V",
+                f"    static constexpr int kDefaultBlockNInt8 = {FP8_INT8_DEFAULT.get(d, tiles[0])};",
                 "    static constexpr bool has(int block_n) { return "
                 + " || ".join(f"block_n == {n}" for n in tiles) + "; }", "};"]
     out += ["", "// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.",
@@ -246,6 +252,8 @@ def python_table() -> str:
               f"PREFILL_FP8KV_V2_TRAITS = {PREFILL_FP8KV_V2_TRAITS!r}",
               "# per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default",
               f"FP8_BLOCK_N = {FP8_BLOCK_N!r}",
+              "# per head_dim: the default tile of int8 Q K^T with e4m3 P V (Fp8Tiles<D>::kDefaultBlockNInt8)",
+              f"FP8_INT8_DEFAULT = {dict((d, FP8_INT8_DEFAULT.get(d, t[0])) for d, t in FP8_BLOCK_N.items())!r}",
               "# (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file",
               "INSTANTIATIONS = ("]
     lines += [f"    {(k, d, t, c, file_name(k, d, t, c))!r}," for k, d, t, c in instantiations()]
@@ -268,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="write nothing; exit 1 if a file under --out differs from the spec, or a stale "
                          "instantiation file is there")
     args = ap.parse_args(argv)
+    assert all(n in FP8_BLOCK_N[d] for d, n in FP8_INT8_DEFAULT.items()), "the int8 default is a tile built"
     assert all(set(t) <= ({128, 192, 256} if d == 128 else {128, 192}) and d in HEAD_DIMS
                for d, t in FP8_BLOCK_N.items()), "FP8 tiles: 128, 192 (and 256 at head_dim 128)"
     files = outputs()

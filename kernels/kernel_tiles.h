@@ -76,11 +76,15 @@ struct Fp8Tiles;
 template <>
 struct Fp8Tiles<128> {
     static constexpr int kDefaultBlockN = 192;
+    // int8 Q K^T with e4m3 P V
+    static constexpr int kDefaultBlockNInt8 = 256;
     static constexpr bool has(int block_n) { return block_n == 192 || block_n == 128 || block_n == 256; }
 };
 template <>
 struct Fp8Tiles<64> {
     static constexpr int kDefaultBlockN = 128;
+    // int8 Q K^T with e4m3 P V
+    static constexpr int kDefaultBlockNInt8 = 128;
     static constexpr bool has(int block_n) { return block_n == 128 || block_n == 192; }
 };
 

@@ -41,6 +41,8 @@ PREFILL_FP8KV_TRAITS = (4, 3)
 PREFILL_FP8KV_V2_TRAITS = (8, 2)
 # per head_dim: the FP8 forward's key tiles (Fp8Tiles<D>), the first the default
 FP8_BLOCK_N = {128: (192, 128, 256), 64: (128, 192)}
+# per head_dim: the default tile of int8 Q K^T with e4m3 P V (Fp8Tiles<D>::kDefaultBlockNInt8)
+FP8_INT8_DEFAULT = {128: 256, 64: 128}
 # (kind, head_dim, dtype tag, causal or None, file in kernels/) of every instantiation file
 INSTANTIATIONS = (
     ('fwd', 128, 'fp16', False, 'flash_fwd_hdim128_fp16_noncausal.cu'),

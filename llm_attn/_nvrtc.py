@@ -794,9 +794,7 @@ def int8_pv_fp8() -> bool:
 def fp8_qk(qk: str = "") -> str:
     """binding.cpp's fp8_qk: the Q K^T operands an FP8 call with this qk runs ('' = LLM_ATTN_FP8_QK if it is 'e4m3',
     else int8)."""
-    if qk:
-        return qk
-    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+    return _plan.fp8_qk(qk)
 
 
 def _fp8_pv_check(pv: str) -> None:
@@ -805,10 +803,13 @@ def _fp8_pv_check(pv: str) -> None:
         raise RuntimeError(f"llm_attn.mha_fwd_fp8: pv must be 'e4m3' or 'input' (the operands of P V), not '{pv}'")
 
 
-def fp8_block_n(head_dim: int, block_n: int = 0, pv: str = "") -> int:
-    """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim, block_n and pv runs, 0 if not built."""
+def fp8_block_n(head_dim: int, block_n: int = 0, pv: str = "", qk: str = "") -> int:
+    """binding.cpp's fp8_block_n: the FP8 key tile a call with this head_dim, block_n, pv and qk runs, 0 if not
+    built."""
     _fp8_pv_check(pv)
-    return _plan.fp8_block_n(int(head_dim), int(block_n), pv)
+    if qk not in ("", "int8", "e4m3"):
+        raise RuntimeError(f"llm_attn.mha_fwd_fp8: qk must be 'int8' or 'e4m3' (the operands of Q K^T), not '{qk}'")
+    return _plan.fp8_block_n(int(head_dim), int(block_n), pv, qk)
 
 
 def _checked_outputs(q, k, v, seqused_k, scale, causal):
@@ -861,7 +862,7 @@ def mha_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: to
             raise RuntimeError("llm_attn.mha_fwd_fp8: FP8 attention needs a compute capability 9.0 GPU (H100, H200) "
                                "and a build with sm_90a (NVRTC 12.0 or newer compiles it)")
         b, hq, sq, d = q.shape
-        tile = _plan.fp8_block_n(d, int(block_n), pv)
+        tile = _plan.fp8_block_n(d, int(block_n), pv, "int8" if pv_input else qk)
         if tile == 0:
             what = f"{block_n}-key tile" if block_n else "tile of the LLM_ATTN_FP8_BLOCK_N set"
             raise RuntimeError(f"llm_attn.mha_fwd_fp8: the FP8 kernel has no {what} for head_dim {d}"

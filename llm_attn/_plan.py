@@ -641,11 +641,21 @@ def fp8_tuning() -> tuple[int, int]:
     return _tuning_env("LLM_ATTN_FP8_BLOCK_N", 0), _tuning_env("LLM_ATTN_FP8_STAGES", 2)
 
 
-def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
-    """flash_fwd_fp8_block_n: the key tile a call runs, `requested` or else LLM_ATTN_FP8_BLOCK_N or else the default
-    of Fp8Tiles<D> (_kernel_table.FP8_BLOCK_N, the first), or 0 when no such tile is built; the same for P V in the
-    input dtype (pv "input") up to FP8_PV_INPUT_MAX_BLOCK_N (a wider request gets 0, a wider LLM_ATTN_FP8_BLOCK_N
-    the default), 0 for a pv that is neither ("" = e4m3)."""
+def fp8_qk(qk: str = "") -> str:
+    """flash_fwd_fp8_qk: the Q K^T operands of a call that asks for `qk` ("" = LLM_ATTN_FP8_QK if it is 'e4m3', else
+    int8)."""
+    if qk:
+        return qk
+    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+
+
+def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "", qk: str = "") -> int:
+    """flash_fwd_fp8_block_n: the key tile a call runs, `requested` or else LLM_ATTN_FP8_BLOCK_N or else the build's
+    default for its operands: with int8 Q K^T (`qk`, "" as fp8_qk resolves it) and e4m3 P V Fp8Tiles<D>'s
+    kDefaultBlockNInt8 (_kernel_table.FP8_INT8_DEFAULT), otherwise its kDefaultBlockN (_kernel_table.FP8_BLOCK_N, the
+    first); 0 when no such tile is built. P V in the input dtype (pv "input") has the tiles up to
+    FP8_PV_INPUT_MAX_BLOCK_N (a wider request gets 0, a wider LLM_ATTN_FP8_BLOCK_N the default); 0 for a pv that is
+    neither ("" = e4m3)."""
     if pv not in ("", "e4m3", "input"):
         return 0
     tiles = _table.FP8_BLOCK_N.get(head_dim, ())
@@ -654,7 +664,9 @@ def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "") -> int:
         if requested > FP8_PV_INPUT_MAX_BLOCK_N:
             return 0
         env = 0 if env > FP8_PV_INPUT_MAX_BLOCK_N else env
-    n = requested or env or (tiles[0] if tiles else 0)
+    default = (_table.FP8_INT8_DEFAULT.get(head_dim, 0) if pv != "input" and fp8_qk(qk) == "int8"
+               else tiles[0] if tiles else 0)
+    n = requested or env or default
     return n if n in tiles else 0
 
 

@@ -20,6 +20,7 @@ kernel's online softmax: 0.13 % relative L1 in bf16, 0.02 % in fp16)."""
 
 import contextlib
 import math
+import os
 import re
 import zlib
 
@@ -211,6 +212,19 @@ def test_fp8_long_row_accuracy(fp8_ext, block_n, pv):
     assert cos >= 0.999 and rel <= 0.05, f"cosine {cos:.5f}, rel L1 {rel:.4f}"
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("fp8")])
+def test_fp8_odd_scale_counts(cuda_ext, variant):
+    """Batch 1, one KV head, 513 keys: 9 K scales (or 17), an odd number of floats before v_scale in the workspace.
+    The epilogue's float2 load of v_scale faulted there (cudaErrorMisalignedAddress; found by
+    tests/sanitize_shapes.py --fp8 with this shape)."""
+    precision, block_n, qk, pv = VARIANTS[variant]
+    require(cuda_ext, precision)
+    q = llm_like(1, 4, 300, 128, torch.bfloat16, 31)
+    k = llm_like(1, 1, 513, 128, torch.bfloat16, 32, outliers=True)
+    v = llm_like(1, 1, 513, 128, torch.bfloat16, 33)
+    check(q, k, v, True, precision=precision, block_n=block_n, qk=qk, pv=pv)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp8_tile_asked_is_the_tile_run(fp8_ext, d):
     """The binding resolves the tile (0: the build's default), refuses one it lacks, and the kernel launched is the
@@ -231,11 +245,16 @@ def test_fp8_tile_asked_is_the_tile_run(fp8_ext, d):
             fp8_ext.mha_fwd_fp8(q, k, k, None, 0.1, True, block_n=256, pv="input")
         with pytest.raises(ValueError, match="fp8_pv='input'"), force_fp8_tile(256):
             flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_pv="input")
-    for block_n in _kernel_table.FP8_BLOCK_N[d]:
+    # Unforced, the default tile depends on the S operands: int8 Q K^T (with e4m3 P V) has its own (H14)
+    if "LLM_ATTN_FP8_BLOCK_N" not in os.environ:
+        assert fp8_ext.fp8_block_n(d, 0, qk="int8") == _kernel_table.FP8_INT8_DEFAULT[d]
+        assert fp8_ext.fp8_block_n(d, 0, qk="e4m3") == _kernel_table.FP8_BLOCK_N[d][0]
+    for block_n in (*_kernel_table.FP8_BLOCK_N[d], 0):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             with force_fp8_tile(block_n):
-                flash_attn_func(q, k, k, causal=True, precision="fp8")
+                flash_attn_func(q, k, k, causal=True, precision="fp8", fp8_qk="int8")
             torch.cuda.synchronize()
+        block_n = block_n or fp8_ext.fp8_block_n(d, 0, qk="int8")  # 0: the default the binding resolves
         names = {e.name for e in prof.events() if "flash_fwd_fp8_sm90_kernel" in e.name}
         # demangled or not; the default Q K^T is int8 (kQkInt8 = true), P V e4m3 (kPvInput = false: a fifth argument
         # that a demangled name shows and an older build lacks)
@@ -250,7 +269,7 @@ def test_fp8_pv_input_runs_its_kernel(fp8_ext, d, block_n):
     """P V in the input dtype: the binding gives it the e4m3 P V's tiles (the same default), refuses e4m3 Q K^T and
     an unknown pv in its own words (flash_attn_func says so before any launch), and the kernel launched is
     Fp8Traits<d, 2, block_n, kQkInt8 = true, kPvInput = true> even with e4m3 Q K^T forced."""
-    assert fp8_ext.fp8_block_n(d, 0, pv="input") == fp8_ext.fp8_block_n(d, 0)
+    assert fp8_ext.fp8_block_n(d, 0, pv="input") == fp8_ext.fp8_block_n(d, 0, qk="e4m3")
     assert fp8_ext.fp8_block_n(d, block_n, pv="input") == block_n
     q = llm_like(1, 4, 300, d, torch.bfloat16, 23)
     k = llm_like(1, 2, 300, d, torch.bfloat16, 24, outliers=True)

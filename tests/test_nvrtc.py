@@ -694,8 +694,11 @@ QUANT_HOST_LINES = (
                                       "Fp8Traits<kHeadDim, 2, 128, true, true>, kCausal>(f, stream); return "
                                       "cudaErrorInvalidValue; } if (pv != kFp8PvE4m3) return cudaErrorInvalidValue;"),
     ("flash_fp8.cu", "if (pv != kFp8PvE4m3 && pv != kFp8PvInput) return 0;"),
-    ("flash_fp8.cu", "const int n = requested ? requested : env ? env : Fp8Tiles<kHeadDim>::kDefaultBlockN; "
+    ("flash_fp8.cu", "const int def = int8_e4m3 ? Fp8Tiles<kHeadDim>::kDefaultBlockNInt8 : "
+                     "Fp8Tiles<kHeadDim>::kDefaultBlockN; const int n = requested ? requested : env ? env : def; "
                      "return Fp8Tiles<kHeadDim>::has(n) ? n : 0;"),
+    ("flash_fp8.cu", "const bool i8 = !input && flash_fwd_fp8_qk(qk) == kFp8QkInt8;"),
+    ("flash_fp8.cu", "block_n = flash_fwd_fp8_block_n(p.head_dim, block_n, pv, qk);"),
     ("flash_fp8.cu", "static const int env = sm90::tuning_env(\"LLM_ATTN_FP8_BLOCK_N\", 0);"),
     ("flash_fp8.cu", "if (input && requested > kFp8PvInputMaxBlockN) return 0; const int e = input && env > "
                      "kFp8PvInputMaxBlockN ? 0 : env;"),
@@ -787,17 +790,24 @@ def fp8_env(monkeypatch):
     _plan.fp8_tuning.cache_clear()
 
 
-def test_fp8_key_tile_and_stages(fp8_env):
-    """flash_fwd_fp8_block_n and launch_fp8: a requested tile, else LLM_ATTN_FP8_BLOCK_N, else Fp8Tiles<D>'s default;
-    0 (refused) for a tile not built; three stages (LLM_ATTN_FP8_STAGES=3) for the 128-key tile only."""
+def test_fp8_key_tile_and_stages(fp8_env, monkeypatch):
+    """flash_fwd_fp8_block_n and launch_fp8: a requested tile, else LLM_ATTN_FP8_BLOCK_N, else Fp8Tiles<D>'s default
+    for the S operands (int8 Q K^T with e4m3 P V: kDefaultBlockNInt8; "" resolved through LLM_ATTN_FP8_QK); 0
+    (refused) for a tile not built; three stages (LLM_ATTN_FP8_STAGES=3) for the 128-key tile only."""
     fp8_env()
-    tiles = _kernel_table.FP8_BLOCK_N
-    assert _plan.fp8_block_n(128) == tiles[128][0] and _plan.fp8_block_n(64, 0) == tiles[64][0]
+    monkeypatch.delenv("LLM_ATTN_FP8_QK", raising=False)
+    tiles, int8_default = _kernel_table.FP8_BLOCK_N, _kernel_table.FP8_INT8_DEFAULT
+    assert _plan.fp8_block_n(128, qk="e4m3") == tiles[128][0] and _plan.fp8_block_n(64, 0, qk="e4m3") == tiles[64][0]
+    assert _plan.fp8_block_n(128) == _plan.fp8_block_n(128, qk="int8") == int8_default[128] == 256
+    assert _plan.fp8_block_n(64) == int8_default[64] == tiles[64][0]
+    monkeypatch.setenv("LLM_ATTN_FP8_QK", "e4m3")  # "" then means e4m3: its default tile
+    assert _plan.fp8_block_n(128) == tiles[128][0] and _plan.fp8_block_n(128, qk="int8") == 256
+    monkeypatch.delenv("LLM_ATTN_FP8_QK")
     assert all(_plan.fp8_block_n(d, n) == n for d, t in tiles.items() for n in t)
     assert _plan.fp8_block_n(128, 100) == 0 and _plan.fp8_block_n(96) == 0
     assert _plan.fp8_traits(128, 128) == _plan.Fp8Traits(128) and _plan.Fp8Traits(128).cpp().endswith("<128, 2>")
     fp8_env(block_n="192", stages="3")
-    assert _plan.fp8_block_n(128) == 192 and _plan.fp8_block_n(128, 128) == 128
+    assert _plan.fp8_block_n(128) == _plan.fp8_block_n(128, qk="e4m3") == 192 and _plan.fp8_block_n(128, 128) == 128
     assert _plan.fp8_traits(128, 128) == _plan.Fp8Traits(128, 3) and _plan.fp8_traits(64, 192).stages == 2
     fp8_env(block_n="100")
     assert _plan.fp8_block_n(64) == 0 and _plan.fp8_block_n(64, 128) == 128
@@ -810,8 +820,9 @@ def test_fp8_pv_input_tile(fp8_env, block_n_env, stages_env):
     whatever LLM_ATTN_FP8_STAGES says; int8 Q K^T. A pv that is neither e4m3 nor input gets no tile."""
     fp8_env(block_n=block_n_env, stages=stages_env)
     for d in (64, 128):
-        for n in (0, 128, 192, 64):
-            assert _plan.fp8_block_n(d, n, "input") == _plan.fp8_block_n(d, n, "e4m3") == _plan.fp8_block_n(d, n)
+        for n in (0, 128, 192, 64):  # e4m3 Q K^T's rule (int8 Q K^T with e4m3 P V has its own default tile)
+            assert _plan.fp8_block_n(d, n, "input") == _plan.fp8_block_n(d, n, "e4m3", "e4m3") \
+                == _plan.fp8_block_n(d, n, qk="e4m3")
         assert _plan.fp8_block_n(d, 128, "input") == 128 and _plan.fp8_block_n(d, 64, "input") == 0
         assert _plan.fp8_block_n(d, 0, "bogus") == _plan.fp8_block_n(d, 128, "bogus") == 0
         for n in (128, 192):
@@ -823,7 +834,8 @@ def test_fp8_pv_input_tile(fp8_env, block_n_env, stages_env):
     # of 256 falls back to the build's default
     assert _plan.fp8_block_n(128, 256) == 256 and _plan.fp8_block_n(128, 256, "input") == 0
     fp8_env(block_n="256")
-    assert _plan.fp8_block_n(128) == 256 and _plan.fp8_block_n(128, 0, "input") == _kernel_table.FP8_BLOCK_N[128][0]
+    assert _plan.fp8_block_n(128, qk="e4m3") == 256
+    assert _plan.fp8_block_n(128, 0, "input") == _kernel_table.FP8_BLOCK_N[128][0]
     # the e4m3 P V instantiations keep the spelling the AOT build's launch gives them (defaults left out)
     assert [_plan.Fp8Traits(128, *a).cpp()[len("llm_attn::sm90::"):] for a in ((2,), (3,), (2, 192), (2, 128, True))] \
         == ["Fp8Traits<128, 2>", "Fp8Traits<128, 3>", "Fp8Traits<128, 2, 192>", "Fp8Traits<128, 2, 128, true>"]
@@ -941,7 +953,9 @@ def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
                  "TORCH_CHECK(!pv_input || qk != \"e4m3\",",
                  "const int qk_code = pv_input ? llm_attn::kFp8QkInt8 : qk_asked;",
                  'py::arg("block_n") = 0, py::arg("qk") = "", py::arg("pv") = "");',
-                 'py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "");'):
+                 'py::arg("head_dim"), py::arg("block_n") = 0, py::arg("pv") = "", py::arg("qk") = "");',
+                 "llm_attn::flash_fwd_fp8_block_n(static_cast<int>(q.size(3)), static_cast<int>(block_n), pv_code, "
+                 "qk_code);"):
         assert line in binding, line
     assert binding.index(f'"{pre}{e4m3}"') < binding.index("FP8 attention needs a compute capability 9.0") \
         < binding.index("the FP8 kernel has no ")
@@ -969,7 +983,9 @@ def test_fp8_pv_checks_are_the_bindings(monkeypatch, fp8_env):
         refused(f"the FP8 kernel has no 100-key tile for head_dim 64{with_pv} in this build (kernel_tiles.h "
                 "Fp8Tiles)", block_n=100, pv=pv)
     for d in (64, 128):
-        assert nvrtc.fp8_block_n(d, 0, "input") == nvrtc.fp8_block_n(d, pv="e4m3") == _plan.fp8_block_n(d)
+        assert nvrtc.fp8_block_n(d, 0, "input") == nvrtc.fp8_block_n(d, pv="e4m3", qk="e4m3") \
+            == _plan.fp8_block_n(d, qk="e4m3")
+        assert nvrtc.fp8_block_n(d, qk="int8") == _plan.fp8_block_n(d, qk="int8") == _kernel_table.FP8_INT8_DEFAULT[d]
         assert nvrtc.fp8_block_n(d, 192, "input") == 192 and nvrtc.fp8_block_n(d, 100, "input") == 0
     with pytest.raises(RuntimeError, match="^" + re.escape(pre + bad_pv + "fp8'") + "$"):
         nvrtc.fp8_block_n(128, 0, "fp8")
