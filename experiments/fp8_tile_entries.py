@@ -25,4 +25,4 @@ for n in sorted({n for tiles in FP8_BLOCK_N.values() for n in tiles}):
         f"fp8_tile{n}", functools.partial(fp8_tile, block_n=n), dtypes=(torch.float16, torch.bfloat16),
         head_dims=tuple(d for d, tiles in FP8_BLOCK_N.items() if n in tiles), devices=("cuda",),
         supports_seqused_k=True,
-        description=f"llm_attn_fp8 with its {n}-key tile forced (tile A/B; low precision: FP8 prefill)")
+        description=f"llm_attn_fp8, its {n}-key tile forced for tile A/Bs (low precision: FP8 prefill)")
