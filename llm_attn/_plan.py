@@ -671,8 +671,9 @@ def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "", qk: str = "") -
 
 
 def fp8_traits(head_dim: int, block_n: int, qk_int8: bool = False, pv_input: bool = False) -> Fp8Traits:
-    """launch_fp8: the 192- and 256-key tiles with two stages; the 128-key one with three where LLM_ATTN_FP8_STAGES=3; P V in
-    the input dtype: Fp8Traits<D, 2, block_n, true, true>, two stages whatever LLM_ATTN_FP8_STAGES says."""
+    """launch_fp8: the 192- and 256-key tiles with two stages; the 128-key one with three where
+    LLM_ATTN_FP8_STAGES=3; P V in the input dtype: Fp8Traits<D, 2, block_n, true, true>, two stages whatever
+    LLM_ATTN_FP8_STAGES says."""
     if pv_input:
         return Fp8Traits(head_dim, 2, block_n, True, True)
     if block_n == 128 and fp8_tuning()[1] == 3:
