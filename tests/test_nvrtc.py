@@ -1034,7 +1034,8 @@ def test_mha_fwd_fp8_fills_what_the_binding_fills(monkeypatch, fp8_env, pv, qk, 
     assert out.shape == q.shape and lse.shape == (b, hq, sq)
     pv_input = pv == "input"
     shape = _plan.Shape(b, hq, hkv, sq, sk, d, True, True)
-    traits = _plan.fp8_traits(d, _plan.fp8_block_n(d, 0, pv), pv_input or nvrtc.fp8_qk(qk) == "int8", pv_input)
+    traits = _plan.fp8_traits(d, _plan.fp8_block_n(d, 0, pv, "int8" if pv_input else qk),
+                              pv_input or nvrtc.fp8_qk(qk) == "int8", pv_input)
     assert traits.pv_input == pv_input and traits.qk_int8 == (pv != "e4m3")
     assert [lc for lc, _ in launched] == list(_plan.fp8_launches(shape, traits)) and len(launched) == 4
     *pre, (_, sp) = launched
@@ -1050,8 +1051,9 @@ def test_mha_fwd_fp8_fills_what_the_binding_fills(monkeypatch, fp8_env, pv, qk, 
         assert getattr(f, name) == at, name
         at += 4 * getattr(ws, name)
     assert sp.pingpong == _plan.sm90_tuning()[1]
-    n = traits.block_n  # the default tile: Fp8Tiles<128>'s first, for either P V
-    assert n == _kernel_table.FP8_BLOCK_N[d][0]
+    n = traits.block_n  # the default tile: int8 Q K^T with e4m3 P V has its own, the others Fp8Tiles<128>'s first
+    int8_e4m3 = not pv_input and nvrtc.fp8_qk(qk) == "int8"
+    assert n == (_kernel_table.FP8_INT8_DEFAULT[d] if int8_e4m3 else _kernel_table.FP8_BLOCK_N[d][0])
     want = [("e4m3", f.q8, d, sq, hq, b, d, 128), ("e4m3", f.k8, d, sk, hkv, b, d, n)]
     if pv_input:
         want.append(("input", v.data_ptr(), 0, d, sk, hkv, b, *v.stride()[:3], n))
