@@ -369,11 +369,11 @@ def fp8_qk(qk: str = "") -> str:
     ``fp8_pv='input'``, which takes int8 only). The int8 product is the more accurate (kernels/NOTES.md "FP8 forward
     v4": about half the output error on peaky inputs).
     """
-    if qk:
-        if qk not in FP8_QK:
-            raise ValueError(f"qk must be one of {', '.join(FP8_QK)} (the FP8 path's Q K^T operands), not {qk!r}")
-        return qk
-    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+    from llm_attn import _plan  # noqa: PLC0415 (the one reading of LLM_ATTN_FP8_QK, the NVRTC build's too)
+
+    if qk and qk not in FP8_QK:
+        raise ValueError(f"qk must be one of {', '.join(FP8_QK)} (the FP8 path's Q K^T operands), not {qk!r}")
+    return _plan.fp8_qk(qk)
 
 
 FP8_PV = ("e4m3", "input")  # kernels/flash_fp8.h Fp8Pv
