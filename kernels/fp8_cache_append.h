@@ -14,7 +14,8 @@
 //      K is x = k_open - k_shift, V is x = v_open; all 64 rows of the block are written;
 //   4. used[b] = min(p + 1, max_cache_len) (int32: the decode kernel's seqused_k).
 // The caller advances the position afterwards (one add): the launch only reads it. The e4m3 rounding is done in
-// software (exact on every architecture from sm_80: the append writes 16 KB per layer, its cost is the launch).
+// software (exact on every architecture from sm_80). The append writes 16 KB per layer: 4.6-5.9 us a launch on an
+// H100 with 1024 threads a block (kernels/NOTES.md "The FP8 cache's append, spread over the block").
 #pragma once
 
 #include <cstdint>

@@ -13,7 +13,8 @@ a static cache's unused capacity, each split count forced; then the prefill kern
 packed rows), v1 (Q staged in the last pipeline stage) and v2 (byte stages, fp16 tiles converted by the whole block,
 LLM_ATTN_FP8KV_PREFILL_V), causal tile counts per row block, causal and not, q_len == kv_len,
 seqused_k below q_len (rows that see no key), a static cache's unused capacity; then the static cache's one-token
-append (kernels/fp8_cache_append.cu) over 125 device steps, and the dequantised copy (kernels/fp8_cache_dequant.cu).
+append (kernels/fp8_cache_append.cu) over 125 device steps, and the dequantised copy (kernels/fp8_cache_dequant.cu);
+`--fp8kv --append-only` only those two.
 """
 import itertools
 import math
@@ -89,8 +90,11 @@ if "--fp8kv" in sys.argv:
 
     if not ops.fp8_kv_kernel_available(ext):
         sys.exit("--fp8kv: this build has no FP8-cache decode kernel")
+    # --append-only: only the cache's own kernels (the append and the copy): racecheck of the append's shared
+    # memory within a call's time.
+    kernels_too = "--append-only" not in sys.argv
     for dtype, (b, hq, hkv, sq, n, cap, d, used), splits in itertools.product(
-            (torch.float16, torch.bfloat16), FP8KV_SHAPES, (0, 1, 3, 16)):
+            (torch.float16, torch.bfloat16), FP8KV_SHAPES if kernels_too else (), (0, 1, 3, 16)):
         layer = Fp8StaticLayer(max_cache_len=cap)
         with torch.inference_mode():
             layer.update(torch.randn(b, hkv, n, d, device="cuda", dtype=dtype),
@@ -104,7 +108,7 @@ if "--fp8kv" in sys.argv:
     # Both versions of the prefill kernel (LLM_ATTN_FP8KV_PREFILL_V, read per call): v1, and v2's byte stages, fp16
     # tiles and block-wide conversion.
     for version, dtype, (b, hq, hkv, sq, n, cap, d, used), causal in itertools.product(
-            ("1", "2"), (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES, (True, False)):
+            ("1", "2"), (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES if kernels_too else (), (True, False)):
         os.environ["LLM_ATTN_FP8KV_PREFILL_V"] = version
         if not ops.fp8_kv_prefill_available(ext):
             sys.exit("--fp8kv: this build has no FP8-cache prefill kernel")
@@ -117,7 +121,7 @@ if "--fp8kv" in sys.argv:
         out = ops.decode_fp8_kv(q, layer.fp8(), causal=causal, seqused_k=su, path="kernel")
         torch.cuda.synchronize()
         assert not out.isnan().any()
-    os.environ.pop("LLM_ATTN_FP8KV_PREFILL_V")
+    os.environ.pop("LLM_ATTN_FP8KV_PREFILL_V", None)
     # The static cache's one-token append (kernels/fp8_cache_append.cu) across block 0's end and a later block,
     # both dtypes and head_dims, batch 2 x 3 KV heads, 2 tokens past the 128-token capacity (clamped writes).
     if ops.fp8_cache_append_available(ext):

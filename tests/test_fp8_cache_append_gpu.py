@@ -88,6 +88,26 @@ def test_append_kernel_stores_the_pytorch_ops_bytes(append_kernel, d, dtype, pre
             assert torch.equal(x, y), f"kernel vs {name}: field {i} differs"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_append_kernel_median_with_many_ties(append_kernel, d):
+    """Block 0 open with K drawn from five values: every channel's lower median is tied over many slots, which
+    the kernel's slot groups find separately. Bytes, scales and shift as the PyTorch ops store them at every step."""
+    gen = torch.Generator().manual_seed(d)
+    k = (torch.randint(-2, 3, (2, 3, 70, d), generator=gen) * 1.5).to(torch.float16)
+    v = torch.randn(2, 3, 70, d, generator=gen).to(torch.float16)
+    layers = [_layer(128, "cuda", True), _layer(128, "cuda", False)]
+    with torch.inference_mode():
+        for layer in layers:
+            _update(layer, k[:, :, :1].cuda(), v[:, :, :1].cuda())
+        for t in range(1, 70):
+            for layer in layers:
+                _update(layer, k[:, :, t:t + 1].cuda(), v[:, :, t:t + 1].cuda())
+            if t in (1, 2, 3, 8, 31, 62, 63, 64, 69):
+                for i, (x, y) in enumerate(zip(*(_stored(layer) for layer in layers), strict=True)):
+                    assert torch.equal(x, y), f"after token {t}: field {i} differs"
+    assert layers[0]._append_kernel and not layers[1]._append_kernel
+
+
 def test_append_kernel_keeps_a_nan_token_as_pytorch_does(append_kernel):
     """A NaN in the open block: PyTorch's amax is NaN, so the block's scale is 1 and the NaN stays a NaN byte; the
     kernel stores the same bytes (no silently different block)."""
