@@ -3,8 +3,8 @@ cache (``Fp8StaticCache(device_position=True)``), llm_attn's attention, the same
 
     python experiments/decode_step_kernels.py --context 32768 131040 --caches fp16 fp8
 
-For each (context, cache): the step replayed from a CUDA graph (median ms over ``--steps`` replays, as
-``--measure decode_graph`` times it), then ``--profiled`` eager steps under torch.profiler, their device time per
+For each (context, cache): the step replayed from a CUDA graph (median ms over ``--steps`` back-to-back replays,
+as ``--measure decode_graph`` times it), then ``--profiled`` eager steps under torch.profiler, their device time per
 step split into attention (llm_attn's decode kernels), the FP8 cache's append, GEMMs and the rest, and the kernels
 by time. The graph time minus the device-busy time is what the graph still waits for. The context is filled as
 ``measure_decode_static(context=...)`` fills it (the prompt's keys repeated); the step times do not depend on the
@@ -61,14 +61,15 @@ def one(model, prompt: torch.Tensor, context: int, cache_kind: str, steps: int, 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        times = []
-        for _ in range(steps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Back to back, one event pair a replay and one synchronisation at the end, as measure_decode_static times
+        # a decode_graph run (a synchronisation after each replay would add the graph launch's latency).
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for s, e in events:
             s.record()
             graph.replay()
             e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+        torch.cuda.synchronize(dev)
+        times = [s.elapsed_time(e) for s, e in events]
         del graph
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(profiled):
