@@ -45,13 +45,14 @@ __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { retu
 // the open block (kGroups = 8 at head_dim 128, 16 at 64). A warp's 32 threads share their slots (D is a multiple
 // of 32), so every branch on a slot is uniform.
 // (One thread per channel walking all 64 slots in turn was ~11k dependent instructions a thread with one warp a
-// scheduler: 32-55 us a launch, 1.0-1.8 ms of an 8B decode step; kernels/NOTES.md "The FP8 cache's append".)
+// scheduler: 32-55 us a launch, 1.0-1.8 ms of an 8B decode step; kernels/NOTES.md "The FP8 cache's append, spread
+// over the block".)
 constexpr int kAppendThreads = 1024;
 
 // The lower median of channel d's values open[0 .. n) (n >= 1): the value whose rank in ascending order is
 // (n - 1) / 2, ties counted (torch.median); x[0] where no value has that rank (NaNs rank as neither less nor equal).
 // Where several slots have that rank (equal values, or +0 and -0) the last of them, as a walk over all slots in
-// order keeps. The candidates are split over the kGroups slot groups; `last` (kThreads) collects each group's.
+// order keeps. The candidates are split over the kGroups slot groups; `last` (kAppendThreads) collects each group's.
 template <int kHeadDim>
 __device__ __forceinline__ float lower_median(const float* open, int n, int* last) {
     constexpr int kGroups = kAppendThreads / kHeadDim;
