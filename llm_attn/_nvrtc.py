@@ -58,7 +58,7 @@ import torch
 
 from llm_attn import _cuda_abi, _plan, kernel_contract
 from llm_attn._cuda_abi import (FlashBwdParams, FlashDecodeFp8KvParams, FlashFwdFp8Params, FlashFwdInt8Params,
-                                FlashFwdParams)
+                                FlashFwdParams, Fp8CacheAppendParams)
 from llm_attn.kernel_contract import _shape
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
@@ -200,6 +200,7 @@ _KERNEL_HEADERS = (
     ("flash_fwd_int8_kernel<", "flash_fwd_int8_kernel.cuh", (2,), None),
     ("flash_decode_fp8kv_kernel<", "flash_decode_fp8kv_kernel.cuh", (4,), None),
     ("flash_prefill_fp8kv_kernel<", "flash_prefill_fp8kv_kernel.cuh", (4,), None),
+    ("fp8_cache_append_kernel<", "fp8_cache_append_kernel.cuh", (5,), None),
 )
 
 
@@ -1057,6 +1058,85 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
             _launch(index, launch, fp, stream)
     del workspace  # it lived until the launch was queued; the allocator orders its reuse by stream
     return out, lse
+
+
+def fp8_cache_append_problem(k_new, v_new, k_open, v_open, k_shift, k_data, v_data, k_scale, v_scale, position, used,
+                             max_cache_len: int) -> str | None:
+    """What binding.cpp's fp8_cache_append refuses, in its words and order (without its "llm_attn.fp8_cache_append: "
+    prefix), or None."""
+    if not (k_data.is_cuda and k_data.dim() == 4):
+        return "k_data must be a 4-D CUDA tensor (batch, kv_heads, capacity, head_dim)"
+    b, h, c, d = k_data.shape
+    if d not in (64, 128):
+        return f"head_dim must be 64 or 128, got {d}"
+    if not (c > 0 and c % 64 == 0):
+        return f"the capacity must be a positive multiple of 64 tokens, got {c}"
+    if not 0 < max_cache_len <= c:
+        return f"max_cache_len must be in [1, {c}], got {max_cache_len}"
+    e4m3 = torch.uint8 if k_data.dtype == torch.uint8 else torch.float8_e4m3fn
+    for t, name, dtype, sizes in ((k_data, "k_data", e4m3, (b, h, c, d)), (v_data, "v_data", e4m3, (b, h, c, d)),
+                                  (k_open, "k_open", torch.float32, (b, h, 64, d)),
+                                  (v_open, "v_open", torch.float32, (b, h, 64, d)),
+                                  (k_shift, "k_shift", torch.float32, (b, h, d)),
+                                  (k_scale, "k_scale", torch.float32, (b, h, c // 64)),
+                                  (v_scale, "v_scale", torch.float32, (b, h, c // 64))):
+        problem = _same_as_data(t, name, dtype, sizes, k_data)
+        if problem:
+            return problem
+    if not (position.device == k_data.device and position.dtype == torch.int64 and position.numel() == 1):
+        return "position must be one int64 on k_data's device"
+    problem = _same_as_data(used, "used", torch.int32, (b,), k_data)
+    if problem:
+        return problem
+    for t, name in ((k_new, "k_new"), (v_new, "v_new")):
+        if t.device != k_data.device:
+            return f"{name} must be on k_data's device"
+        if t.dtype not in kernel_contract.KERNEL_DTYPES:
+            return f"{name} must be float16 or bfloat16, got {_scalar_type(t)}"
+        if tuple(t.shape) != (b, h, 1, d) or t.stride(3) != 1:
+            return f"{name} must be {_shape((b, h, 1, d))} contiguous in head_dim, got {_shape(t.shape)}"
+    if v_new.dtype != k_new.dtype:
+        return "k_new and v_new must have one dtype"
+    return None
+
+
+def _same_as_data(t: torch.Tensor, name: str, dtype: torch.dtype, sizes: tuple, k_data: torch.Tensor) -> str | None:
+    """binding.cpp fp8_cache_append's `same`: device, dtype, shape, contiguity."""
+    if t.device != k_data.device:
+        return f"{name} must be on k_data's device"
+    if t.dtype != dtype:
+        return f"{name} must be {_SCALAR_TYPE_NAMES[dtype]}, got {_scalar_type(t)}"
+    if tuple(t.shape) != tuple(sizes):
+        return f"{name} must be {_shape(sizes)}, got {_shape(t.shape)}"
+    if not t.is_contiguous():
+        return f"{name} must be contiguous"
+    return None
+
+
+def fp8_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_open: torch.Tensor, v_open: torch.Tensor,
+                     k_shift: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_scale: torch.Tensor,
+                     v_scale: torch.Tensor, position: torch.Tensor, used: torch.Tensor, max_cache_len: int) -> None:
+    """The FP8 static cache's one-token append in one launch: binding.cpp's fp8_cache_append (its checks and
+    messages: fp8_cache_append_problem), the kernel of kernels/fp8_cache_append_kernel.cuh compiled by NVRTC, on the
+    current stream, without synchronisation (CUDA-graph capturable: nothing is read on the host)."""
+    max_cache_len = int(max_cache_len)
+    problem = fp8_cache_append_problem(k_new, v_new, k_open, v_open, k_shift, k_data, v_data, k_scale, v_scale,
+                                       position, used, max_cache_len)
+    if problem:
+        raise RuntimeError("llm_attn.fp8_cache_append: " + problem)
+    b, h, c, d = k_data.shape
+    p = Fp8CacheAppendParams()
+    p.k_new, p.v_new = k_new.data_ptr(), v_new.data_ptr()
+    p.kn_batch_stride, p.kn_head_stride = k_new.stride()[:2]
+    p.vn_batch_stride, p.vn_head_stride = v_new.stride()[:2]
+    p.k_open, p.v_open, p.k_shift = k_open.data_ptr(), v_open.data_ptr(), k_shift.data_ptr()
+    p.k_data, p.v_data = k_data.data_ptr(), v_data.data_ptr()
+    p.k_scale, p.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+    p.position, p.used = position.data_ptr(), used.data_ptr()
+    p.batch, p.kv_heads, p.head_dim, p.capacity, p.max_cache_len = b, h, d, c, max_cache_len
+    p.is_bf16 = k_new.dtype == torch.bfloat16
+    with _device_of(k_data) as (index, stream):
+        _launch(index, _plan.fp8_cache_append_launch(b, h, d, bool(p.is_bf16)), p, stream)
 
 
 # The current stream's raw handle without building a torch.cuda.Stream (what torch's own generated code calls).

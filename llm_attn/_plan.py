@@ -512,6 +512,25 @@ def prefill_fp8kv_kernels() -> list[str]:
             for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "prefill_fp8kv" for version in (1, 2)]
 
 
+# -- the FP8 static cache's one-token append ----------------------------------------------------------------------
+# binding.cpp's fp8_cache_append: run_fp8_cache_append (kernels/fp8_cache_append.cu), one launch of
+# fp8_cache_append_kernel.cuh's kernel per (head_dim, dtype), grid (KV heads, batch), no dynamic shared memory.
+FP8_CACHE_APPEND_THREADS = 1024  # fp8cache::kAppendThreads (tests/test_nvrtc.py reads it back from the C++)
+
+
+def fp8_cache_append_kernel_name(is_bf16: bool, head_dim: int) -> str:
+    return f"llm_attn::fp8cache::fp8_cache_append_kernel<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
+
+
+def fp8_cache_append_launch(batch: int, kv_heads: int, head_dim: int, is_bf16: bool) -> Launch:
+    return Launch(fp8_cache_append_kernel_name(is_bf16, head_dim), (kv_heads, batch, 1), FP8_CACHE_APPEND_THREADS, 0)
+
+
+def fp8_cache_append_kernels() -> list[str]:
+    """Every instantiation run_fp8_cache_append reaches: head_dim 64 and 128, fp16 and bf16 tokens."""
+    return [fp8_cache_append_kernel_name(bf16, d) for d in (64, 128) for bf16 in (False, True)]
+
+
 # -- the low-precision forwards ------------------------------------------------------------------------------------
 # Each call runs a quantising pre-pass, then the attention kernel, all on the caller's stream: FP8 on Hopper
 # (kernels/flash_fp8.h; the launch is flash_fwd_fp8_sm90_launch.cuh's launch_fp8_tile, the workspace binding.cpp's

@@ -638,9 +638,9 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
 
 
 def fp8_cache_append_available(ext=None) -> bool:
-    """Whether this kernel build has the FP8 cache's one-token append (kernels/fp8_cache_append.h): an AOT build from
-    the commit that added it on. Without it (the NVRTC build, an older extension, CPU) the cache's device step runs
-    the same arithmetic as PyTorch ops (``Fp8StaticLayer._update_on_device``): the same bytes, ~35 small kernels
+    """Whether this kernel build has the FP8 cache's one-token append (kernels/fp8_cache_append.h): the NVRTC build,
+    and an AOT build from the commit that added it on. Without it (an older extension, CPU) the cache's device step
+    runs the same arithmetic as PyTorch ops (``Fp8StaticLayer._update_on_device``): the same bytes, ~35 small kernels
     per layer instead of one."""
     try:
         ext = ext or _current_ext()

@@ -4,8 +4,9 @@ PyTorch ops it replaces (the same layer with the kernel switched off) and with t
 the same tokens; tests/test_kv_cache_fp8.py ties them to the host path), for the data bytes, the block scales, K's
 shift and the used length: after prefills that leave block 0 open, full, or a later block part-filled; for fp16
 and bf16, head_dim 64 and 128; with outlier K channels, a NaN token and a zero token; replayed from a CUDA graph.
-Bad input is one ValueError line. Skipped, with the reason, without CUDA or where the build has no append kernel
-(the NVRTC build, an older extension: there the PyTorch ops run, which tests/test_kv_cache_fp8.py covers).
+Bad input is one ValueError line. Each test runs on every kernel build that loads here (AOT and NVRTC), and is
+skipped, with the reason, without CUDA or where a build has no append kernel (an extension built before it: there
+the PyTorch ops run, which tests/test_kv_cache_fp8.py covers).
 
     python -m pytest -q tests/test_fp8_cache_append_gpu.py
 """
@@ -21,12 +22,14 @@ from llm_attn import ops
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def append_kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not ops.fp8_cache_append_available():
-        pytest.skip("this kernel build has no fp8_cache_append (the NVRTC build or an extension built before it)")
+@pytest.fixture
+def append_kernel(cuda_ext, request):
+    """The kernel build this test runs on (conftest.py's ``cuda_ext``: once per build, selected for ``llm_attn.ops``
+    too), skipped where it has no append kernel (an extension built before it)."""
+    if not ops.fp8_cache_append_available(cuda_ext):
+        pytest.skip(f"the {request.node.callspec.params['cuda_ext']} build has no fp8_cache_append: an extension "
+                    f"built before it")
+    return cuda_ext
 
 
 class _ReadsFp8:

@@ -82,6 +82,7 @@ COMPILE_TESTS = {
     "test_int8_instantiations_compile_without_local_memory": (_plan.int8_kernels, True),
     "test_fp8kv_decode_instantiations_compile_without_local_memory": (lambda arch: _plan.decode_fp8kv_kernels(), True),
     "test_fp8kv_prefill_instantiations_compile_without_local_memory": (lambda arch: _plan.prefill_fp8kv_kernels(), True),
+    "test_fp8_cache_append_compiles_without_local_memory": (lambda arch: _plan.fp8_cache_append_kernels(), True),
     "test_hopper_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.sm90_kernels(), False),
     "test_fp8_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.fp8_kernels(), False),
     "test_hopper_backward_compiles_for_sm90a_without_local_memory": (lambda arch: _plan.bwd_sm90_kernels(), False),
@@ -224,6 +225,56 @@ def test_fp8kv_prefill_instantiations_compile_without_local_memory(arch, request
     assert all(100 < regs[lowered[k]][0] <= 255 for k in kernels), {k: regs[lowered[k]] for k in kernels}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_cache_append_compiles_without_local_memory(arch, request):
+    """The FP8 static cache's one-token append (kernels/fp8_cache_append_kernel.cuh) on every arch, as the AOT build
+    has it: head_dim 64 and 128, fp16 and bf16 tokens, in programs that static_assert the Fp8CacheAppendParams
+    mirror: no stack, no spills, at most 64 registers (1024 threads a block)."""
+    cpu_check_here(request, "every-arch NVRTC compile")
+    nvrtc = _nvrtc_or_skip()
+    kernels = _plan.fp8_cache_append_kernels()
+    assert len(kernels) == 4
+    src = nvrtc.program_source(kernels)
+    assert '#include "fp8_cache_append_kernel.cuh"' in src and "Fp8CacheAppendParams" in src
+    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
+    lowered, log = compiled(request, arch)
+    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
+    regs = nvrtc.register_report(log)
+    assert all(regs[lowered[k]][0] <= 64 for k in kernels), {k: regs[lowered[k]] for k in kernels}
+
+
+def test_fp8_cache_append_constants_match_cpp():
+    """The append's block size and slot count, as _plan and the NVRTC launcher use them, are the header's."""
+    _nvrtc_or_skip()
+    _assert_constants(["fp8_cache_append_kernel.cuh"], "sm_80",
+                      {"llm_attn::fp8cache::kAppendThreads": _plan.FP8_CACHE_APPEND_THREADS,
+                       "llm_attn::kFp8CacheBlock": 64})
+
+
+def test_fp8_cache_append_checks_are_the_bindings():
+    """_nvrtc.fp8_cache_append is the binding's (so llm_attn.ops runs either build through one path): binding.cpp
+    has each refusal _nvrtc.fp8_cache_append_problem words, and without a GPU the first of them comes before any
+    GPU work."""
+    nvrtc = _nvrtc_or_skip()
+    binding = _binding_literals()
+    assert 'm.def("fp8_cache_append"' in binding and callable(nvrtc.fp8_cache_append)
+    for text in ("k_data must be a 4-D CUDA tensor (batch, kv_heads, capacity, head_dim)",
+                 "head_dim must be 64 or 128, got ", "the capacity must be a positive multiple of 64 tokens, got ",
+                 "max_cache_len must be in [1, ", " must be on k_data's device", " must be contiguous",
+                 "position must be one int64 on k_data's device", " must be float16 or bfloat16, got ",
+                 " contiguous in head_dim, got ", "k_new and v_new must have one dtype"):
+        assert text in binding, text
+    b, h, c, d = 1, 2, 128, 64
+    args = [torch.zeros(b, h, 1, d, dtype=torch.float16), torch.zeros(b, h, 1, d, dtype=torch.float16),
+            torch.zeros(b, h, 64, d), torch.zeros(b, h, 64, d), torch.zeros(b, h, d),
+            torch.zeros(b, h, c, d, dtype=torch.uint8), torch.zeros(b, h, c, d, dtype=torch.uint8),
+            torch.zeros(b, h, c // 64), torch.zeros(b, h, c // 64), torch.zeros(1, dtype=torch.int64),
+            torch.zeros(b, dtype=torch.int32), c]
+    with pytest.raises(RuntimeError, match=r"^llm_attn.fp8_cache_append: k_data must be a 4-D CUDA tensor"):
+        nvrtc.fp8_cache_append(*args)
+
+
 def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every Hopper kernel instantiation the AOT build has (flash_fwd_sm90_*.cu through sm90::launch), compiled by
     NVRTC for sm_90a in programs that also static_assert the Sm90Params mirror: no stack, no spills, and the
@@ -329,9 +380,10 @@ def test_params_struct_layout_matches_cpp(tmp_path):
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to check the struct offsets with")
-    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376, 264]
+    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376, 264, 144]
     src = ('#include <cstddef>\n#include "flash.h"\n#include "flash_fp8.h"\n#include "flash_int8.h"\n'
-           '#include "flash_decode_fp8kv.h"\n' + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
+           '#include "flash_decode_fp8kv.h"\n#include "fp8_cache_append.h"\n'
+           + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
     (tmp_path / "cuda_runtime.h").write_text("#pragma once\nenum cudaError_t { cudaSuccess = 0 };\n"
                                              "typedef struct CUstream_st* cudaStream_t;\n"
                                              "#define __host__\n#define __device__\n")

@@ -31,10 +31,10 @@ read by llm_attn's attention function then runs on the device alone. It writes t
 float32 originals (a fixed 64-slot buffer) at the position held in ``cumulative_length``, re-quantises that block
 from them (K's shift too while block 0 is open), and returns placeholders of the whole capacity with the used length
 as a device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host
-path's, bit for bit. On a GPU with an AOT build that has it, that step is one launch per layer
-(``llm_attn.ops.fp8_cache_append``, kernels/fp8_cache_append.h); elsewhere (the NVRTC build, CPU) the same
-arithmetic runs as ~35 PyTorch ops, each a kernel in the graph (measured on the 8B: ~2-3 ms per token, more than
-the FP8 cache saves at 32k context). Every other call (a prefill, stock attention, beam reordering) first reads
+path's, bit for bit. On a GPU that step is one launch per layer (``llm_attn.ops.fp8_cache_append``,
+kernels/fp8_cache_append.h: the AOT build, and the NVRTC build, which compiles the same kernel at first use);
+elsewhere (CPU, an extension built before the kernel) the same arithmetic runs as ~35 PyTorch ops, each a kernel in
+the graph (measured on the 8B: ~2-3 ms per token, more than the FP8 cache saves at 32k context). Every other call (a prefill, stock attention, beam reordering) first reads
 the position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read
 raises IndexError.
 """
@@ -297,7 +297,7 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
 
     def _use_append_kernel(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """The one-launch append where the build has it (``ops.fp8_cache_append_available``), for the dtypes and
-        head_dims it takes; otherwise the PyTorch ops below (CPU, the NVRTC build, an older extension)."""
+        head_dims it takes; otherwise the PyTorch ops below (CPU, an extension built before the kernel)."""
         if self._append_kernel is None:
             self._append_kernel = (self.k_data.is_cuda and self.k_data.shape[-1] in (64, 128)
                                    and self.cumulative_length.dtype == torch.int64
