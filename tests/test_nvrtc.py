@@ -186,24 +186,33 @@ def test_int8_instantiations_compile_without_local_memory(arch, request):
     assert not unexpected, f"local memory (stack, spill stores, spill loads) on {arch}: {unexpected}"
 
 
+def _compiles_for_its_arch(arch: str, request, kernels: list[str], count: int, header: str, struct: str,
+                           registers_ok) -> None:
+    """The body of the every-arch compile tests of kernels built for the device's own arch: the `count` `kernels`,
+    in programs that include `header` and static_assert the `struct` mirror, compile for `arch` itself with no
+    stack and no spills, and each kernel's register count passes `registers_ok`."""
+    cpu_check_here(request, "every-arch NVRTC compile")
+    nvrtc = _nvrtc_or_skip()
+    assert len(kernels) == count
+    src = nvrtc.program_source(kernels)
+    assert f'#include "{header}"' in src and struct in src
+    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
+    lowered, log = compiled(request, arch)
+    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
+    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
+    regs = nvrtc.register_report(log)
+    assert all(registers_ok(regs[lowered[k]][0]) for k in kernels), {k: regs[lowered[k]] for k in kernels}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8kv_decode_instantiations_compile_without_local_memory(arch, request):
     """The decode kernel over the FP8 KV cache on every arch it runs on (the device's own: it needs no FP8 hardware):
     per (head_dim, dtype) both configs of DecodeFp8KvConfig<D> (one and two m16 row tiles), in programs that
     static_assert the FlashDecodeFp8KvParams mirror: no stack, no spills (registers: kernels/NOTES.md "The FP8-cache
     decode through NVRTC")."""
-    cpu_check_here(request, "every-arch NVRTC compile")
-    nvrtc = _nvrtc_or_skip()
-    kernels = _plan.decode_fp8kv_kernels()
-    assert len(kernels) == 8  # 2 head dims x 2 dtypes x (OneTile, TwoTiles)
-    src = nvrtc.program_source(kernels)
-    assert '#include "flash_decode_fp8kv_kernel.cuh"' in src and "FlashDecodeFp8KvParams" in src
-    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
-    lowered, log = compiled(request, arch)
-    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
-    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
-    regs = nvrtc.register_report(log)
-    assert all(100 < regs[lowered[k]][0] <= 255 for k in kernels), {k: regs[lowered[k]] for k in kernels}
+    # 2 head dims x 2 dtypes x (OneTile, TwoTiles)
+    _compiles_for_its_arch(arch, request, _plan.decode_fp8kv_kernels(), 8, "flash_decode_fp8kv_kernel.cuh",
+                           "FlashDecodeFp8KvParams", lambda regs: 100 < regs <= 255)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -211,18 +220,9 @@ def test_fp8kv_prefill_instantiations_compile_without_local_memory(arch, request
     """The prefill kernel over the FP8 KV cache on every arch it runs on (the device's own, as the decode kernel): per
     (head_dim, dtype) PrefillFp8KvConfig<D>::Tile, in programs that static_assert the FlashDecodeFp8KvParams mirror:
     no stack, no spills (registers: kernels/NOTES.md "Prefill over the FP8 KV cache")."""
-    cpu_check_here(request, "every-arch NVRTC compile")
-    nvrtc = _nvrtc_or_skip()
-    kernels = _plan.prefill_fp8kv_kernels()
-    assert len(kernels) == 8  # 2 head dims x 2 dtypes x (v1, v2)
-    src = nvrtc.program_source(kernels)
-    assert '#include "flash_prefill_fp8kv_kernel.cuh"' in src and "FlashDecodeFp8KvParams" in src
-    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
-    lowered, log = compiled(request, arch)
-    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
-    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
-    regs = nvrtc.register_report(log)
-    assert all(100 < regs[lowered[k]][0] <= 255 for k in kernels), {k: regs[lowered[k]] for k in kernels}
+    # 2 head dims x 2 dtypes x (v1, v2)
+    _compiles_for_its_arch(arch, request, _plan.prefill_fp8kv_kernels(), 8, "flash_prefill_fp8kv_kernel.cuh",
+                           "FlashDecodeFp8KvParams", lambda regs: 100 < regs <= 255)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -230,18 +230,8 @@ def test_fp8_cache_append_compiles_without_local_memory(arch, request):
     """The FP8 static cache's one-token append (kernels/fp8_cache_append_kernel.cuh) on every arch, as the AOT build
     has it: head_dim 64 and 128, fp16 and bf16 tokens, in programs that static_assert the Fp8CacheAppendParams
     mirror: no stack, no spills, at most 64 registers (1024 threads a block)."""
-    cpu_check_here(request, "every-arch NVRTC compile")
-    nvrtc = _nvrtc_or_skip()
-    kernels = _plan.fp8_cache_append_kernels()
-    assert len(kernels) == 4
-    src = nvrtc.program_source(kernels)
-    assert '#include "fp8_cache_append_kernel.cuh"' in src and "Fp8CacheAppendParams" in src
-    assert {nvrtc.kernel_arch(arch, k) for k in kernels} == {arch}
-    lowered, log = compiled(request, arch)
-    spilled = _local_memory(nvrtc, kernels, lowered, log, arch)
-    assert not spilled, f"local memory (stack, spill stores, spill loads) on {arch}: {spilled}"
-    regs = nvrtc.register_report(log)
-    assert all(regs[lowered[k]][0] <= 64 for k in kernels), {k: regs[lowered[k]] for k in kernels}
+    _compiles_for_its_arch(arch, request, _plan.fp8_cache_append_kernels(), 4, "fp8_cache_append_kernel.cuh",
+                           "Fp8CacheAppendParams", lambda regs: regs <= 64)
 
 
 def test_fp8_cache_append_constants_match_cpp():
