@@ -1,8 +1,9 @@
-// Plain C++ interface of the FP8 KV cache's dequantised copy (fp8_cache_dequant.cu): K and V of one layer's cache,
-// tokens [0, n), in fp16 or bf16, in one launch, in place of the ~5 PyTorch ops per operand that made it (a float32
-// temporary each: ~27 bytes of traffic per element against the 3 a fused pass needs). It is the copy every call
-// that cannot read the FP8 bytes itself gets (stock attention, a chunked prefill sent to the copy, another registry
-// entry). No torch headers: kernels/binding.cpp fills the params.
+// Plain C++ interface of the FP8 KV cache's dequantised copy (fp8_cache_dequant.cu; the kernel is
+// fp8_cache_dequant_kernel.cuh, which the NVRTC build compiles too): K and V of one layer's cache, tokens [0, n), in
+// fp16 or bf16, in one launch, in place of the ~5 PyTorch ops per operand that made it (a float32 temporary each:
+// ~27 bytes of traffic per element against the 3 a fused pass needs). It is the copy every call that cannot read the
+// FP8 bytes itself gets (stock attention, a chunked prefill sent to the copy, another registry entry). No torch
+// headers: kernels/binding.cpp fills the params (the NVRTC build: llm_attn/_cuda_abi.py's mirror, from _nvrtc.py).
 //
 // Per element, exactly kv_cache_reference.dequantize: out = dtype(float32(e4m3) * scale[token / 64] (+ k_shift for
 // K)), the product and the sum each rounded in float32 (never contracted into an FMA), then one rounding to the

@@ -1,11 +1,11 @@
 """What the NVRTC launchers pass to the kernels, and the CUDA driver API they go through: the ctypes mirrors of
 ``llm_attn::FlashFwdParams`` (kernels/flash.h), ``FlashFwdFp8Params`` (kernels/flash_fp8.h), ``FlashFwdInt8Params``
 (kernels/flash_int8.h), the backward's ``FlashBwdParams`` (kernels/flash.h), the FP8-cache decode's
-``FlashDecodeFp8KvParams`` (kernels/flash_decode_fp8kv.h) and the FP8 cache append's ``Fp8CacheAppendParams``
-(kernels/fp8_cache_append.h) (every program NVRTC compiles static_asserts their sizes;
-tests/test_nvrtc.py checks every offset with the host C++ compiler) and cuda-python's driver module with one error
-check. Shared by ``llm_attn._nvrtc`` (the launchers) and ``llm_attn._nvrtc_sm90`` (the Hopper kernels' parameters and
-tensor maps), below both.
+``FlashDecodeFp8KvParams`` (kernels/flash_decode_fp8kv.h), the FP8 cache append's ``Fp8CacheAppendParams``
+(kernels/fp8_cache_append.h) and the FP8 cache copy's ``Fp8CacheDequantParams`` (kernels/fp8_cache_dequant.h) (every
+program NVRTC compiles static_asserts their sizes; tests/test_nvrtc.py checks every offset with the host C++
+compiler) and cuda-python's driver module with one error check. Shared by ``llm_attn._nvrtc`` (the launchers) and
+``llm_attn._nvrtc_sm90`` (the Hopper kernels' parameters and tensor maps), below both.
 """
 
 from __future__ import annotations
@@ -103,12 +103,26 @@ class Fp8CacheAppendParams(ctypes.Structure):
                 ("capacity", ctypes.c_int), ("max_cache_len", ctypes.c_int), ("is_bf16", ctypes.c_bool)]
 
 
+class Fp8CacheDequantParams(ctypes.Structure):
+    """Mirror of llm_attn::Fp8CacheDequantParams (kernels/fp8_cache_dequant.h): the FP8 cache's dequantised copy,
+    its tensors' pointers (k_shift null: none), the shapes, the token count and the dtype of the copy."""
+
+    _fields_ = [("k_data", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("k_shift", ctypes.c_void_p),
+                ("k_out", ctypes.c_void_p), ("v_out", ctypes.c_void_p),
+                ("batch", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("capacity", ctypes.c_int), ("scale_blocks", ctypes.c_int), ("n", ctypes.c_int),
+                ("is_bf16", ctypes.c_bool)]
+
+
 # (C++ name, mirror) of every by-value parameter struct of kernels/ (flash.h, flash_fp8.h, flash_int8.h,
-# flash_decode_fp8kv.h, fp8_cache_append.h); _nvrtc._KERNEL_HEADERS names them by their index here.
+# flash_decode_fp8kv.h, fp8_cache_append.h, fp8_cache_dequant.h); _nvrtc._KERNEL_HEADERS names them by their index
+# here.
 STRUCTS = (("llm_attn::FlashFwdParams", FlashFwdParams), ("llm_attn::FlashFwdFp8Params", FlashFwdFp8Params),
            ("llm_attn::FlashFwdInt8Params", FlashFwdInt8Params), ("llm_attn::FlashBwdParams", FlashBwdParams),
            ("llm_attn::FlashDecodeFp8KvParams", FlashDecodeFp8KvParams),
-           ("llm_attn::Fp8CacheAppendParams", Fp8CacheAppendParams))
+           ("llm_attn::Fp8CacheAppendParams", Fp8CacheAppendParams),
+           ("llm_attn::Fp8CacheDequantParams", Fp8CacheDequantParams))
 
 
 @functools.lru_cache(maxsize=1)

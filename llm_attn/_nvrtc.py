@@ -37,6 +37,9 @@ and decode counter pool, run_flash_decode_fp8kv's one launch through ``llm_attn.
 for the device's arch, sm_80 and up: it needs no FP8 hardware; above ``decode_fp8kv_max_rows`` packed rows the
 prefill kernel over the cache, never split, v2 where its blocks fill over half the SMs, else v1),
 ``decode_fp8kv_max_rows`` and ``fp8kv_prefill``.
+
+And the FP8 KV cache's own device steps, as the extension has them, each one launch with binding.cpp's checks and
+messages: ``fp8_cache_append`` (the static cache's one-token append) and ``fp8_cache_dequant`` (the dequantised copy).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ import torch
 
 from llm_attn import _cuda_abi, _plan, kernel_contract
 from llm_attn._cuda_abi import (FlashBwdParams, FlashDecodeFp8KvParams, FlashFwdFp8Params, FlashFwdInt8Params,
-                                FlashFwdParams, Fp8CacheAppendParams)
+                                FlashFwdParams, Fp8CacheAppendParams, Fp8CacheDequantParams)
 from llm_attn.kernel_contract import _shape
 from llm_attn._cuda_abi import driver as _driver
 from llm_attn._cuda_abi import drv_check as _drv_check
@@ -201,6 +204,7 @@ _KERNEL_HEADERS = (
     ("flash_decode_fp8kv_kernel<", "flash_decode_fp8kv_kernel.cuh", (4,), None),
     ("flash_prefill_fp8kv_kernel<", "flash_prefill_fp8kv_kernel.cuh", (4,), None),
     ("fp8_cache_append_kernel<", "fp8_cache_append_kernel.cuh", (5,), None),
+    ("fp8_cache_dequant_kernel<", "fp8_cache_dequant_kernel.cuh", (6,), None),
 )
 
 
@@ -1137,6 +1141,83 @@ def fp8_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_open: torch.Ten
     p.is_bf16 = k_new.dtype == torch.bfloat16
     with _device_of(k_data) as (index, stream):
         _launch(index, _plan.fp8_cache_append_launch(b, h, d, bool(p.is_bf16)), p, stream)
+
+
+def fp8_cache_dequant_problem(k_data, v_data, k_scale, v_scale, k_shift, k_out, v_out) -> str | None:
+    """What binding.cpp's fp8_cache_dequant refuses, in its words and order (without its
+    "llm_attn.fp8_cache_dequant: " prefix), or None."""
+    if not (k_data.is_cuda and k_data.dim() == 4):
+        return "k_data must be a 4-D CUDA tensor (batch, kv_heads, capacity, head_dim)"
+    b, h, c, d = k_data.shape
+    if d not in (64, 128):
+        return f"head_dim must be 64 or 128, got {d}"
+    if not (b > 0 and h > 0 and b * h <= 65535):
+        return f"batch x kv_heads must be in [1, 65535], got {b * h}"
+    if k_out.dim() != 4:
+        return "k_out must be 4-D (batch, kv_heads, n, head_dim)"
+    n, nb = k_out.shape[2], k_scale.shape[2] if k_scale.dim() == 3 else -1
+    if n > c:
+        return f"k_out has {n} tokens, more than the cache's capacity {c}"
+    if nb * 64 < n:
+        return f"k_scale must be (batch, kv_heads, >= ceil(n / 64)) float32, got {_shape(k_scale.shape)}"
+    operands = [(k_data, "k_data", (torch.float8_e4m3fn, torch.uint8), (b, h, c, d)),
+                (v_data, "v_data", (k_data.dtype,), (b, h, c, d)),
+                (k_scale, "k_scale", (torch.float32,), (b, h, nb)), (v_scale, "v_scale", (torch.float32,), (b, h, nb))]
+    if k_shift is not None:
+        operands.append((k_shift, "k_shift", (torch.float32,), (b, h, d)))
+    operands += [(k_out, "k_out", kernel_contract.KERNEL_DTYPES, (b, h, n, d)),
+                 (v_out, "v_out", (k_out.dtype,), (b, h, n, d))]
+    for t, name, dtypes, sizes in operands:  # the binding's `same`
+        if t.device != k_data.device:
+            return f"{name} must be on k_data's device"
+        if t.dtype not in dtypes:
+            return f"{name} has dtype {_scalar_type(t)}, not one this kernel takes"
+        if tuple(t.shape) != sizes:
+            return f"{name} must be {_shape(sizes)}, got {_shape(t.shape)}"
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} must be 16-byte aligned"
+    return None
+
+
+def _fp8_cache_dequant_refused(p: Fp8CacheDequantParams) -> bool:
+    """Whether run_fp8_cache_dequant returns cudaErrorInvalidValue for `p` (its checks, on the params as the binding
+    narrows them to int: after fp8_cache_dequant_problem only a size past int's range meets one)."""
+    if (p.head_dim not in (64, 128) or p.n < 0 or p.n > p.capacity or p.batch <= 0 or p.kv_heads <= 0
+            or p.batch * p.kv_heads > 65535 or p.scale_blocks * 64 < p.n):
+        return True
+    if p.n == 0:
+        return False
+    return any((ptr or 0) % 16 for ptr in (p.k_data, p.v_data, p.k_out, p.v_out, p.k_shift))  # None: null
+
+
+def fp8_cache_dequant(k_data: torch.Tensor, v_data: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                      k_shift: torch.Tensor | None, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    """K and V of an FP8 cache layer's tokens [0, n) (n = k_out's length) dequantised into k_out and v_out in one
+    launch: binding.cpp's fp8_cache_dequant (its checks and messages: fp8_cache_dequant_problem; then
+    run_fp8_cache_dequant's own, as "kernel launch failed: invalid argument"), the kernel of
+    kernels/fp8_cache_dequant_kernel.cuh compiled by NVRTC, on the current stream, without synchronisation. n == 0
+    launches nothing."""
+    problem = fp8_cache_dequant_problem(k_data, v_data, k_scale, v_scale, k_shift, k_out, v_out)
+    if problem:
+        raise RuntimeError("llm_attn.fp8_cache_dequant: " + problem)
+    b, h, c, d = k_data.shape
+    p = Fp8CacheDequantParams()  # ctypes narrows the sizes to int as the binding's static_casts do
+    p.k_data, p.v_data = k_data.data_ptr(), v_data.data_ptr()
+    p.k_scale, p.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+    p.k_shift = k_shift.data_ptr() if k_shift is not None else None
+    p.k_out, p.v_out = k_out.data_ptr(), v_out.data_ptr()
+    p.batch, p.kv_heads, p.head_dim, p.capacity = b, h, d, c
+    p.scale_blocks, p.n = k_scale.shape[2], k_out.shape[2]
+    p.is_bf16 = k_out.dtype == torch.bfloat16
+    if _fp8_cache_dequant_refused(p):
+        raise RuntimeError("llm_attn.fp8_cache_dequant: kernel launch failed: invalid argument")
+    if p.n == 0:
+        return
+    with _device_of(k_data) as (index, stream):
+        _launch(index, _plan.fp8_cache_dequant_launch(p.batch, p.kv_heads, p.head_dim, p.n, bool(p.is_bf16)), p,
+                stream)
 
 
 # The current stream's raw handle without building a torch.cuda.Stream (what torch's own generated code calls).

@@ -531,6 +531,29 @@ def fp8_cache_append_kernels() -> list[str]:
     return [fp8_cache_append_kernel_name(bf16, d) for d in (64, 128) for bf16 in (False, True)]
 
 
+# -- the FP8 cache's dequantised copy --------------------------------------------------------------------------------
+# binding.cpp's fp8_cache_dequant: run_fp8_cache_dequant (kernels/fp8_cache_dequant.cu), one launch of
+# fp8_cache_dequant_kernel.cuh's kernel per (head_dim, dtype of the copy): a thread per 16 e4m3 bytes of one token,
+# grid x over one (batch, KV head)'s n x head_dim / 16 chunks, y over batch x KV heads, z K and V; no shared memory.
+FP8_CACHE_DEQUANT_THREADS = 256  # fp8dequant::kDequantThreads (tests/test_nvrtc.py reads it back from the C++)
+
+
+def fp8_cache_dequant_kernel_name(is_bf16: bool, head_dim: int) -> str:
+    return f"llm_attn::fp8dequant::fp8_cache_dequant_kernel<{DTYPE_NAMES[is_bf16]}, {head_dim}>"
+
+
+def fp8_cache_dequant_launch(batch: int, kv_heads: int, head_dim: int, n: int, is_bf16: bool) -> Launch:
+    """The launch of a copy of n >= 1 tokens (n == 0 launches nothing)."""
+    chunks = n * (head_dim // 16)
+    return Launch(fp8_cache_dequant_kernel_name(is_bf16, head_dim),
+                  (-(-chunks // FP8_CACHE_DEQUANT_THREADS), batch * kv_heads, 2), FP8_CACHE_DEQUANT_THREADS, 0)
+
+
+def fp8_cache_dequant_kernels() -> list[str]:
+    """Every instantiation run_fp8_cache_dequant reaches: head_dim 64 and 128, an fp16 and a bf16 copy."""
+    return [fp8_cache_dequant_kernel_name(bf16, d) for d in (64, 128) for bf16 in (False, True)]
+
+
 # -- the low-precision forwards ------------------------------------------------------------------------------------
 # Each call runs a quantising pre-pass, then the attention kernel, all on the caller's stream: FP8 on Hopper
 # (kernels/flash_fp8.h; the launch is flash_fwd_fp8_sm90_launch.cuh's launch_fp8_tile, the workspace binding.cpp's

@@ -671,8 +671,8 @@ def fp8_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_open: torch.Ten
 
 
 def fp8_cache_dequant_available(ext=None) -> bool:
-    """Whether this kernel build has the FP8 cache's one-launch dequantised copy (kernels/fp8_cache_dequant.h): an
-    AOT build from the commit that added it on. Without it (the NVRTC build, an older extension, CPU) the copy is
+    """Whether this kernel build has the FP8 cache's one-launch dequantised copy (kernels/fp8_cache_dequant.h): the
+    NVRTC build, and an AOT build from the commit that added it on. Without it (an older extension, CPU) the copy is
     ``kv_cache_reference.Fp8KV.dequantized``'s PyTorch ops: the same values, ~9x the memory traffic."""
     try:
         ext = ext or _current_ext()
@@ -684,7 +684,8 @@ def fp8_cache_dequant_available(ext=None) -> bool:
 def fp8_kv_dequantized(kv, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of an FP8 cache layer's valid tokens, (B, H, length, D) in ``dtype``: ``kv.dequantized(dtype)``'s
-    values, bit for bit, in one launch where the build has the kernel and the cache is on a CUDA device (fp16/bf16,
+    values, bit for bit, in one launch where the current build has the kernel (``fp8_cache_dequant_available``: the
+    AOT or the NVRTC build, whichever ``flash_attn_func`` runs on) and the cache is on a CUDA device (fp16/bf16,
     head_dim 64 or 128, contiguous 16-byte-aligned storage: what ``llm_attn.models.kv_cache`` makes); the PyTorch
     reference otherwise. ``out``: (k, v) to write into (tests poison them first); the kernel path only."""
     d, n = kv.k_data.shape[-1], kv.length

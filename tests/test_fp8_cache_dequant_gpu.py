@@ -4,9 +4,9 @@ reads. Its contract is bit-identity with ``kv_cache_reference.dequantize`` (the 
 element of K (shift included) and V, for fp16 and bf16, head_dim 64 and 128, odd lengths, a static cache's capacity
 past its length, batch x heads > 1, K with outlier channels, scales large enough to overflow fp16 (inf, as the
 reference). Outputs are NaN-poisoned before the launch, so an element the kernel skips fails. The caches' own
-``update`` (the copy stock attention reads) goes through it too. Bad input is one ValueError line. Skipped, with the
-reason, without CUDA or where the build has no such kernel (the NVRTC build, an older extension: there the
-PyTorch ops run, which tests/test_kv_cache_fp8.py covers).
+``update`` (the copy stock attention reads) goes through it too. Bad input is one ValueError line. Each test runs on
+every kernel build that loads here (AOT and NVRTC), and is skipped, with the reason, without CUDA or where a build has
+no such kernel (an extension built before it: there the PyTorch ops run, which tests/test_kv_cache_fp8.py covers).
 
     python -m pytest -q tests/test_fp8_cache_dequant_gpu.py
 """
@@ -22,12 +22,14 @@ from llm_attn import ops
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def dequant_kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not ops.fp8_cache_dequant_available():
-        pytest.skip("this kernel build has no fp8_cache_dequant (the NVRTC build or an extension built before it)")
+@pytest.fixture
+def dequant_kernel(cuda_ext, request):
+    """The kernel build this test runs on (conftest.py's ``cuda_ext``: once per build, selected for ``llm_attn.ops``
+    too), skipped where it has no copy kernel (an extension built before it)."""
+    if not ops.fp8_cache_dequant_available(cuda_ext):
+        pytest.skip(f"the {request.node.callspec.params['cuda_ext']} build has no fp8_cache_dequant: an extension "
+                    f"built before it")
+    return cuda_ext
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -118,10 +120,8 @@ def test_bad_input_is_one_line(dequant_kernel):
                                          r"\(1, 2, 100, 128\)"):
         ops.fp8_kv_dequantized(kv, torch.float16, out=wrong)
     with pytest.raises(ValueError, match=r"^llm_attn.fp8_cache_dequant: v_out must be .*1, 2, 99, 128"):
-        from llm_attn._ext import get_ext
-
         try:
-            get_ext().fp8_cache_dequant(kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift, *wrong)
+            dequant_kernel.fp8_cache_dequant(kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift, *wrong)
         except RuntimeError as e:
             raise ValueError(str(e).splitlines()[0]) from None
     with pytest.raises(ValueError, match=r"^fp8_kv_dequantized\(out=\) needs the kernel path"):

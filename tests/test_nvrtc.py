@@ -83,6 +83,7 @@ COMPILE_TESTS = {
     "test_fp8kv_decode_instantiations_compile_without_local_memory": (lambda arch: _plan.decode_fp8kv_kernels(), True),
     "test_fp8kv_prefill_instantiations_compile_without_local_memory": (lambda arch: _plan.prefill_fp8kv_kernels(), True),
     "test_fp8_cache_append_compiles_without_local_memory": (lambda arch: _plan.fp8_cache_append_kernels(), True),
+    "test_fp8_cache_dequant_compiles_without_local_memory": (lambda arch: _plan.fp8_cache_dequant_kernels(), True),
     "test_hopper_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.sm90_kernels(), False),
     "test_fp8_instantiations_compile_for_sm90a_without_local_memory": (lambda arch: _plan.fp8_kernels(), False),
     "test_hopper_backward_compiles_for_sm90a_without_local_memory": (lambda arch: _plan.bwd_sm90_kernels(), False),
@@ -265,6 +266,80 @@ def test_fp8_cache_append_checks_are_the_bindings():
         nvrtc.fp8_cache_append(*args)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_cache_dequant_compiles_without_local_memory(arch, request):
+    """The FP8 cache's dequantised copy (kernels/fp8_cache_dequant_kernel.cuh) on every arch, as the AOT build has it:
+    head_dim 64 and 128, an fp16 and a bf16 copy, in programs that static_assert the Fp8CacheDequantParams mirror: no
+    stack, no spills, at most 48 registers (40 on every arch with NVRTC 13.0, as with nvcc: the copy is memory-bound,
+    and above 48 fewer than five 256-thread blocks fit an SM)."""
+    _compiles_for_its_arch(arch, request, _plan.fp8_cache_dequant_kernels(), 4, "fp8_cache_dequant_kernel.cuh",
+                           "Fp8CacheDequantParams", lambda regs: regs <= 48)
+
+
+def test_fp8_cache_dequant_constants_match_cpp():
+    """The copy's block size, as _plan's launch uses it, and its tokens per scale are the header's."""
+    _nvrtc_or_skip()
+    _assert_constants(["fp8_cache_dequant_kernel.cuh"], "sm_80",
+                      {"llm_attn::fp8dequant::kDequantThreads": _plan.FP8_CACHE_DEQUANT_THREADS,
+                       "llm_attn::fp8dequant::kScaleBlock": 64})
+
+
+def test_fp8_cache_dequant_checks_are_the_bindings():
+    """_nvrtc.fp8_cache_dequant is the binding's (so llm_attn.ops runs either build through one path): binding.cpp
+    has each refusal _nvrtc.fp8_cache_dequant_problem words, in that order, and without a GPU the first of them comes
+    before any GPU work."""
+    nvrtc = _nvrtc_or_skip()
+    binding = _binding_literals()
+    assert 'm.def("fp8_cache_dequant"' in binding and callable(nvrtc.fp8_cache_dequant)
+    body = binding[binding.index("void fp8_cache_dequant("):binding.index("#undef CHECK_DEQUANT")]
+    texts = ("k_data must be a 4-D CUDA tensor (batch, kv_heads, capacity, head_dim)",
+             "head_dim must be 64 or 128, got ", "batch x kv_heads must be in [1, 65535], got ",
+             "k_out must be 4-D (batch, kv_heads, n, head_dim)", " tokens, more than the cache's capacity ",
+             "k_scale must be (batch, kv_heads, >= ceil(n / 64)) float32, got ", " must be on k_data's device",
+             ", not one this kernel takes", " must be contiguous", " must be 16-byte aligned")
+    at = [body.find(text) for text in texts]
+    assert -1 not in at and at == sorted(at), dict(zip(texts, at))
+    # `same` on each operand in fp8_cache_dequant_problem's order
+    same = [body.find(f'"{name}", {{') for name in ("k_data", "v_data", "k_scale", "v_scale", "k_shift", "k_out",
+                                                     "v_out")]
+    assert -1 not in same and same == sorted(same), same
+    b, h, c, d = 1, 2, 128, 64
+    args = [torch.zeros(b, h, c, d, dtype=torch.uint8), torch.zeros(b, h, c, d, dtype=torch.uint8),
+            torch.zeros(b, h, c // 64), torch.zeros(b, h, c // 64), torch.zeros(b, h, d),
+            torch.zeros(b, h, 100, d, dtype=torch.float16), torch.zeros(b, h, 100, d, dtype=torch.float16)]
+    with pytest.raises(RuntimeError, match=r"^llm_attn.fp8_cache_dequant: k_data must be a 4-D CUDA tensor"):
+        nvrtc.fp8_cache_dequant(*args)
+
+
+def test_fp8_cache_dequant_launch_is_the_cpp_one():
+    """_plan's launch of the copy is fp8_cache_dequant.cu's launch(): ceil(n x head_dim / 16 / 256) blocks, then
+    batch x KV heads, then K and V; and _nvrtc refuses before launching what run_fp8_cache_dequant refuses, on the
+    params as narrowed to int (a capacity past int's range), with n == 0 launching nothing whatever its pointers."""
+    nvrtc = _nvrtc_or_skip()
+    from llm_attn._cuda_abi import Fp8CacheDequantParams
+
+    cu = _kernels_text("fp8_cache_dequant.cu")
+    assert "(chunks + kDequantThreads - 1) / kDequantThreads" in cu and "p.batch * p.kv_heads), 2)" in cu
+    for b, h, d, n, bf16 in ((1, 8, 64, 1, False), (2, 3, 128, 65, True), (3, 1, 64, 4099, True),
+                             (1, 8, 128, 4096, False)):
+        launch = _plan.fp8_cache_dequant_launch(b, h, d, n, bf16)
+        assert launch.grid == (-(-(n * d // 16) // 256), b * h, 2) and launch.threads == 256 and launch.smem == 0
+        assert launch.kernel == _plan.fp8_cache_dequant_kernel_name(bf16, d) in _plan.fp8_cache_dequant_kernels()
+
+    def params(**kw):
+        p = Fp8CacheDequantParams(k_data=256, v_data=512, k_scale=64, v_scale=96, k_shift=None, k_out=1024,
+                                  v_out=2048, batch=1, kv_heads=8, head_dim=128, capacity=256, scale_blocks=4, n=200)
+        for k, v in kw.items():
+            setattr(p, k, v)
+        return p
+
+    assert not nvrtc._fp8_cache_dequant_refused(params())
+    assert not nvrtc._fp8_cache_dequant_refused(params(n=0, k_data=8, k_out=None))  # n == 0: nothing to launch
+    for bad in (dict(head_dim=96), dict(n=257), dict(capacity=1 << 31), dict(batch=0), dict(kv_heads=65536),
+                dict(scale_blocks=3), dict(k_data=8), dict(v_out=2056), dict(k_shift=4100)):
+        assert nvrtc._fp8_cache_dequant_refused(params(**bad)), bad
+
+
 def test_hopper_instantiations_compile_for_sm90a_without_local_memory(request):
     """Every Hopper kernel instantiation the AOT build has (flash_fwd_sm90_*.cu through sm90::launch), compiled by
     NVRTC for sm_90a in programs that also static_assert the Sm90Params mirror: no stack, no spills, and the
@@ -360,19 +435,20 @@ def test_sm90_params_layout_matches_cpp(struct):
 
 
 def test_params_struct_layout_matches_cpp(tmp_path):
-    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params, FlashFwdInt8Params, FlashBwdParams and
-    FlashDecodeFp8KvParams, checked by the host C++ compiler on kernels/flash.h, flash_fp8.h, flash_int8.h and
-    flash_decode_fp8kv.h (NVRTC has no offsetof; every NVRTC program checks the sizes). The structs hold no CUDA
-    type, so a small cuda_runtime.h stands in for the toolkit's (the pip headers lack its host parts)."""
+    """Offsets of every field of FlashFwdParams, FlashFwdFp8Params, FlashFwdInt8Params, FlashBwdParams,
+    FlashDecodeFp8KvParams, Fp8CacheAppendParams and Fp8CacheDequantParams, checked by the host C++ compiler on
+    kernels/flash.h, flash_fp8.h, flash_int8.h, flash_decode_fp8kv.h, fp8_cache_append.h and fp8_cache_dequant.h
+    (NVRTC has no offsetof; every NVRTC program checks the sizes). The structs hold no CUDA type, so a small
+    cuda_runtime.h stands in for the toolkit's (the pip headers lack its host parts)."""
     nvrtc = _nvrtc_or_skip()
     from llm_attn import _cuda_abi
 
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler to check the struct offsets with")
-    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376, 264, 144]
+    assert [ctypes.sizeof(m) for _, m in _cuda_abi.STRUCTS] == [216, 280, 232, 376, 264, 144, 88]
     src = ('#include <cstddef>\n#include "flash.h"\n#include "flash_fp8.h"\n#include "flash_int8.h"\n'
-           '#include "flash_decode_fp8kv.h"\n#include "fp8_cache_append.h"\n'
+           '#include "flash_decode_fp8kv.h"\n#include "fp8_cache_append.h"\n#include "fp8_cache_dequant.h"\n'
            + nvrtc.params_struct_asserts(offsets=True, structs=_cuda_abi.STRUCTS))
     (tmp_path / "cuda_runtime.h").write_text("#pragma once\nenum cudaError_t { cudaSuccess = 0 };\n"
                                              "typedef struct CUstream_st* cudaStream_t;\n"

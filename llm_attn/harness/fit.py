@@ -30,7 +30,7 @@ D, V vocabulary, a = 2: fp16 activations):
                                   + the mask transformers builds for a chunk that does not start at 0 (bool,
                                     B c (P + c)), for stock sdpa and for llm_attn's patch alike
                                   + fp8-copy: the dequantised K and V of one layer (4 Hkv D (P + c) B: the
-                                    one-launch copy of an AOT build)
+                                    one-launch copy, AOT or NVRTC build)
     decode      weights + workspace + kv(S + N) + one layer's old K (the concatenation) + fp8-copy's dequantised
                 layer + one token's activations and float32 logits
     fits        when the peak <= memory_gib - reserved_gib of the device (experiments/devices.toml)

@@ -65,7 +65,7 @@ register_attention("llm_attn", _run, dtypes=KERNEL_DTYPES + (torch.float32, torc
 def fp8_kv_copy_preferred() -> bool:
     """Whether a prefill over the FP8 cache is faster through its copy on the current device, by default: the copy
     is one launch (``ops.fp8_cache_dequant_available``) and our Hopper kernel reads it (sm_90)."""
-    if not fp8_cache_dequant_available():  # an AOT build that has it (so its sm90_available is there too)
+    if not fp8_cache_dequant_available():  # a build that has it (AOT or NVRTC) has sm90_available too
         return False
     return bool(get_ext().sm90_available())
 
