@@ -278,8 +278,9 @@ def test_device_position_steps_store_the_host_paths_bytes(prefill):
 
 def test_device_position_rewinds_and_hands_every_other_call_to_the_host_path():
     """restore_position refills the open block's buffers in place (a captured graph replays from there); a
-    multi-token update, stock attention and beam reordering go through the host path after reading the position
-    back; going past the capacity on the device is an IndexError at that read, not a write out of bounds."""
+    multi-token update and beam reordering go through the host path after reading the position back; stock
+    attention's one-token step (eager) returns the copy of the used tokens; going past the capacity on the device is
+    an IndexError at that read, not a write out of bounds."""
     gen = torch.Generator().manual_seed(5)
     k, v = torch.randn(1, 2, 120, 8, generator=gen), torch.randn(1, 2, 120, 8, generator=gen)
     layer = _device_layer(100)
@@ -338,6 +339,73 @@ def test_device_position_decode_through_the_patched_model(tiny):
     finally:
         unpatch_model(tiny)
     assert (got[0] - got[1]).abs().max() < 1e-4
+
+
+def _stock_decode(model, ids, cache, steps):
+    _prefill(model, ids, cache)
+    cur, logits = ids[:, -1:], []
+    for _ in range(steps):
+        out = _prefill(model, cur, cache)
+        logits.append(out[:, -1])
+        cur = out[:, -1:].argmax(-1)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_device_position_stock_steps_under_capture_read_the_capacity_masked(tiny, monkeypatch, masked):
+    """Stock attention (sdpa) on a device-position static cache: eager one-token steps run on the device and give the
+    host path's logits; steps taken while a CUDA graph is captured (simulated here: the layer's and transformers'
+    capture checks patched) read the copy of the whole capacity, which the causal mask transformers builds during a
+    capture bounds by the used length, and give the same logits. Without that mask (``masked=False``: transformers'
+    check left alone, so it skips the mask of a one-token query) the unused slots are read and the logits move:
+    the mask is what makes the captured step right."""
+    import transformers.masking_utils as masking
+
+    from llm_attn.models import kv_cache
+
+    ids, steps, capacity = _ids(tiny, 2, 70, seed=23), 6, 100
+    want = _stock_decode(tiny, ids, Fp8StaticCache(config=tiny.config, max_cache_len=capacity), steps)
+    dev = Fp8StaticCache(config=tiny.config, max_cache_len=capacity, device_position=True)
+    eager = _stock_decode(tiny, ids, dev, steps)
+    assert all(layer.length == 70 and layer._on_device for layer in dev.layers)  # the steps ran on the device
+    assert (eager - want).abs().max() < 1e-5
+    assert dev.get_mask_sizes(1, 0) == (70 + steps + 1, 0)
+
+    dev = Fp8StaticCache(config=tiny.config, max_cache_len=capacity, device_position=True)
+    logits = _stock_decode(tiny, ids, dev, 1)  # the first device step runs eagerly (it refills the open block)
+    monkeypatch.setattr(kv_cache, "_capturing", lambda: True)
+    if masked:
+        monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
+    cur, got = logits[:, -1:].argmax(-1), [logits[:, 0]]
+    for _ in range(steps - 1):
+        out = _prefill(tiny, cur, dev)
+        got.append(out[:, -1])
+        cur = out[:, -1:].argmax(-1)
+    got = torch.stack(got, 1)
+    assert dev.get_mask_sizes(1, 0) == (capacity, 0)
+    err = (got - want).abs().max().item()
+    if masked:
+        assert err < 1e-5, err
+    else:
+        assert err > 1e-3, err
+
+
+def test_device_position_refill_is_never_captured():
+    """The first device step after a host-side update refills the open block from the host's tail; under a capture
+    that copy would be replayed over every later step's block, so it is refused in one line."""
+    from llm_attn.models import kv_cache
+
+    layer = _device_layer(100)
+    k, v = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    with torch.inference_mode():
+        layer.update(k, v)
+        original = kv_cache._capturing
+        kv_cache._capturing = lambda: True
+        try:
+            with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph; run one decode step eagerly"):
+                layer.update(k[:, :, :1], v[:, :, :1])
+        finally:
+            kv_cache._capturing = original
 
 
 def test_extend_by_repeating_fills_the_context_with_the_prompts_tokens():

@@ -35,7 +35,7 @@ import torch
 
 from llm_attn import kv_cache_reference as ref
 from llm_attn import ops
-from llm_attn.models.kv_cache import Fp8DynamicLayer
+from llm_attn.models.kv_cache import Fp8DynamicLayer, Fp8StaticCache
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -566,16 +566,16 @@ def test_tiny_model_chunked_prefill_reads_the_bytes_on_the_gpu(prefill_ext, monk
 def test_static_fp8_decode_is_captured_in_a_cuda_graph(ext):
     """Issue 38: the harness's graph decode on the FP8 static cache (device_position): llm_attn's decode steps are
     captured and replayed (after the warm-up steps and the capture, each run rewinds the cache on the device), reading
-    the bytes on the kernel, and give the eager loop's tokens; stock attention on the FP8 cache says it cannot be
-    captured (GraphCaptureUnsupported), never replays a host-sized copy."""
+    the bytes on the kernel, and give the eager loop's tokens. Stock attention's steps are captured too (their
+    logits: the test below)."""
     from llm_attn import patch_model, unpatch_model
-    from llm_attn.harness.measure import GraphCaptureUnsupported, measure_decode_static
+    from llm_attn.harness.measure import measure_decode_static
     from llm_attn.models import load_model
 
     model, _ = load_model("tiny:fp16", device="cuda", dtype=torch.float16, attn_implementation="sdpa")
     ids = torch.randint(0, model.config.vocab_size, (2, 100), generator=torch.Generator().manual_seed(3)).cuda()
-    with pytest.raises(GraphCaptureUnsupported, match="FP8 KV cache"):
-        measure_decode_static(model, ids, new_tokens=8, runs=1, use_graph=True, kv_cache="fp8")
+    stock = measure_decode_static(model, ids, new_tokens=8, runs=2, use_graph=True, kv_cache="fp8", context=300)
+    assert stock["mode"] == "cuda_graph" and len(stock["tokens"][0]) == 8
     report = patch_model(model)
     try:
         graph = measure_decode_static(model, ids, new_tokens=40, runs=2, use_graph=True, kv_cache="fp8")
@@ -584,3 +584,58 @@ def test_static_fp8_decode_is_captured_in_a_cuda_graph(ext):
     finally:
         unpatch_model(model)
     assert graph["tokens"] == eager["tokens"], (graph["tokens"], eager["tokens"])
+
+
+def test_stock_decode_on_the_fp8_cache_is_captured_under_the_mask(ext):
+    """Issue 38's honest baseline in a CUDA graph: stock sdpa's one-token step on the device-position FP8 cache,
+    captured, reads the copy of the whole capacity, which transformers' causal mask (built during a capture) bounds
+    by the used length. Fed the same tokens (teacher forcing, so that one near-tie cannot part the runs), the replays
+    give the host path's logits step by step (eager, the copy of the written tokens only). Without the mask the
+    unused slots would be read (tests/test_kv_cache_fp8.py shows how far the logits then move)."""
+    from llm_attn.models import load_model
+
+    model, _ = load_model("tiny:fp16", device="cuda", dtype=torch.float16, attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, model.config.vocab_size, (2, 100), generator=gen).cuda()
+    toks = torch.randint(0, model.config.vocab_size, (2, 30), generator=gen).cuda()
+
+    def forward(x, cache):
+        return model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1].float()
+
+    with torch.inference_mode():
+        host = Fp8StaticCache(config=model.config, max_cache_len=200)
+        forward(ids, host)
+        want = torch.stack([forward(toks[:, i:i + 1], host) for i in range(toks.shape[1])], 1)
+
+        dev = Fp8StaticCache(config=model.config, max_cache_len=200, device_position=True)
+        forward(ids, dev)
+        saved = [(layer.cumulative_length.clone(), layer.position_state()) for layer in dev.layers]
+
+        def rewind():
+            for layer, (pos, state) in zip(dev.layers, saved):
+                layer.cumulative_length.copy_(pos)
+                layer.restore_position(state)
+
+        cur, out = toks[:, :1].clone(), torch.empty_like(want[:, 0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # eager device steps: the kernels load before the capture
+                out.copy_(forward(cur, dev))
+        torch.cuda.current_stream().wait_stream(side)
+        rewind()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(forward(cur, dev))
+        rewind()
+        got = []
+        for i in range(toks.shape[1]):
+            cur.copy_(toks[:, i:i + 1])
+            graph.replay()
+            got.append(out.clone())
+        got = torch.stack(got, 1)
+        assert dev.fp8(0).length == 100 + toks.shape[1]
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max().item()
+    print(f"\nstock sdpa on the FP8 cache, captured step vs the host path: max |dlogit| {err:.2e}")
+    assert err < 2e-2, err

@@ -10,9 +10,10 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
   (``--kv-cache fp8``) TTFT and decode "generate" run on ``Fp8DynamicCache`` and decode "graph" on
   ``Fp8StaticCache`` (``llm_attn.models.kv_cache``): stock attention reads its dequantised copy, llm_attn's decode
   steps its bytes (the patch report, and so the row's ``attention_calls.kv_cache_reads``, counts which).
-  The graph decode captures llm_attn's steps on the FP8 static cache (``device_position``: the step runs on the
-  device alone); stock attention's steps on it, and the graph TTFT, are 'unsupported' (the copy is sized on the
-  host).
+  The graph decode captures the steps on the FP8 static cache (``device_position``: the step runs on the device
+  alone): llm_attn's read the bytes; stock attention's read a copy of the whole capacity under transformers' causal
+  mask (the honest baseline: stock attention cannot read FP8). The graph TTFT on it is 'unsupported' (a prefill's
+  copy is sized on the host).
 - Decode, "generate": ``model.generate`` with the default cache, exactly as users call it; a streamer timestamps
   every token as it reaches the host, so the first token (the prefill) is excluded and each later token is timed.
 - Decode, "graph": a static KV cache and one decode step captured in a CUDA graph, replayed per token: the time
@@ -141,9 +142,9 @@ def new_cache(model, kv_cache: str = "fp16"):
 
 
 def _fp8_not_capturable(what: str) -> GraphCaptureUnsupported:
-    return GraphCaptureUnsupported(f"{what} with the FP8 KV cache cannot be captured in a CUDA graph: only llm_attn's "
-                                   f"decode step reads it on the device alone (Fp8StaticCache device_position); "
-                                   f"this model's attention needs the dequantised copy, sized on the host")
+    return GraphCaptureUnsupported(f"{what} with the FP8 KV cache cannot be captured in a CUDA graph: only a one-token "
+                                   f"decode step runs on the device alone (Fp8StaticCache device_position); a "
+                                   f"prefill's copy of the cache is sized on the host")
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -334,14 +335,12 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
 
     ``meter`` (``harness.energy``): each run's energy over its timed steps (``energy_windows``).
 
-    The FP8 cache is an ``Fp8StaticCache(device_position=True)``: with llm_attn's attention (a patched model) each
-    decode step runs on the device alone and is captured; a model whose attention reads the dequantised copy (stock)
-    runs the loop without a graph only, and with ``use_graph`` raises GraphCaptureUnsupported. With ``context`` the
-    FP8 fill re-quantises the repeated tokens (``Fp8StaticLayer.extend_by_repeating``)."""
+    The FP8 cache is an ``Fp8StaticCache(device_position=True)``: each decode step runs on the device alone and is
+    captured, reading the bytes with llm_attn's attention (a patched model) and, with stock attention, a copy of
+    the whole capacity under transformers' causal mask (eager steps, the warm-up's included, read a copy of the used
+    tokens). With ``context`` the FP8 fill re-quantises the repeated tokens (``Fp8StaticLayer.extend_by_repeating``)."""
     _check_kv_cache(kv_cache)
     fp8 = kv_cache == "fp8"
-    if fp8 and use_graph and getattr(model.config, "_attn_implementation", None) != "llm_attn":
-        raise _fp8_not_capturable("the decode step")
     if new_tokens < 2:
         raise ValueError(f"decode needs new_tokens >= 2 (the first token is TTFT), got {new_tokens}")
     device = input_ids.device

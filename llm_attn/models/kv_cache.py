@@ -27,15 +27,19 @@ sliding-window or linear-attention layers are refused (full attention only, as t
 The static variant keeps its write position on the host by default, so it is not ``torch.compile``-able
 (``is_compileable`` is False, and generate does not try). ``Fp8StaticCache(..., device_position=True)`` makes its
 decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph decode does): a one-token update
-read by llm_attn's attention function then runs on the device alone. It writes the token into the open block's
-float32 originals (a fixed 64-slot buffer) at the position held in ``cumulative_length``, re-quantises that block
-from them (K's shift too while block 0 is open), and returns placeholders of the whole capacity with the used length
-as a device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host
-path's, bit for bit. On a GPU that step is one launch per layer (``llm_attn.ops.fp8_cache_append``,
+then runs on the device alone. It writes the token into the open block's float32 originals (a fixed 64-slot buffer)
+at the position held in ``cumulative_length``, re-quantises that block from them (K's shift too while block 0 is
+open), and, for llm_attn's attention function, returns placeholders of the whole capacity with the used length as a
+device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host path's,
+bit for bit. Stock attention gets the copy: while a graph is captured, of the whole capacity (transformers builds
+the causal mask during a capture, and it hides the slots past the used length, as for its own ``StaticCache``), so
+stock attention's decode step on the FP8 cache is capturable too (the honest baseline of a graph decode); eagerly,
+of the used tokens (their number read back: one sync), the host path's result. The first device step after a
+host-side update refills the open block's buffers from the host's tail, so it must run eagerly, not under capture. On a GPU that step is one launch per layer (``llm_attn.ops.fp8_cache_append``,
 kernels/fp8_cache_append.h: the AOT build, and the NVRTC build, which compiles the same kernel at first use);
 elsewhere (CPU, an extension built before the kernel) the same arithmetic runs as ~35 PyTorch ops, each a kernel in
-the graph (measured on the 8B: ~2-3 ms per token, more than the FP8 cache saves at 32k context). Every other call (a prefill, stock attention, beam reordering) first reads
-the position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read
+the graph (measured on the 8B: ~2-3 ms per token, more than the FP8 cache saves at 32k context). Every other call (a
+prefill, beam reordering) first reads the position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read
 raises IndexError.
 """
 
@@ -46,6 +50,11 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, get_layer
 
 from llm_attn import kv_cache_reference as ref
 from llm_attn import ops
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (what transformers' mask code checks, too)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
 
 _BATCHED = ("k_data", "v_data", "k_scale", "v_scale", "k_shift", "k_tail", "v_tail")  # tensors with a batch dim
 
@@ -217,7 +226,10 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
     """A ``StaticLayer`` whose K/V are FP8: storage for ``max_cache_len`` tokens allocated once, written in place,
     with no crop. Unlike ``StaticLayer`` it returns (and sizes the mask for) the written tokens only: transformers
     keeps a one-token query's mask only for a compileable cache, and this one is not, so a decode step given the
-    whole capacity attended to the unused slots (whatever a rewound run left there)."""
+    whole capacity attended to the unused slots (whatever a rewound run left there). The exceptions are the
+    ``device_position`` steps (module docstring): placeholders of the capacity that llm_attn's decode kernel bounds
+    by the used length on the device, and stock attention's copy of the capacity while a CUDA graph is captured,
+    when transformers builds the mask."""
 
     is_compileable = False  # the write position is a host int (the open block's place): not traceable yet
 
@@ -258,14 +270,17 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
 
     # -- device_position: the decode step on the device alone -----------------------------------------------------
     def _device_step(self, query_length: int) -> bool:
-        return (self.device_position and self.is_initialized and query_length == 1
-                and self._attention_reads_fp8())
+        return self.device_position and self.is_initialized and query_length == 1
 
     def _update_on_device(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """One token written and its block re-quantised with no host value (module docstring): the host path's
         arithmetic (``_write_open``, ``kv_cache_reference.quantize``), on the 64-slot block with the slots past the
         token masked."""
         if not self._on_device:
+            if _capturing():  # the refill would be captured and replayed over every later step's block
+                raise RuntimeError("Fp8StaticCache(device_position=True): the first device step after a host-side "
+                                   "update cannot be captured in a CUDA graph; run one decode step eagerly (or "
+                                   "restore_position) before the capture")
             self._load_open_block()
         if self._use_append_kernel(key_states, value_states):
             # The same arithmetic in one launch (kernels/fp8_cache_append.h): bit-identical bytes, scales and shift.
@@ -274,7 +289,7 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
                                  self.v_data, self.k_scale, self.v_scale, self.cumulative_length, self._used,
                                  self.max_cache_len)
             self.cumulative_length.add_(1)
-            return self._placeholders(self.max_cache_len, self._fp8_view(self.max_cache_len, self._used))
+            return self._device_result(self._used)
         last_block = ref.n_blocks(self.max_cache_len) - 1
         pos = self.cumulative_length
         slot = (pos % ref.BLOCK).view(1)
@@ -293,7 +308,30 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         self.cumulative_length.add_(1)
         used = torch.clamp(self.cumulative_length, max=self.max_cache_len).to(torch.int32)
         used = used.view(1).expand(self.k_data.shape[0]).contiguous()
-        return self._placeholders(self.max_cache_len, self._fp8_view(self.max_cache_len, used))
+        return self._device_result(used)
+
+    def _device_result(self, used: torch.Tensor):
+        """What a device step returns. llm_attn's attention: placeholders of the whole capacity, the used length on
+        the device. Stock attention (it reads a copy): while a CUDA graph is captured, the copy of the whole
+        capacity, whose slots past the used length transformers' causal mask hides (it builds the mask whenever a
+        graph is captured, as for its own StaticCache); otherwise the copy of the used tokens, their number read
+        back (one sync, as the host path's), so an eager step returns exactly what the host path returns."""
+        view = self._fp8_view(self.max_cache_len, used)
+        if self._attention_reads_fp8():
+            return self._placeholders(self.max_cache_len, view)
+        n = self.max_cache_len if _capturing() else self._device_length()
+        k, v = ops.fp8_kv_dequantized(self._fp8_view(n), self.dtype)
+        setattr(k, ref.FP8_KV_ATTR, view)
+        setattr(v, ref.FP8_KV_ATTR, view)
+        return k, v
+
+    def _device_length(self) -> int:
+        """The used length the device holds (one sync), checked against the capacity as the host read checks it."""
+        n = int(self.cumulative_length.item())
+        if n > self.max_cache_len:
+            raise IndexError(f"Fp8StaticCache holds {self.max_cache_len} tokens: device-side decode steps went "
+                             f"{n - self.max_cache_len} past it (those were not stored)")
+        return n
 
     def _use_append_kernel(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """The one-launch append where the build has it (``ops.fp8_cache_append_available``), for the dtypes and
@@ -316,10 +354,7 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         """Bring the host's length and tail up to the device's (one sync), after device steps."""
         if not self._on_device:
             return
-        n = int(self.cumulative_length.item())
-        if n > self.max_cache_len:
-            raise IndexError(f"Fp8StaticCache holds {self.max_cache_len} tokens: device-side decode steps went "
-                             f"{n - self.max_cache_len} past it (those were not stored)")
+        n = self._device_length()
         t = n % ref.BLOCK
         self.k_tail, self.v_tail = self._k_open[:, :, :t].clone(), self._v_open[:, :, :t].clone()
         self.length = n
@@ -343,8 +378,10 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self._device_step(query_length):
-            return self.max_cache_len, 0  # what the device step returns: the capacity, the used length on the device
+        if self._device_step(query_length):  # what the device step will return (_device_result)
+            if self._attention_reads_fp8() or _capturing():
+                return self.max_cache_len, 0  # the capacity (the used length on the device, or transformers' mask)
+            return self._device_length() + query_length, 0
         self._sync_position()
         cached = self.length if self.is_initialized else 0
         return cached + query_length, 0  # as DynamicLayer: what update will return
@@ -431,8 +468,8 @@ class Fp8DynamicCache(_Fp8CacheMixin, Cache):
 
 class Fp8StaticCache(_Fp8CacheMixin, Cache):
     """A static cache of ``max_cache_len`` tokens per layer (as ``StaticCache``) that stores K/V in FP8.
-    ``device_position``: decode steps read by llm_attn's attention run on the device alone, capturable in a CUDA
-    graph (module docstring)."""
+    ``device_position``: one-token decode steps run on the device alone, capturable in a CUDA graph, for llm_attn's
+    attention (which reads the bytes) and stock attention (which reads a copy) alike (module docstring)."""
 
     def __init__(self, config, max_cache_len: int, device_position: bool = False):
         n = _full_attention_layers(config, "Fp8StaticCache")
