@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "reads it through a dequantised copy (the honest baseline), llm_attn reads its bytes (the "
                         "FP8-cache decode kernel for decode steps; the prompt or its chunks through the prefill "
                         "kernel, or on sm_90 the one-launch copy: LLM_ATTN_FP8KV_PREFILL); correctness compares each "
-                        "implementation on it, stock included, with stock on the unquantised cache; decode_graph captures "
-                        "stock's steps on it too (a copy of the whole capacity under transformers' causal mask), "
-                        "ttft_graph cannot capture it ('unsupported' on a GPU); rows carry kv_cache and how "
+                        "implementation on it, stock included, with stock on the unquantised cache; decode_graph "
+                        "captures stock's steps on it too (a copy of the whole capacity under transformers' causal "
+                        "mask), ttft_graph cannot capture it ('unsupported' on a GPU); rows carry kv_cache and how "
                         "attention read it (default: fp16)")
     p.add_argument("--measure", nargs="+", choices=ALL_MEASUREMENTS, default=list(DEFAULT_MEASUREMENTS), metavar="M",
                    help=f"which measurements to run, from {{{', '.join(ALL_MEASUREMENTS)}}} (default: "

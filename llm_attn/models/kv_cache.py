@@ -35,12 +35,13 @@ bit for bit. Stock attention gets the copy: while a graph is captured, of the wh
 the causal mask during a capture, and it hides the slots past the used length, as for its own ``StaticCache``), so
 stock attention's decode step on the FP8 cache is capturable too (the honest baseline of a graph decode); eagerly,
 of the used tokens (their number read back: one sync), the host path's result. The first device step after a
-host-side update refills the open block's buffers from the host's tail, so it must run eagerly, not under capture. On a GPU that step is one launch per layer (``llm_attn.ops.fp8_cache_append``,
-kernels/fp8_cache_append.h: the AOT build, and the NVRTC build, which compiles the same kernel at first use);
-elsewhere (CPU, an extension built before the kernel) the same arithmetic runs as ~35 PyTorch ops, each a kernel in
-the graph (measured on the 8B: ~2-3 ms per token, more than the FP8 cache saves at 32k context). Every other call (a
-prefill, beam reordering) first reads the position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read
-raises IndexError.
+host-side update refills the open block's buffers from the host's tail, so it must run eagerly, not under capture.
+On a GPU that step is one launch per layer (``llm_attn.ops.fp8_cache_append``, kernels/fp8_cache_append.h: the AOT
+build, and the NVRTC build, which compiles the same kernel at first use); elsewhere (CPU, an extension built before
+the kernel) the same arithmetic runs as ~35 PyTorch ops, each a kernel in the graph (measured on the 8B: ~2-3 ms per
+token, more than the FP8 cache saves at 32k context). Every other call (a prefill, beam reordering) first reads the
+position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read raises
+IndexError.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, get_layer
 
 from llm_attn import kv_cache_reference as ref
 from llm_attn import ops
+
 
 def _capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (what transformers' mask code checks, too)."""
