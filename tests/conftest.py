@@ -179,3 +179,11 @@ def cuda_ext(request):
         yield _ext.get_ext()
     finally:
         _ext.set_backend(prev)
+
+
+def build_with(cuda_ext, request, available, what: str):
+    """``cuda_ext`` where ``available(cuda_ext)`` says that build has ``what`` (a kernel added after some builds were
+    made), else a skip that names the build: for fixtures of tests that need one such kernel."""
+    if not available(cuda_ext):
+        pytest.skip(f"the {request.node.callspec.params['cuda_ext']} build has no {what}: an extension built before it")
+    return cuda_ext

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import build_with
 from llm_attn import kv_cache_reference as ref
 from llm_attn import ops
 
@@ -26,10 +27,7 @@ pytestmark = pytest.mark.gpu
 def dequant_kernel(cuda_ext, request):
     """The kernel build this test runs on (conftest.py's ``cuda_ext``: once per build, selected for ``llm_attn.ops``
     too), skipped where it has no copy kernel (an extension built before it)."""
-    if not ops.fp8_cache_dequant_available(cuda_ext):
-        pytest.skip(f"the {request.node.callspec.params['cuda_ext']} build has no fp8_cache_dequant: an extension "
-                    f"built before it")
-    return cuda_ext
+    return build_with(cuda_ext, request, ops.fp8_cache_dequant_available, "fp8_cache_dequant")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
