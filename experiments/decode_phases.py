@@ -126,7 +126,7 @@ class Stamps:
 
         for ptr, size in self._globals():
             host = np.zeros(size // 8, dtype=np.uint64)
-            self.driver.cuMemcpyDtoH(host.ctypes.data, ptr, size)
+            self.driver.cuMemcpyDtoH(host.ctypes.data, ptr, size)  # an address, as _nvrtc passes one
             host = host.reshape(-1, SLOTS)
             used = host[:, 0] > 0
             if used.any():
