@@ -53,7 +53,10 @@ struct DecodeFp8KvTraits {
     static constexpr int kSmemScales = 128;                      // k and v scale per stage, padded
     static constexpr int kSmemKV = kBlockN * kHeadDim;           // bytes of one operand's tile
     static constexpr int kSmemStages = 2 * kStages * kSmemKV;
-    static constexpr int kSmemMerge = kNWarps * kRows * kHeadDim * 4;  // float32 [warps][rows][head_dim]
+    // The warp merge's float32 [warps][rows][kMergeStride]: channel c at c + 2 (c / (2 (head_dim / 8))), rows
+    // kHeadDim + 8 apart (flash_decode_fp8kv_body's merge says why).
+    static constexpr int kMergeStride = kHeadDim + 8;
+    static constexpr int kSmemMerge = kNWarps * kRows * kMergeStride * 4;
     static constexpr int kSmemBytes = kSmemQ + kSmemScales + (kSmemStages > kSmemMerge ? kSmemStages : kSmemMerge);
     static_assert(kStages >= 2, "need at least double buffering");
     static_assert(kStages * 2 * 4 <= kSmemScales, "scales must fit");
@@ -372,7 +375,13 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
             }
         }
     __syncthreads();
-    float* s_o = reinterpret_cast<float*>(sK);  // [warps][kRows][kHeadDim], channels in their natural order
+    // s_o: [warps][kRows][kMergeStride]. A thread holds channels (2t + e) kDT + j of its rows; it stores n-tiles j and
+    // j + 1 (adjacent channels) as one float2. With rows kHeadDim + 8 floats apart and 2 padding floats after each
+    // t's 2 kDT channels, a half-warp's 16 float2 stores (g 0..3, t 0..3) fall on 32 distinct banks; in natural
+    // order at stride kHeadDim all 32 lanes hit one bank (~4 us of a 32k call on the H100, decode_phases.py).
+    constexpr int kMS = Traits::kMergeStride;
+    auto merge_pos = [](int c) { return c + 2 * (c / (2 * kDT)); };
+    float* s_o = reinterpret_cast<float*>(sK);
 #pragma unroll
     for (int m = 0; m < kMT; ++m)
 #pragma unroll
@@ -388,25 +397,27 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
             // O holds 256 x kFp8KvOperandScale x the output (P carries v_scale x 256): 1 with the bit trick, 256 without.
             constexpr float kOut = 1.f / (256.f * kFp8KvOperandScale);
             const float f = total > 0.f ? exp2f(st.row_max[m][r] - mm) / total * kOut : 0.f;
-            float* dst = s_o + (warp * kRows + row) * kHeadDim;
+            float* dst = s_o + (warp * kRows + row) * kMS;
 #pragma unroll
-            for (int j = 0; j < kDT; ++j) {  // C column 2t + e of n-tile j is channel (2t + e) kDT + j
-                dst[(2 * t) * kDT + j] = st.acc_o[m][j][2 * r] * f;
-                dst[(2 * t + 1) * kDT + j] = st.acc_o[m][j][2 * r + 1] * f;
-            }
+            for (int j = 0; j < kDT; j += 2)  // C column 2t + e of n-tile j is channel (2t + e) kDT + j
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    *reinterpret_cast<float2*>(dst + merge_pos((2 * t + e) * kDT + j)) =
+                        make_float2(st.acc_o[m][j][2 * r + e] * f, st.acc_o[m][j + 1][2 * r + e] * f);
         }
     __syncthreads();
 
-    // From here on exactly the fp16 decode kernel's epilogue: sum the warps, write O (or the split's partials) and
-    // the lse (natural log, without the k_shift term), then the fused combine.
+    // From here on the fp16 decode kernel's epilogue, s_o read through merge_pos: sum the warps, write O (or the
+    // split's partials) and the lse (natural log, without the k_shift term), then the fused combine.
     const bool split_out = params.num_splits > 1;
     for (int idx = tid * 2; idx < num_rows * kHeadDim; idx += Traits::kThreads * 2) {
         const int row = idx / kHeadDim, d = idx % kHeadDim;
         float x = 0.f, y = 0.f;
 #pragma unroll
         for (int w = 0; w < Traits::kNWarps; ++w) {
-            x += s_o[(w * kRows + row) * kHeadDim + d];
-            y += s_o[(w * kRows + row) * kHeadDim + d + 1];
+            const float2 v = *reinterpret_cast<const float2*>(s_o + (w * kRows + row) * kMS + merge_pos(d));
+            x += v.x;
+            y += v.y;
         }
         const int head = kv_head * group + row % group, qi = row / group;
         if (split_out) {

@@ -376,7 +376,7 @@ class DecodeFp8KvTraits:
     @property
     def smem_bytes(self) -> int:  # kSmemBytes: fp16 Q + the scales (128) + max(stages x (K + V) bytes, merge buffer)
         rows, d = 16 * self.m_tiles, self.head_dim
-        return rows * d * 2 + 128 + max(2 * self.stages * self.block_n * d, 4 * rows * d * 4)
+        return rows * d * 2 + 128 + max(2 * self.stages * self.block_n * d, 4 * rows * (d + 8) * 4)
 
     def cpp(self) -> str:
         return f"llm_attn::DecodeFp8KvTraits<{self.head_dim}, {self.m_tiles}, {self.stages}>"

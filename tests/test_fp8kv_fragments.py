@@ -34,7 +34,11 @@ SOURCE_LINES = (
     "return e4m3x2_to_half2_hw<0>(__byte_perm(x, y, ((4 + b) << 4) | b));",
     "a[0][0] = lo.x, a[0][1] = hi.x, a[0][2] = lo.y, a[0][3] = hi.y;",
     "a[1][0] = lo.z, a[1][1] = hi.z, a[1][2] = lo.w, a[1][3] = hi.w;",
-    "dst[(2 * t) * kDT + j] = st.acc_o[m][j][2 * r] * f;",
+    "static constexpr int kMergeStride = kHeadDim + 8;",
+    "auto merge_pos = [](int c) { return c + 2 * (c / (2 * kDT)); };",
+    "*reinterpret_cast<float2*>(dst + merge_pos((2 * t + e) * kDT + j)) = "
+    "make_float2(st.acc_o[m][j][2 * r + e] * f, st.acc_o[m][j + 1][2 * r + e] * f);",
+    "const float2 v = *reinterpret_cast<const float2*>(s_o + (w * kRows + row) * kMS + merge_pos(d));",
     "if (key0 + 4 * t + 2 * n + e > limit) acc_s[m][n][2 * r + e] = -INFINITY;",
 )
 
@@ -155,3 +159,40 @@ def test_shared_memory_loads_take_the_fewest_wavefronts(d):
             addrs = [(warp * 16 + 4 * t + r) * d + _v_col(g, warp * 16 + 4 * t, d) for g, t in
                      (divmod(lane, 4) for lane in range(32))]
             assert _wavefronts(addrs, d // 8) == 4  # hd128: the minimum; hd64: twice it (its rows share 16 banks)
+
+
+def _merge_pos(c, d):
+    return c + 2 * (c // (2 * (d // 8)))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_warp_merge_puts_each_channel_where_the_sum_reads_it_without_bank_conflicts(d):
+    """The merge buffer: each lane stores O's n-tiles j, j + 1 (adjacent channels) of its rows as one float2 at
+    merge_pos, in rows d + 8 floats apart; the warps' sum reads channels (c, c + 1) back as one float2."""
+    kdt, stride = d // 8, d + 8
+    cell = {}
+    for row in range(16):
+        g, r = row % 8, row // 8
+        for j in range(0, kdt, 2):
+            for e in range(2):
+                for t in range(4):
+                    c = (2 * t + e) * kdt + j
+                    pos = row * stride + _merge_pos(c, d)
+                    assert pos % 2 == 0 and (pos, pos + 1) not in cell
+                    cell[pos], cell[pos + 1] = (row, c), (row, c + 1)  # acc_o[j], acc_o[j + 1]: channels c, c + 1
+    assert len(cell) == 16 * d and max(p % stride for p in cell) < stride
+    for row in range(16):
+        for c in range(0, d, 2):
+            pos = row * stride + _merge_pos(c, d)
+            assert (cell[pos], cell[pos + 1]) == ((row, c), (row, c + 1))
+    # Stores: per (m, r, j, e) a warp writes 32 float2, the minimum 2 wavefronts (natural order at stride d: 32).
+    for r in range(2):
+        for j in range(0, kdt, 2):
+            for e in range(2):
+                addrs = [4 * ((g + 8 * r) * stride + _merge_pos((2 * t + e) * kdt + j, d))
+                         for g, t in (divmod(lane, 4) for lane in range(32))]
+                assert _wavefronts(addrs, 8) == 2
+    # The sum's loads: a warp reads 64 adjacent channels of a row: the minimum at hd128, one wavefront more at hd64.
+    for base in range(0, 16 * d, 64):
+        addrs = [4 * ((c // d) * stride + _merge_pos(c % d, d)) for c in range(base, base + 64, 2)]
+        assert _wavefronts(addrs, 8) == (2 if d == 128 else 3)

@@ -1246,7 +1246,7 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
             assert p.launches[0].grid == (-(-rows // 64), hkv, b) and "PrefillFp8KvTraits" in p.launches[0].kernel
             continue
         assert _plan.decode_fp8kv_plan(shape, dev).num_splits == _plan.num_splits(shape, dev.num_sms)
-    # MQA (32 rows): two row tiles, 3 stages, 72 KB (the merge buffer); 16 rows still one.
+    # MQA (32 rows): two row tiles, 3 stages, 76 KB (the merge buffer); 16 rows still one.
     assert _plan.decode_fp8kv_plan(_plan.Shape(1, 32, 1, 1, 4096, 128), H100).launches[0].kernel.endswith(
         "DecodeFp8KvTraits<128, 2, 3>>")
     assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 1, 4)
