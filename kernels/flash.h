@@ -72,6 +72,7 @@ bool flash_fwd_sm90_available();
 // cannot hold (query heads per KV head) x q_len is ignored. Each setter returns the previous value (an unknown
 // config id: -1, nothing changed).
 int flash_decode_force_splits(int splits);
+int flash_decode_forced_splits();  // 0 = automatic
 int flash_decode_force_config(int config);
 int flash_decode_forced_config();
 

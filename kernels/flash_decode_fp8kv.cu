@@ -21,8 +21,23 @@ int flash_prefill_fp8kv_version(const FlashDecodeFp8KvParams& p, int v2_rows, in
     return 2 * blocks > num_sms ? 2 : 1;
 }
 
+// The fp16 decode kernel's rule (flash_fwd_num_splits: about one block per SM; a forced count as it is), raised to
+// about two blocks per SM where every split keeps at least 8 64-key tiles, and where a first split has 4096 keys to
+// share. An e4m3 tile costs a block about half an fp16 tile's time, so the call's fixed part (pipeline fill, warp
+// merge, count, combine) weighs twice as much and a second block per SM hides more of it: +2 to +7 % at B >= 4 and
+// at B = 1 from 16k keys on the H100 (kernels/NOTES.md, "The FP8-cache decode: conflict-free merge, two blocks an
+// SM"); 8 tiles a split keeps B = 1 at 2k-8k keys (32 splits: -7 %) and 4096 keys B = 16 at 2k (2 splits: -4 %) on
+// the fp16 rule.
 int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) {
-    return use_decode_kernel(p.base) ? flash_fwd_num_splits(p.base, num_sms) : 1;
+    if (!use_decode_kernel(p.base)) return 1;
+    const int splits = flash_fwd_num_splits(p.base, num_sms);
+    if (flash_decode_forced_splits() > 0) return splits;
+    const int n_tiles = (p.base.seqlen_k + 63) / 64;
+    long two = 2L * num_sms / (static_cast<long>(p.base.batch) * p.base.num_kv_heads);
+    two = two < n_tiles / 8 ? two : n_tiles / 8;
+    two = two < 128 ? two : 128;
+    if (two == 2 && p.base.seqlen_k < 4096) two = 1;
+    return two > splits ? static_cast<int>(two) : splits;
 }
 
 cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& p, cudaStream_t stream) {

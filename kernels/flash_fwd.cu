@@ -60,6 +60,7 @@ int flash_decode_force_config(int config) {
     return prev;
 }
 int flash_decode_forced_config() { return g_decode_config; }
+int flash_decode_forced_splits() { return g_decode_splits; }
 
 // Decode: at most one (batch, KV head, split) block per SM, each split keeping at least one 64-key tile. A 2-way
 // split repays its combine pass only from 1024 keys (each block then streams >= 512 keys); fewer than 2 splits

@@ -14,7 +14,7 @@ packed rows), v1 (Q staged in the last pipeline stage) and v2 (byte stages, fp16
 LLM_ATTN_FP8KV_PREFILL_V), causal tile counts per row block, causal and not, q_len == kv_len,
 seqused_k below q_len (rows that see no key), a static cache's unused capacity; then the static cache's one-token
 append (kernels/fp8_cache_append.cu) over 125 device steps, and the dequantised copy (kernels/fp8_cache_dequant.cu);
-`--fp8kv --append-only` only those two.
+`--fp8kv --append-only` only those two; `--fp8kv --decode-only` only the decode kernel.
 """
 import itertools
 import math
@@ -76,6 +76,8 @@ FP8KV_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused)
     (1, 32, 8, 1, 4097, 4097, 128, None),       # split-KV
     (2, 8, 8, 1, 700, 1024, 128, [700, 5]),     # static capacity past the length, per-batch lengths
     (2, 32, 8, 4, 333, 333, 64, [333, 64]),     # 4 query heads per KV head x 4 rows: 16 of the 32 rows a block holds
+    (1, 32, 1, 1, 300, 300, 128, None),         # MQA: 32 rows, two m16 row tiles (the larger merge buffer)
+    (4, 32, 8, 1, 4100, 4100, 128, [4100, 4097, 1000, 0]),  # automatic: more splits than the fp16 kernel's rule
 ]
 FP8KV_PREFILL_SHAPES = [  # (b, hq, hkv, sq, tokens, capacity, d, seqused): the prefill kernel (> 32 packed rows)
     (1, 8, 2, 33, 33, 33, 64, None),            # q_len == kv_len, 132 rows: 3 row blocks, the last one partial
@@ -93,6 +95,9 @@ if "--fp8kv" in sys.argv:
     # --append-only: only the cache's own kernels (the append and the copy): racecheck of the append's shared
     # memory within a call's time.
     kernels_too = "--append-only" not in sys.argv
+    # --decode-only: only the decode kernel (its shapes at automatic and forced split counts).
+    prefill_too = kernels_too and "--decode-only" not in sys.argv
+    cache_too = "--decode-only" not in sys.argv
     for dtype, (b, hq, hkv, sq, n, cap, d, used), splits in itertools.product(
             (torch.float16, torch.bfloat16), FP8KV_SHAPES if kernels_too else (), (0, 1, 3, 16)):
         layer = Fp8StaticLayer(max_cache_len=cap)
@@ -108,7 +113,7 @@ if "--fp8kv" in sys.argv:
     # Both versions of the prefill kernel (LLM_ATTN_FP8KV_PREFILL_V, read per call): v1, and v2's byte stages, fp16
     # tiles and block-wide conversion.
     for version, dtype, (b, hq, hkv, sq, n, cap, d, used), causal in itertools.product(
-            ("1", "2"), (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES if kernels_too else (), (True, False)):
+            ("1", "2"), (torch.float16, torch.bfloat16), FP8KV_PREFILL_SHAPES if prefill_too else (), (True, False)):
         os.environ["LLM_ATTN_FP8KV_PREFILL_V"] = version
         if not ops.fp8_kv_prefill_available(ext):
             sys.exit("--fp8kv: this build has no FP8-cache prefill kernel")
@@ -124,7 +129,7 @@ if "--fp8kv" in sys.argv:
     os.environ.pop("LLM_ATTN_FP8KV_PREFILL_V", None)
     # The static cache's one-token append (kernels/fp8_cache_append.cu) across block 0's end and a later block,
     # both dtypes and head_dims, batch 2 x 3 KV heads, 2 tokens past the 128-token capacity (clamped writes).
-    if ops.fp8_cache_append_available(ext):
+    if cache_too and ops.fp8_cache_append_available(ext):
         class _Reads:
             _attn_implementation = "llm_attn"
 
@@ -141,7 +146,7 @@ if "--fp8kv" in sys.argv:
             assert layer._append_kernel
     # The dequantised copy in one launch (kernels/fp8_cache_dequant.cu): odd lengths, a static cache's capacity past
     # them, both dtypes and head_dims.
-    if ops.fp8_cache_dequant_available(ext):
+    if cache_too and ops.fp8_cache_dequant_available(ext):
         for dtype, d, (b, h, n, cap) in itertools.product((torch.float16, torch.bfloat16), (64, 128),
                                                          ((1, 8, 1, 64), (2, 3, 65, 192), (1, 2, 1000, 1000))):
             layer = Fp8StaticLayer(max_cache_len=cap)

@@ -10,7 +10,8 @@ float64 attention over (a) the dequantised cache values: only the kernel's own r
 and P, the output's dtype), and (b) the original unquantised K/V: the FP8 cache's accuracy, cosine >= 0.999 on
 outlier-shaped K (a few channels 10-50x). Shapes: head_dim 64 and 128, fp16 and bf16, MHA/GQA/MQA (1 to 32 rows per
 block: both row tiles), odd cache lengths (1 .. 2049 keys around the 64-key tile), q_len 1-4 causal, batch 3 with
-different lengths (seqused_k), forced KV splits (the fused combine), a static cache with junk past its length, and
+different lengths (seqused_k), forced KV splits (the fused combine), a shape where the FP8 rule splits more than the
+fp16 kernel's, a static cache with junk past its length, and
 a CUDA graph, and (in a child process) many graphs over forced split counts replayed after one another. The prefill
 kernel over the cache (kernels/flash_prefill_fp8kv_kernel.cuh: more than 32 packed rows, a chunk of a chunked prefill)
 the same way, v1 and v2 (flash_prefill_fp8kv_v2.cuh; LLM_ATTN_FP8KV_PREFILL_V per test) alike: q_len 33 .. 300 odd
@@ -164,6 +165,21 @@ def test_decode_over_the_fp8_cache_grid(ext, dtype, d, heads, n, sq):
     cos = _check(q, k, v, kv, causal=True, used=None, label=f"{dtype} hd{d} {heads} n={n} q_len={sq}")
     if n >= 64:  # accuracy of the FP8 cache itself (a handful of keys is dominated by chance)
         assert cos >= 0.998, f"cosine vs the unquantised cache {cos:.5f}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_split_count_the_fp8_rule_raises(ext, dtype):
+    """A shape where the FP8-cache rule splits more than the fp16 kernel's (about two blocks an SM: B=4, 32/8 heads,
+    4100 keys = 65 tiles, >= 8 a split), against float64, with a ragged seqused_k."""
+    from llm_attn import _plan
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shape = _plan.Shape(4, 32, 8, 1, 4100, 128, True, dtype == "bf16")
+    assert _plan.decode_fp8kv_num_splits(shape, sms) > _plan.num_splits(shape, sms), "the shape no longer raises"
+    q, k, v, kv = _inputs(4, 32, 8, 1, 4100, 128, DTYPES[dtype], seed=4100)
+    _check(q, k, v, kv, causal=True, used=None, label=f"{dtype} B=4 n=4100")
+    _check(q, k, v, kv, causal=True, used=torch.tensor([4100, 4097, 1000, 0], device="cuda"),
+           label=f"{dtype} B=4 n=4100, seqused_k")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
