@@ -68,8 +68,7 @@ def instrument(src: str, body_anchor: str, loop_anchor: str, sync_anchor: str) -
                   before="    llm_attn_phase(3);\n")
     src = _insert(src, "    if (!split_out) return;\n", before="    __syncthreads();\n    llm_attn_phase(4);\n")
     src = _insert(src, "    if (!s_last) return;\n", before="    llm_attn_phase(5);\n")
-    combine = ("        combine_row<T, kHeadDim>(params, (static_cast<int64_t>(batch) * params.num_heads + head) * "
-               "seqlen_q + qi, lane);\n    }\n")
+    combine = "        combine_row<T, kHeadDim, kDecodeCombineBatch>(params, row_id, lane);\n    }\n"
     return _insert(src, combine, after="    __syncthreads();\n    llm_attn_phase(6);\n")
 
 

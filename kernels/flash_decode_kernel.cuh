@@ -275,7 +275,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashFwdParams& params) 
     __threadfence();
     for (int row = warp; row < num_rows; row += Traits::kNWarps) {
         const int head = kv_head * group + row % group, qi = row / group;
-        combine_row<T, kHeadDim>(params, (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + qi, lane);
+        const int64_t row_id = (static_cast<int64_t>(batch) * params.num_heads + head) * seqlen_q + qi;
+        combine_row<T, kHeadDim, kDecodeCombineBatch>(params, row_id, lane);
     }
 }
 

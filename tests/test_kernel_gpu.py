@@ -328,6 +328,27 @@ def test_forced_decode_splits_and_configs(cuda_ext, d, splits, config):
         cuda_ext.set_decode_config(prev[1])
 
 
+@pytest.mark.parametrize("splits", [16, 17, 33, 65, 128])
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_combine_past_its_batches(cuda_ext, d, splits):
+    """Split counts at and past the fused combine's boundaries (kernels/combine.cuh: partials loaded 16 splits at a
+    time, the lse max taken 32 lanes at a time) up to the cap of 128, over 8293 keys (130 tiles); a short seqused_k
+    leaves most splits of its row empty (lse -inf), in the middle of a batch."""
+    prev = cuda_ext.set_decode_splits(splits)
+    try:
+        sk = 8293
+        assert cuda_ext.num_splits(2, 32, 8, 1, sk, d, 132) == splits
+        for used in (None, [sk, 700]):
+            torch.manual_seed(zlib.crc32(repr((d, splits, used)).encode()))
+            q = torch.randn(2, 32, 1, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(2, 8, sk, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(2, 8, sk, d, device="cuda", dtype=torch.bfloat16)
+            seqused = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
+            check(cuda_ext, q, k, v, True, seqused_k=seqused)
+    finally:
+        cuda_ext.set_decode_splits(prev)
+
+
 def test_force_tile_rejects_unknown(cuda_ext):
     from llm_attn.ops import force_tile
 

@@ -196,6 +196,19 @@ def test_batch_with_different_lengths_and_forced_splits(ext, dtype, d):
             _check(q3, k, v, kv, causal=True, used=used, label=f"q_len 3, splits {splits}")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_combine_past_its_batches(ext, d):
+    """Split counts at and past the fused combine's boundaries (kernels/combine.cuh: partials loaded 16 splits at a
+    time, the lse max taken 32 lanes at a time) up to the cap of 128, over 8293 keys (130 tiles), against float64;
+    a ragged seqused_k leaves splits empty (lse -inf) in the middle of a batch."""
+    q, k, v, kv = _inputs(2, 32, 8, 1, 8293, d, torch.bfloat16, 8293 + d)
+    used = torch.tensor([8293, 2000], device="cuda")
+    for splits in (16, 17, 33, 65, 128):
+        with ops.force_decode(splits=splits):
+            _check(q, k, v, kv, causal=True, used=None, label=f"hd{d} splits {splits}")
+            _check(q, k, v, kv, causal=True, used=used, label=f"hd{d} splits {splits}, seqused_k")
+
+
 def test_static_cache_junk_past_the_length_is_never_read(ext):
     """A view of the first n slots of a larger buffer whose other slots hold e4m3 junk (NaN bytes included): the
     kernel reads n keys only, whatever the junk."""
