@@ -5,7 +5,8 @@
 
 For each shape (B=1, 32/8 heads, hd128 by default; causal and not) and implementation it builds the forward graph
 once (``llm_attn.harness.kernel_bench.make_train_fn``, phase 'bwd': ``autograd.grad`` on a retained graph, as `python
--m llm_attn.bench --mode backward --graph 0` times it) and measures, in interleaved rounds:
+-m llm_attn.bench --mode backward --graph 0` times it; ``--phase fwd+bwd``: the forward with gradients wanted and its
+backward, what a training step pays per attention call) and measures, in interleaved rounds:
 
 - enqueue: host microseconds per backward call while the GPU is kept busy (N calls back to back, the clock read
   before the final synchronize): what Python, autograd, the dispatcher and the launches cost;
@@ -14,19 +15,24 @@ once (``llm_attn.harness.kernel_bench.make_train_fn``, phase 'bwd': ``autograd.g
 
 When enqueue > kernel the call is host-bound. ``--profile IMPL`` also prints torch.profiler's CPU table (self time
 per op, top 20) for that implementation at the first shape: the list of launches, allocations and Python-side ops
-one call makes. Rows go to --out as JSON.
+one call makes. ``--cprofile IMPL`` prints cProfile's table (the Python functions, cumulative time, top 30) of 200
+calls of that implementation at the first shape: where the Python of the NVRTC build's calls goes
+(``LLM_ATTN_BUILD=nvrtc``). Rows go to --out as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import time
 
 import torch
 
+import llm_attn
 from llm_attn.harness.kernel_bench import make_train_fn, time_cuda
 
 
@@ -52,7 +58,10 @@ def main(argv=None) -> None:
     ap.add_argument("--causal", type=int, nargs="+", default=[1, 0], choices=[0, 1])
     ap.add_argument("--calls", type=int, default=50, help="back-to-back calls per sample")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--phase", default="bwd", choices=["bwd", "fwd+bwd"],
+                    help="bwd: the backward on a retained forward graph; fwd+bwd: forward with gradients and backward")
     ap.add_argument("--profile", default="", help="print torch.profiler's CPU table for this impl (first shape)")
+    ap.add_argument("--cprofile", default="", help="print cProfile's table of 200 calls of this impl (first shape)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -66,7 +75,7 @@ def main(argv=None) -> None:
             k = torch.randn(args.batch, args.kv_heads, s, args.head_dim, device="cuda", dtype=dtype)
             v = torch.randn_like(k)
             dout = torch.randn_like(q)
-            fns = {impl: make_train_fn(impl, q, k, v, bool(causal), dout, "bwd", side_stream=True)[0]
+            fns = {impl: make_train_fn(impl, q, k, v, bool(causal), dout, args.phase, side_stream=True)[0]
                    for impl in args.impls}
             samples = {impl: {"enqueue": [], "wall": []} for impl in args.impls}
             for fn in fns.values():
@@ -80,7 +89,8 @@ def main(argv=None) -> None:
                     samples[impl]["wall"].append(w)
             for impl in args.impls:
                 kernel = statistics.median(time_cuda([fns[impl]], 3, 10, graph=True)) * 1e3
-                row = {"seq": s, "causal": causal, "impl": impl, "batch": args.batch, "heads": args.heads,
+                row = {"seq": s, "causal": causal, "impl": impl, "phase": args.phase, "batch": args.batch,
+                       "heads": args.heads, "build": llm_attn.kernel_build() if impl.startswith("ours") else "",
                        "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16",
                        "enqueue_us": statistics.median(samples[impl]["enqueue"]),
                        "wall_us": statistics.median(samples[impl]["wall"]), "kernel_us": kernel,
@@ -97,6 +107,16 @@ def main(argv=None) -> None:
                         fn()
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+            if args.cprofile and s == args.seqs[0] and causal == args.causal[0]:
+                fn = fns[args.cprofile]
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(200):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                print(f"cProfile, {args.cprofile} ({args.phase}), 200 calls; per call = cumtime / 200:")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f)
