@@ -397,7 +397,29 @@ def device_info(index: int) -> tuple[str, _plan.Device]:
 
 
 _functions: dict[tuple[int, str], object] = {}
+_handles: dict[tuple[int, str], int] = {}  # the same CUfunctions as raw handles, for _cu_launch
 _load_lock = threading.Lock()
+
+
+def _libcuda_launch():
+    """libcuda's own cuLaunchKernel through ctypes, or None where the library does not load: one foreign call a
+    launch (the driver and primary context cuda-python uses), where cuda-python's wrapper converts its arguments in
+    Python first (kernels/NOTES.md "The NVRTC build's eager training calls"). LLM_ATTN_NVRTC_LAUNCH=cuda-python keeps
+    every launch on cuda-python (A/B runs)."""
+    if os.environ.get("LLM_ATTN_NVRTC_LAUNCH", "") == "cuda-python":
+        return None
+    for name in (("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")):
+        try:
+            fn = ctypes.CDLL(name).cuLaunchKernel
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+_cu_launch = _libcuda_launch()
 
 
 def _function(index: int, kernel: str, smem: int):
@@ -434,6 +456,7 @@ def _function(index: int, kernel: str, smem: int):
                     "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)")
         stats = compile_stats.setdefault((arch, kernel), {})
         stats["load_seconds"] = time.perf_counter() - t0
+        _handles[(index, kernel)] = int(fn)
         _functions[(index, kernel)] = fn
         return fn
 
@@ -468,14 +491,19 @@ def _cu_stream(stream: int):
 def _launch(index: int, launch: _plan.Launch, params: ctypes.Structure, stream: int):
     """Queue `launch` on `stream` with `params` (the by-value struct its kernel takes; a FlashFwdParams becomes the
     Hopper kernel's Sm90Params here)."""
-    driver = _driver()
     fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
     if launch.sm90 is not None:  # the Hopper kernel takes Sm90Params: FlashFwdParams + its four tensor maps
         from llm_attn import _nvrtc_sm90  # noqa: PLC0415
 
         params = _nvrtc_sm90.params(params, launch)
     args = _ArgArray(ctypes.addressof(params))
-    result = driver.cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, _cu_stream(stream),
+    if _cu_launch is not None:
+        result = _cu_launch(_handles[(index, launch.kernel)], *launch.grid, launch.threads, 1, 1, launch.smem,
+                            stream, args, None)
+        if result:
+            _drv_check(_driver().CUresult(result), f"launching {launch.kernel}")
+        return
+    result = _driver().cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, _cu_stream(stream),
                                    ctypes.addressof(args), 0)
     if int(result[0] if isinstance(result, tuple) else result) != 0:
         _drv_check(result, f"launching {launch.kernel}")
@@ -836,10 +864,10 @@ def _empty_outputs(q):
 def _device_of(q):
     """(device index, torch's current stream there) with q's device current, as binding.cpp's CUDAGuard."""
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(q.device).cuda_stream
     if index == torch.cuda.current_device():
-        yield index, stream
+        yield index, _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(q.device).cuda_stream
     else:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
         with torch.cuda.device(index):
             yield index, stream
 
@@ -1315,6 +1343,63 @@ def _bwd_plan_for(index: int, shape: _plan.BwdShape) -> _plan.BwdPlan:
     return _plan.bwd_plan(shape, device_info(index)[1])
 
 
+# Per backward call kind (every operand's shape, strides, dtype, device and alignment, scale, causal, the forced
+# splits and tile, deterministic): the launcher's verdict, its plan and a params struct holding everything but the
+# pointers, as _PREPARED for the forward. Only calls that passed are stored. Bounded.
+_PREPARED_BWD: dict = {}
+
+
+def _prepared_bwd_key(dout, q, k, v, out, lse, dlse, dq, dk, dv, seqused_k, scale, causal, deterministic):
+    T = torch.Tensor
+    for t in (dout, q, k, v, out, lse, dq, dk, dv):
+        if type(t) is not T:
+            return None
+    if not q.is_cuda:  # refused by the checks: nothing to keep
+        return None
+    extra = []
+    for t in (dlse, seqused_k):
+        if t is None:
+            extra.append(None)
+        elif type(t) is T:
+            extra.append((t.shape, t.stride(), t.dtype, t.device))
+        else:
+            return None
+    index = q.device.index
+    return (_operand_key(dout), _operand_key(q), _operand_key(k), _operand_key(v), _operand_key(out),
+            _operand_key(dq), _operand_key(dk), _operand_key(dv), lse.shape, lse.stride(), lse.dtype, lse.device,
+            *extra, type(scale), scale, type(causal), causal, bool(deterministic), _bwd_splits, _bwd_tile,
+            torch.cuda.current_device() if index is None else index)
+
+
+def _prepare_bwd(index, dout, q, k, v, out, lse, dlse, dq, dk, dv, seqused_k, scale, causal, deterministic):
+    """(plan, params template without pointers) for a backward call on device `index` that passed
+    kernel_contract.backward_launcher_problem: the device's checks, the plan and the fields but the pointers."""
+    dev = device_info(index)[1]
+    if _plan.BWD_HOPPER <= _bwd_tile <= _plan.BWD_HOPPER_SHARED_DQ and not dev.sm90:
+        raise RuntimeError("llm_attn.mha_bwd: the Hopper backward was forced (force_bwd_tile('hopper')) but needs "
+                           "a compute capability 9.0 GPU and a build with sm_90a (NVRTC 12.0 or newer compiles "
+                           "it)")
+    if deterministic and _plan.BWD_HOPPER <= _bwd_tile <= _plan.BWD_HOPPER_SHARED_DQ:
+        raise RuntimeError("llm_attn.mha_bwd: deterministic=True, but the Hopper backward was forced "
+                           "(force_bwd_tile('hopper...')): its dQ is summed in no fixed order; force 'auto', "
+                           "'portable', 'narrow' or 'portable_separate_dq'")
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    plan = _bwd_plan_for(index, _plan.BwdShape(b, hq, hkv, sq, sk, d, bool(causal), q.dtype == torch.bfloat16,
+                                               _bwd_splits, _bwd_tile, bool(deterministic)))
+    sp = plan.splits
+    p = FlashBwdParams()
+    _set_shapes(p, q, k, v, out, scale, causal)
+    (p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dout.stride()[:3]
+    (p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dq.stride()[:3]
+    (p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dk.stride()[:3]
+    (p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dv.stride()[:3]
+    p.hopper, p.narrow, p.num_splits, p.iters_per_split = sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split
+    p.dq_shared, p.dq_separate, p.deterministic = sp.dq_shared, sp.dq_separate, plan.deterministic
+    p.layout2d = sp.layout2d
+    return plan, p
+
+
 def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
             seqused_k: torch.Tensor | None, scale: float, causal: bool, deterministic: bool = False) -> None:
@@ -1322,43 +1407,39 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     with the same checks and messages (kernel_contract.backward_launcher_problem), the same workspaces from torch's
     caching allocator (dsum, lse_log2; the zeroed float32 dQ accumulator unless the separate dQ kernel runs; the
     zeroed float32 dK/dV accumulators of a split launch) and run_flash_bwd's launches (_plan.bwd_plan), on the
-    current stream, without synchronisation."""
-    problem = kernel_contract.backward_launcher_problem(dout, q, k, v, out, lse, dlse, dq, dk, dv, seqused_k, scale,
-                                                        causal)
-    if problem:
-        raise RuntimeError("llm_attn.mha_bwd: " + problem)
+    current stream, without synchronisation. A call of a kind seen before (_PREPARED_BWD) skips the checks and the
+    plan."""
+    args = (dout, q, k, v, out, lse, dlse, dq, dk, dv, seqused_k, scale, causal, deterministic)
+    try:
+        key = _prepared_bwd_key(*args)
+        prepared = _PREPARED_BWD.get(key) if key is not None else None
+    except (TypeError, AttributeError):  # odd arguments: the full checks say what is wrong
+        key = prepared = None
+    if prepared is None:  # bad input is refused before anything touches a device
+        problem = kernel_contract.backward_launcher_problem(*args[:-1])
+        if problem:
+            raise RuntimeError("llm_attn.mha_bwd: " + problem)
     with _device_of(q) as (index, stream):
-        dev = device_info(index)[1]
-        if _plan.BWD_HOPPER <= _bwd_tile <= _plan.BWD_HOPPER_SHARED_DQ and not dev.sm90:
-            raise RuntimeError("llm_attn.mha_bwd: the Hopper backward was forced (force_bwd_tile('hopper')) but needs "
-                               "a compute capability 9.0 GPU and a build with sm_90a (NVRTC 12.0 or newer compiles "
-                               "it)")
-        if deterministic and _plan.BWD_HOPPER <= _bwd_tile <= _plan.BWD_HOPPER_SHARED_DQ:
-            raise RuntimeError("llm_attn.mha_bwd: deterministic=True, but the Hopper backward was forced "
-                               "(force_bwd_tile('hopper...')): its dQ is summed in no fixed order; force 'auto', "
-                               "'portable', 'narrow' or 'portable_separate_dq'")
-        b, hq, sq, d = q.shape
-        hkv, sk = k.shape[1], k.shape[2]
-        plan = _bwd_plan_for(index, _plan.BwdShape(b, hq, hkv, sq, sk, d, bool(causal), q.dtype == torch.bfloat16,
-                                                   _bwd_splits, _bwd_tile, bool(deterministic)))
+        if prepared is None:
+            prepared = _prepare_bwd(index, *args)
+            if key is not None:
+                if len(_PREPARED_BWD) >= _PREPARED_MAX:
+                    _PREPARED_BWD.clear()
+                _PREPARED_BWD[key] = prepared
+        plan, template = prepared
         sp = plan.splits
-        p = FlashBwdParams()
-        _set_shapes(p, q, k, v, out, scale, causal)
-        _set_pointers(p, q, k, v, out, lse, seqused_k)
+        p = FlashBwdParams.from_buffer_copy(template)  # a copy per call, as mha_fwd's
+        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        p.lse = lse.data_ptr()
+        p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
         p.dout, p.dq, p.dk, p.dv = dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
         p.dlse = dlse.data_ptr() if dlse is not None else None
-        (p.do_batch_stride, p.do_head_stride, p.do_row_stride) = dout.stride()[:3]
-        (p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) = dq.stride()[:3]
-        (p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) = dk.stride()[:3]
-        (p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) = dv.stride()[:3]
-        p.hopper, p.narrow, p.num_splits, p.iters_per_split = sp.hopper, sp.narrow, sp.num_splits, sp.iters_per_split
-        p.dq_shared, p.dq_separate, p.deterministic = sp.dq_shared, sp.dq_separate, plan.deterministic
-        p.layout2d = sp.layout2d
         # One float32 allocation: dsum and lse_log2 (B, Hq, Sq) each, then the accumulators that start at zero
         # (dQ (B, Hq, Sq, D) unless dq_separate; dK, dV (B, Hkv, Sk, D) each when split, one per split when
         # deterministic), zeroed in one fill. Each part starts on a 256-byte boundary (float4 atomics and TMA need
         # 16 bytes), as its own tensor would.
-        rows, kv = b * hq * sq, b * hkv * sk * d * max(plan.dkdv_slabs, 1)
+        b, hq, sq, d = q.shape
+        rows, kv = b * hq * sq, b * k.shape[1] * k.shape[2] * d * max(plan.dkdv_slabs, 1)
         pad = -rows % 64
         zeroed = (0 if sp.dq_separate else rows * d) + (2 * kv if sp.num_splits > 1 else 0)
         ws = torch.empty(2 * (rows + pad) + zeroed, dtype=torch.float32, device=q.device)

@@ -19,10 +19,11 @@ anyway.
 Both ops have fake implementations, so ``torch.compile`` traces forward and backward without graph breaks.
 ``llm_attn.ops`` imports it and calls ``register_autograd`` on its forward op.
 
-An eager call with gradients on the compiled extension does not come here: ``llm_attn.ops.flash_attn_func`` records
-the extension's C++ autograd node instead (``mha_fwd_autograd``, kernels/binding.cpp ``FlashAttnFunction``: the
-same kernels, saved tensors and deterministic rule, no Python in the backward). This autograd serves the op:
-``torch.compile``, modes, subclasses, the profiler and the NVRTC build.
+An eager call with gradients does not go through the op: ``llm_attn.ops.flash_attn_func`` records one node of its
+own, the extension's C++ autograd function on the compiled extension (``mha_fwd_autograd``, kernels/binding.cpp
+``FlashAttnFunction``: the same kernels, saved tensors and deterministic rule, no Python in the backward), and
+``FlashAttnEager`` below on the NVRTC build (this module's forward and backward without the op's dispatch). The op's
+autograd serves ``torch.compile``, modes, subclasses, the profiler and ``cpp_autograd(False)``.
 """
 
 from __future__ import annotations
@@ -146,6 +147,30 @@ def _backward(ctx, grad_out, grad_lse):
     else:
         dq, dk, dv = _flash_bwd(*args)
     return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+class FlashAttnEager(torch.autograd.Function):
+    """An eager call with gradients wanted on a build without the extension's C++ autograd function (the NVRTC
+    build): the op's forward implementation and autograd (``_setup_context``, ``_backward``: the same kernels, saved
+    tensors and deterministic rule) recorded as one Python node, without the custom op's Python dispatch on the way
+    in (the dispatcher, ``autograd_impl``, the redispatch and ``backend_impl``'s checks: ~300 us of an NVRTC
+    forward's ~415 us on an H200, kernels/NOTES.md "The NVRTC build's eager training calls"). ``llm_attn.ops``
+    records it where the eager call would take the op; modes, subclasses and torch.compile keep the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seqused_k, scale, causal, deterministic, ext):
+        out, lse = ext.mha_fwd_alloc(q, k, v, seqused_k, scale, causal)
+        _setup_context(ctx, (q, k, v, seqused_k, scale, causal, True, deterministic), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        # As the C++ function: the kernels' gradients are not differentiable themselves; say so rather than return
+        # gradients that a second backward would treat as constants.
+        if torch.is_grad_enabled():
+            raise RuntimeError("llm_attn: the attention backward ran with create_graph=True, but it is not "
+                               "differentiable (no double backward); call backward without create_graph")
+        return _backward(ctx, grad_out, grad_lse)
 
 
 def register_autograd(flash_fwd) -> None:

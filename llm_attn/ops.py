@@ -246,12 +246,16 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             out, lse = _kernel_impl(q, k, v, seqused_k, scale, causal, ext)
         else:
             out, lse = _reference_impl(q, k, v, seqused_k, scale, causal)
-    elif use_kernel and not compiling and _cpp_autograd and hasattr(ext, "mha_fwd_autograd") and \
-            eager_call_allowed(q, k, v):
-        # Eager with gradients wanted: the extension's C++ autograd function (kernels/binding.cpp FlashAttnFunction:
-        # the same kernels and saved tensors as the op's autograd, no Python in the backward); the NVRTC build, modes
-        # and torch.compile keep the op.
-        out, lse = ext.mha_fwd_autograd(q, k, v, seqused_k, scale, bool(causal), bool(deterministic))
+    elif use_kernel and not compiling and _cpp_autograd and eager_call_allowed(q, k, v):
+        # Eager with gradients wanted: one node of the build's own, without the op's dispatch: the extension's C++
+        # autograd function (kernels/binding.cpp FlashAttnFunction: the same kernels and saved tensors as the op's
+        # autograd, no Python in the backward), or on the NVRTC build llm_attn.backward.FlashAttnEager (the op's
+        # forward and backward in one Python node). Modes and torch.compile keep the op.
+        if hasattr(ext, "mha_fwd_autograd"):
+            out, lse = ext.mha_fwd_autograd(q, k, v, seqused_k, scale, bool(causal), bool(deterministic))
+        else:
+            out, lse = backward.FlashAttnEager.apply(q, k, v, seqused_k, scale, bool(causal), bool(deterministic),
+                                                     ext)
     else:
         out, lse = _flash_fwd(q, k, v, seqused_k, scale, causal, use_kernel, bool(deterministic))
     return (out, lse) if return_lse else out
@@ -293,16 +297,18 @@ def ext_quant_available(ext, precision: str) -> bool:
     return hasattr(ext, probe) and bool(getattr(ext, probe)())
 
 
-# Eager calls that want gradients run the extension's C++ autograd function (flash_attn_func above) unless
-# LLM_ATTN_CPP_AUTOGRAD=0 or ``cpp_autograd(False)`` keeps them on the torch.library op's Python autograd (A/B runs:
-# ``python -m llm_attn.bench --mode backward --impls ours ours-op``). Both run the same kernels.
+# Eager calls that want gradients record the build's own node (flash_attn_func above: the extension's C++ autograd
+# function, or backward.FlashAttnEager on the NVRTC build) unless LLM_ATTN_CPP_AUTOGRAD=0 or ``cpp_autograd(False)``
+# keeps them on the torch.library op's autograd (A/B runs: ``python -m llm_attn.bench --mode backward --impls ours
+# ours-op``). All run the same kernels.
 _cpp_autograd = os.environ.get("LLM_ATTN_CPP_AUTOGRAD", "1") != "0"
 
 
 @contextlib.contextmanager
 def cpp_autograd(enabled: bool):
-    """Process-wide: whether eager calls with gradients use the extension's C++ autograd function (True, the
-    default) or the op's Python autograd (False). Decided at the forward: a graph keeps the node it recorded."""
+    """Process-wide: whether eager calls with gradients record the build's own node (True, the default: the
+    extension's C++ autograd function; on the NVRTC build ``llm_attn.backward.FlashAttnEager``) or the op's autograd
+    (False). Decided at the forward: a graph keeps the node it recorded."""
     global _cpp_autograd
     prev, _cpp_autograd = _cpp_autograd, bool(enabled)
     try:

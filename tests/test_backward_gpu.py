@@ -242,23 +242,25 @@ def test_backward_strided_transformers_layout(cuda_ext, dtype, causal, kernel):
     check_grads((dq, dk, dv), q, k, v, dout, causal)
 
 
-# -- the two eager autograd ways: the extension's C++ autograd function (binding.cpp FlashAttnFunction, the AOT
-# build's default) and the torch.library op's Python autograd (llm_attn/backward.py: the NVRTC build, or
-# cpp_autograd(False)). Both run the same kernels; each test checks which node it recorded.
-AUTOGRAD_WAYS = ["cpp", "op"]
+# -- the two eager autograd ways: the build's own node ("node": the extension's C++ autograd function, binding.cpp
+# FlashAttnFunction, on the AOT build; llm_attn.backward.FlashAttnEager, one Python node, on the NVRTC build) and the
+# torch.library op's autograd (llm_attn/backward.py, cpp_autograd(False)). All run the same kernels; each test checks
+# which node it recorded.
+AUTOGRAD_WAYS = ["node", "op"]
 
 
 def autograd_way(ext, way):
     from llm_attn.ops import cpp_autograd
 
-    if way == "cpp" and not hasattr(ext, "mha_fwd_autograd"):
-        pytest.skip("this build has no C++ autograd function (NVRTC): its gradients take the op's autograd")
-    return cpp_autograd(way == "cpp")
+    return cpp_autograd(way == "node")
 
 
 def assert_node(out, way):
+    from llm_attn._ext import get_ext
+
     name = out.grad_fn.name()
-    assert ("FlashAttnFunction" in name) == (way == "cpp") and ("flash_fwd" in name) == (way == "op"), name
+    own = "FlashAttnFunction" if hasattr(get_ext(), "mha_fwd_autograd") else "FlashAttnEager"
+    assert (own in name) == (way == "node") and ("flash_fwd" in name) == (way == "op"), name
 
 
 @pytest.mark.parametrize("way", AUTOGRAD_WAYS)
@@ -349,13 +351,14 @@ def test_inputs_the_kernels_cannot_read_in_place(cuda_ext, way, causal):
     check_grads(got, q.detach(), k.detach(), v.detach(), dout, causal)
 
 
-def test_cpp_autograd_refuses_double_backward(cuda_ext):
-    """create_graph=True through the C++ autograd function: one clear error, never gradients that a second
-    backward would silently treat as constants."""
+def test_own_node_refuses_double_backward(cuda_ext):
+    """create_graph=True through the build's own node (the C++ autograd function, or FlashAttnEager on NVRTC): one
+    clear error, never gradients that a second backward would silently treat as constants."""
     q, k, v, dout = _qkv(1, 4, 2, 64, 64, 64, torch.float16, 32)
     q.requires_grad_()
-    with autograd_way(cuda_ext, "cpp"):
+    with autograd_way(cuda_ext, "node"):
         out = flash_attn_func(q, k, v, causal=True)
+    assert_node(out, "node")
     with pytest.raises(RuntimeError, match="create_graph=True, but it is not differentiable"):
         torch.autograd.grad(out, q, dout, create_graph=True)
 

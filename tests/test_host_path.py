@@ -257,6 +257,52 @@ def test_nvrtc_launcher_cache_keeps_results_and_errors():
         _nvrtc.mha_fwd(q, k, v, out, lse[:, :, :32], None, 0.125, True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the NVRTC launcher's cache needs one")
+def test_nvrtc_backward_cache_keeps_results_and_errors():
+    """_nvrtc.mha_bwd's cache of call kinds (_PREPARED_BWD): a kind seen again with fresh data gets the float64
+    gradients on NaN-poisoned outputs; bad input is refused with binding.cpp's words whether or not its kind (the
+    same shapes) is cached; a forced tile is a new kind."""
+    from llm_attn import _nvrtc, _plan
+
+    if _nvrtc.unavailable_reason():
+        pytest.skip(_nvrtc.unavailable_reason())
+    _nvrtc._PREPARED_BWD.clear()
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 33, 70, 64
+
+    def run(tile="auto", seed=0):
+        torch.manual_seed(seed)
+        q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        dout = torch.randn_like(q)
+        out = torch.empty_like(q)
+        lse = torch.empty(b, hq, sq, device="cuda")
+        _nvrtc.mha_fwd(q, k, v, out, lse, None, 0.125, True)
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        prev = _nvrtc.set_bwd_tile(_plan.BWD_TILE_IDS[tile])  # this build's (force_bwd_tile sets get_ext()'s)
+        try:
+            _nvrtc.mha_bwd(dout, q, k, v, out, lse, None, *grads, None, 0.125, True)
+        finally:
+            _nvrtc.set_bwd_tile(prev)
+        leaves = [t.cpu().double().requires_grad_() for t in (q, k, v)]
+        ref = torch.autograd.grad(_sdpa(*leaves, True), leaves, dout.cpu().double())
+        for g, r in zip(grads, ref, strict=True):
+            assert not g.isnan().any()
+            torch.testing.assert_close(g.cpu().double(), r, rtol=2e-2, atol=2e-2)
+        return dout, q, k, v, out, lse, grads
+
+    for seed in range(3):  # same kind, fresh data: the cached plan and params, new pointers
+        dout, q, k, v, out, lse, grads = run(seed=seed)
+    assert len(_nvrtc._PREPARED_BWD) == 1
+    run("portable", seed=3)
+    assert len(_nvrtc._PREPARED_BWD) == 2
+    with pytest.raises(RuntimeError, match="^llm_attn.mha_bwd: scale must be finite"):
+        _nvrtc.mha_bwd(dout, q, k, v, out, lse, None, *grads, None, float("nan"), True)
+    with pytest.raises(RuntimeError, match="^llm_attn.mha_bwd: lse must be a contiguous float32"):
+        _nvrtc.mha_bwd(dout, q, k, v, out, lse[:, :, :32], None, *grads, None, 0.125, True)
+    with pytest.raises(RuntimeError, match=r"^llm_attn.mha_bwd: dq \[2, 8, 33, 32\] must have shape"):
+        _nvrtc.mha_bwd(dout, q, k, v, out, lse, None, grads[0][..., :32], *grads[1:], None, 0.125, True)
+
+
 def test_profiler_and_jit_trace_see_the_op(monkeypatch):
     q, k, v = _good()
     spy = _CountOp(monkeypatch)
