@@ -1429,9 +1429,7 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         plan, template = prepared
         sp = plan.splits
         p = FlashBwdParams.from_buffer_copy(template)  # a copy per call, as mha_fwd's
-        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-        p.lse = lse.data_ptr()
-        p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
+        _set_pointers(p, q, k, v, out, lse, seqused_k)
         p.dout, p.dq, p.dk, p.dv = dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
         p.dlse = dlse.data_ptr() if dlse is not None else None
         # One float32 allocation: dsum and lse_log2 (B, Hq, Sq) each, then the accumulators that start at zero
