@@ -491,18 +491,23 @@ def _cu_stream(stream: int):
 def _launch(index: int, launch: _plan.Launch, params: ctypes.Structure, stream: int):
     """Queue `launch` on `stream` with `params` (the by-value struct its kernel takes; a FlashFwdParams becomes the
     Hopper kernel's Sm90Params here)."""
-    fn = _functions.get((index, launch.kernel)) or _function(index, launch.kernel, launch.smem)
+    key = (index, launch.kernel)
+    handle = _handles.get(key)
+    if handle is None:
+        _function(index, launch.kernel, launch.smem)
+        handle = _handles[key]
     if launch.sm90 is not None:  # the Hopper kernel takes Sm90Params: FlashFwdParams + its four tensor maps
         from llm_attn import _nvrtc_sm90  # noqa: PLC0415
 
         params = _nvrtc_sm90.params(params, launch)
     args = _ArgArray(ctypes.addressof(params))
     if _cu_launch is not None:
-        result = _cu_launch(_handles[(index, launch.kernel)], *launch.grid, launch.threads, 1, 1, launch.smem,
-                            stream, args, None)
+        gx, gy, gz = launch.grid
+        result = _cu_launch(handle, gx, gy, gz, launch.threads, 1, 1, launch.smem, stream, args, None)
         if result:
             _drv_check(_driver().CUresult(result), f"launching {launch.kernel}")
         return
+    fn = _functions[key]
     result = _driver().cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, _cu_stream(stream),
                                    ctypes.addressof(args), 0)
     if int(result[0] if isinstance(result, tuple) else result) != 0:
@@ -707,11 +712,22 @@ _pool_enabled = True
 
 
 def _pooled_counters(index: int, stream: int, n: int) -> int | None:
+    """`n` zeroed counters for a decode launch on `stream`, torch's current stream on device `index` (the current
+    device): this stream's eager slice, or a fresh slice for a launch being captured."""
+    if _is_capturing is not None:  # torch's query of the current stream (= `stream`): no cuda-python call
+        captured = _is_capturing()
+    else:
+        driver = _driver()
+        status = driver.cuStreamIsCapturing(_cu_stream(stream))
+        if _rc(status) != 0:
+            return None
+        captured = status[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    if not captured:  # the common case: this stream's slice, read without the lock (dict reads are atomic)
+        pool = _pools.get(index)
+        slice_ = pool["eager"].get(stream) if pool is not None and _pool_enabled else None
+        if slice_ is not None and slice_[1] >= n:
+            return slice_[0]
     driver = _driver()
-    status = driver.cuStreamIsCapturing(_cu_stream(stream))
-    if _rc(status) != 0:
-        return None
-    captured = status[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
     with _pool_lock:
         if not _pool_enabled:
             return None
@@ -796,15 +812,97 @@ def decode_counter_pool_state() -> tuple[int, list[int]]:
         return len(values), values
 
 
+# The eager call's kinds (mha_fwd_alloc, mha_decode_fp8kv): a decode step calls the same kind once a layer, and on
+# the host-bound eager path each call's Python is paid 32 times a token (kernels/NOTES.md "The NVRTC build's forward
+# calls on the host"). Per kind (every input's shape, strides, dtype and device, whether their addresses are 16-byte
+# aligned, scale, causal, the forced tile / splits / config, the current device) the first call that passed every
+# check leaves what the next needs beyond its pointers: the device, the plan, a params template holding every other
+# field, and the outputs' layout. A repeated kind then costs the key, the outputs' two allocations, the template's
+# copy, the pointers and the launches. Only kinds whose inputs the kernels read in place and whose device is the
+# current one are kept (anything else takes the full path every time), so bad input always meets the checks and
+# their messages. Bounded.
+_KINDS: dict = {}
+_KINDS_MAX = 256
+# torch's C queries of the current device and of whether its current stream is capturing (None where this torch
+# has no CUDA: a CPU build keeps stand-ins that raise).
+_get_device = getattr(torch._C, "_cuda_getDevice", None) if torch.version.cuda else None
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if torch.version.cuda else None
+_Tensor = torch.Tensor
+_empty_strided = torch.empty_strided
+_empty = torch.empty
+_float32 = torch.float32
+
+
+def _meta(t):
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _alloc_kind_key(q, k, v, seqused_k, scale, causal):
+    """mha_fwd_alloc's kind, or None where the call must take the full path (not plain tensors, not a float scale
+    and a bool causal)."""
+    if (type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(scale) is not float
+            or type(causal) is not bool):
+        return None
+    if seqused_k is None:
+        sk = None
+    elif type(seqused_k) is _Tensor:
+        sk = _meta(seqused_k)
+    else:
+        return None
+    return ("fwd", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
+            v.stride(), v.dtype, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, sk, scale, causal,
+            _tile, _decode_splits, _decode_config, _get_device())
+
+
 def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``mha_fwd`` with its outputs made here, as binding.cpp's ``mha_fwd_alloc``: out in (B, Sq, Hq, D) memory
     order viewed as (B, Hq, Sq, D), lse (B, Hq, Sq) float32. For inputs that ``flash_attn_func`` has checked, in
-    any layout: one the kernels cannot read in place is copied (kernel_contract.readable)."""
-    q, k, v = kernel_contract.readable(q), kernel_contract.readable(k), kernel_contract.readable(v)
-    out, lse = _empty_outputs(q)
-    mha_fwd(q, k, v, out, lse, seqused_k, scale, causal)
+    any layout: one the kernels cannot read in place is copied (kernel_contract.readable). A kind seen before
+    (_KINDS) skips the checks and the plan."""
+    try:
+        key = _alloc_kind_key(q, k, v, seqused_k, scale, causal) if _kinds_enabled else None
+        kind = _KINDS.get(key) if key is not None else None
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: the full path says what is wrong
+        key = kind = None
+    if kind is not None:
+        index, plan, template, out_size, out_stride, lse_size = kind
+        device = q.device
+        out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=device)
+        lse = _empty(lse_size, dtype=_float32, device=device)
+        p = FlashFwdParams.from_buffer_copy(template)
+        p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if seqused_k is not None:
+            p.seqused_k = seqused_k.data_ptr()
+        stream = _raw_stream(index)
+        workspace = _workspace(p, plan, q, k, index, stream)
+        for launch in plan.launches:
+            _launch(index, launch, p, stream)
+        del workspace  # as mha_fwd: it lived until the launches were queued
+        return out, lse
+    qr, kr, vr = kernel_contract.readable(q), kernel_contract.readable(k), kernel_contract.readable(v)
+    out, lse = _empty_outputs(qr)
+    mha_fwd(qr, kr, vr, out, lse, seqused_k, scale, causal)
+    if key is not None and qr is q and kr is k and vr is v:
+        prepared = _PREPARED.get(_prepared_key(q, k, v, out, lse, seqused_k, scale, causal))
+        if prepared is not None and prepared[0] == key[-1]:  # the current device's call, as _prepare made it
+            _keep_kind(key, (*prepared, out.shape, out.stride(), lse.shape))
     return out, lse
+
+
+def _keep_kind(key, kind) -> None:
+    if len(_KINDS) >= _KINDS_MAX:
+        _KINDS.clear()
+    _KINDS[key] = kind
+
+
+def set_call_kinds(enabled: bool) -> bool:
+    """Tests and A/B runs: whether repeated call kinds take the fast path (True, the default; LLM_ATTN_NVRTC_KINDS=0
+    turns it off) or the full one every time; returns the previous state."""
+    global _kinds_enabled
+    prev, _kinds_enabled = _kinds_enabled, bool(enabled)
+    _KINDS.clear()
+    return prev
 
 
 # -- the low-precision forwards: binding.cpp's mha_fwd_fp8 / mha_fwd_int8 -----------------------------------------
@@ -1068,6 +1166,29 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
     (_plan.decode_fp8kv_plan), on the current stream, without synchronisation. Returns (out (B, Hq, Sq, D) in
     (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without K's smoothing shift)."""
     scale = float(scale)
+    try:
+        key = _decode_fp8kv_kind_key(q, k_data, v_data, k_scale, v_scale, seqused_k, scale, causal) \
+            if _kinds_enabled else None
+        kind = _KINDS.get(key) if key is not None else None
+    except (TypeError, AttributeError, RuntimeError):  # odd arguments: the full path says what is wrong
+        key = kind = None
+    if kind is not None:  # a kind seen before (_KINDS): its template holds every field but the pointers
+        index, plan, template, out_size, out_stride, lse_size = kind
+        device = q.device
+        out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=device)
+        lse = _empty(lse_size, dtype=_float32, device=device)
+        fp = FlashDecodeFp8KvParams.from_buffer_copy(template)
+        p = fp.base
+        p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k_data.data_ptr(), v_data.data_ptr(), out.data_ptr(), lse.data_ptr()
+        if seqused_k is not None:
+            p.seqused_k = seqused_k.data_ptr()
+        fp.k_scale, fp.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        stream = _raw_stream(index)
+        workspace = _workspace(p, plan, q, k_data, index, stream)
+        for launch in plan.launches:
+            _launch(index, launch, fp, stream)
+        del workspace
+        return out, lse
     problem = decode_fp8kv_problem(q, k_data, v_data, k_scale, v_scale, seqused_k, scale)
     if problem:
         raise RuntimeError("llm_attn.mha_decode_fp8kv: " + problem)
@@ -1085,11 +1206,36 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
         fp.k_scale, fp.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
         fp.ks_batch_stride, fp.ks_head_stride = k_scale.stride()[:2]
         fp.vs_batch_stride, fp.vs_head_stride = v_scale.stride()[:2]
+        if key is not None and index == key[-1]:  # the template: every field but the pointers (set per call)
+            template = FlashDecodeFp8KvParams.from_buffer_copy(fp)
+            tp = template.base
+            tp.q = tp.k = tp.v = tp.o = tp.lse = tp.seqused_k = None
+            template.k_scale = template.v_scale = None
+            _keep_kind(key, (index, plan, template, out.shape, out.stride(), lse.shape))
         workspace = _workspace(p, plan, q, k_data, index, stream)
         for launch in plan.launches:
             _launch(index, launch, fp, stream)
     del workspace  # it lived until the launch was queued; the allocator orders its reuse by stream
     return out, lse
+
+
+def _decode_fp8kv_kind_key(q, k_data, v_data, k_scale, v_scale, seqused_k, scale, causal):
+    """mha_decode_fp8kv's kind (as _alloc_kind_key; the forced prefill kernel version too), or None."""
+    T = _Tensor
+    if (type(q) is not T or type(k_data) is not T or type(v_data) is not T or type(k_scale) is not T
+            or type(v_scale) is not T or type(causal) is not bool):
+        return None
+    if seqused_k is None:
+        sk = None
+    elif type(seqused_k) is T:
+        sk = _meta(seqused_k)
+    else:
+        return None
+    return ("fp8kv", q.shape, q.stride(), q.dtype, q.device, k_data.shape, k_data.stride(), k_data.dtype,
+            k_data.device, v_data.shape, v_data.stride(), v_data.dtype, v_data.device, k_scale.shape, k_scale.stride(),
+            k_scale.dtype, k_scale.device, v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.device,
+            (q.data_ptr() | k_data.data_ptr() | v_data.data_ptr()) & 15, sk, scale, causal, _decode_splits,
+            _plan.prefill_fp8kv_forced(), _get_device())
 
 
 def fp8_cache_append_problem(k_new, v_new, k_open, v_open, k_shift, k_data, v_data, k_scale, v_scale, position, used,
@@ -1250,6 +1396,9 @@ def fp8_cache_dequant(k_data: torch.Tensor, v_data: torch.Tensor, k_scale: torch
 
 # The current stream's raw handle without building a torch.cuda.Stream (what torch's own generated code calls).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The call kinds' fast path (_KINDS) needs both of torch's fast queries (the current device, its raw stream).
+_kinds_enabled = (os.environ.get("LLM_ATTN_NVRTC_KINDS", "1") != "0" and _raw_stream is not None
+                  and _get_device is not None)
 
 
 def sm90_probe_offsets(struct: str = "Sm90Params") -> dict[str, int]:

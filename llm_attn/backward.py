@@ -42,8 +42,10 @@ def direct_call_allowed(*tensors: torch.Tensor) -> bool:
     """Whether an eager call may skip the dispatcher of our custom ops (``llm_attn::flash_fwd``, its backward
     ``llm_attn::flash_bwd``) and run their CUDA implementation directly, saving the op's round trip through the
     dispatcher: ``eager_call_allowed`` and no gradient wanted. The caller has checked that nothing is being compiled."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
+    if _grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return False
     return eager_call_allowed(*tensors)
 
 
@@ -60,6 +62,7 @@ def eager_call_allowed(*tensors: torch.Tensor) -> bool:
 
 
 _Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 _torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)

@@ -257,6 +257,77 @@ def test_nvrtc_launcher_cache_keeps_results_and_errors():
         _nvrtc.mha_fwd(q, k, v, out, lse[:, :, :32], None, 0.125, True)
 
 
+def _nan_pool(nbytes: int) -> None:
+    """Leave NaN bytes where the caching allocator hands out the next blocks of about this size: fresh outputs then
+    start poisoned, so a row the kernel skips fails the NaN checks."""
+    torch.full((max(nbytes // 4, 1) * 4,), float("nan"), device="cuda")  # freed at once, its bytes stay
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the NVRTC call kinds need one")
+@pytest.mark.parametrize("sq,sk,used", [(1, 4100, None), (1, 4100, (4100, 777)), (33, 70, None)])
+def test_nvrtc_call_kinds_keep_results_and_errors(sq, sk, used):
+    """_nvrtc.mha_fwd_alloc's fast path for a kind seen before (_KINDS): fresh data of the same kind (decode with its
+    split workspace and pooled counters, ragged seqused_k, a prefill) gets the float64 answer on poisoned outputs
+    every time; another kind (scale, causal, a forced split count, a misaligned view that must be copied) is not
+    served by it; bad input still meets the checks and their messages."""
+    from llm_attn import _nvrtc
+
+    if _nvrtc.unavailable_reason():
+        pytest.skip(_nvrtc.unavailable_reason())
+    if not _nvrtc._kinds_enabled:
+        pytest.skip("this torch lacks the queries the call kinds need (_cuda_getDevice, _cuda_getCurrentRawStream)")
+    b, hq, hkv, d = 2, 8, 2, 64
+    seqused = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
+
+    def check(q, k, v, causal=True, scale=0.125, seqused_k=seqused):
+        _nan_pool(q.numel() * 2)
+        out, lse = _nvrtc.mha_fwd_alloc(q, k, v, seqused_k, scale, causal)
+        torch.cuda.synchronize()
+        assert not out.isnan().any() and not lse.isnan().any()
+        for i in range(b):
+            n = sk if seqused_k is None else int(seqused_k[i])
+            ref = _sdpa(q[i:i + 1].cpu().double() * (scale * math.sqrt(d)), k[i:i + 1, :, :n].cpu().double(),
+                        v[i:i + 1, :, :n].cpu().double(), causal)
+            torch.testing.assert_close(out[i:i + 1].cpu().double(), ref, rtol=3e-3, atol=3e-3)
+        return out
+
+    def data(seed, dtype=torch.float16):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(b, hq, sq, d, device="cuda", dtype=dtype, generator=g),
+                *(torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)))
+
+    _nvrtc._KINDS.clear()
+    for seed in range(3):  # the first call is the full path and keeps the kind; the next two take the fast path
+        check(*data(seed))
+    assert len(_nvrtc._KINDS) == 1
+    q, k, v = data(3)
+    check(q, k, v, scale=0.1)  # another scale: another kind
+    check(q, k, v, causal=False)
+    prev = _nvrtc.set_decode_splits(3)
+    try:
+        check(q, k, v)  # a forced split count: another kind, and the decode runs it
+    finally:
+        _nvrtc.set_decode_splits(prev)
+    assert len(_nvrtc._KINDS) == 4
+    # A view one element into its buffer: not 16-byte aligned, copied by the full path, never kept.
+    buf = torch.randn(q.numel() + 1, device="cuda", dtype=q.dtype)
+    check(buf[1:].view(q.shape), k, v)
+    check(buf[1:].view(q.shape), k, v)
+    assert len(_nvrtc._KINDS) == 4
+    with pytest.raises(RuntimeError, match="scale must be >= 0"):
+        _nvrtc.mha_fwd_alloc(q, k, v, seqused, -0.125, True)
+    with pytest.raises(RuntimeError, match="dtype"):  # k of another dtype than q: the launcher's check, not a kind
+        _nvrtc.mha_fwd_alloc(q, k.to(torch.bfloat16), v, seqused, 0.125, True)
+    prev = _nvrtc.set_call_kinds(False)  # the full path alone gives the same bits
+    try:
+        full = _nvrtc.mha_fwd_alloc(q, k, v, seqused, 0.125, True)[0]
+    finally:
+        _nvrtc.set_call_kinds(prev)
+    fast = _nvrtc.mha_fwd_alloc(q, k, v, seqused, 0.125, True)[0]
+    fast = _nvrtc.mha_fwd_alloc(q, k, v, seqused, 0.125, True)[0]
+    assert torch.equal(full, fast)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the NVRTC launcher's cache needs one")
 def test_nvrtc_backward_cache_keeps_results_and_errors():
     """_nvrtc.mha_bwd's cache of call kinds (_PREPARED_BWD): a kind seen again with fresh data gets the float64

@@ -196,6 +196,24 @@ def test_batch_with_different_lengths_and_forced_splits(ext, dtype, d):
             _check(q3, k, v, kv, causal=True, used=used, label=f"q_len 3, splits {splits}")
 
 
+@pytest.mark.parametrize("used", [None, (1500, 777, 0)])
+def test_a_call_kind_seen_again_reads_fresh_data(ext, request, used):
+    """The same call kind (shapes, strides, scale, causal) with fresh caches and queries, as every layer of a decode
+    step makes it: on the NVRTC build the second and later calls take the fast path of a kind seen before
+    (_nvrtc._KINDS: the checks and the plan of the first call, the pointers of this one); each gets its own float64
+    answer on poisoned outputs."""
+    from llm_attn import _nvrtc
+
+    used = None if used is None else torch.tensor(used, device="cuda")
+    if request.node.callspec.params["cuda_ext"] == "nvrtc":
+        _nvrtc._KINDS.clear()
+    for seed in range(4):
+        q, k, v, kv = _inputs(3, 32, 8, 1, 1500, 128, torch.bfloat16, 100 + seed)
+        _check(q, k, v, kv, causal=True, used=used, label=f"seed {seed}")
+    if request.node.callspec.params["cuda_ext"] == "nvrtc" and _nvrtc._kinds_enabled:
+        assert sum(key[0] == "fp8kv" for key in _nvrtc._KINDS) == 1
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_combine_past_its_batches(ext, d):
     """Split counts at and past the fused combine's boundaries (kernels/combine.cuh: partials loaded 16 splits at a
