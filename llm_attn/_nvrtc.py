@@ -837,17 +837,24 @@ def _meta(t):
     return t.shape, t.stride(), t.dtype, t.device
 
 
+_NOT_PLAIN = object()
+
+
+def _seqused_meta(seqused_k):
+    """seqused_k's part of a kind: None, its metadata, or _NOT_PLAIN (a subclass or another type: the full path)."""
+    if seqused_k is None:
+        return None
+    return _meta(seqused_k) if type(seqused_k) is _Tensor else _NOT_PLAIN
+
+
 def _alloc_kind_key(q, k, v, seqused_k, scale, causal):
     """mha_fwd_alloc's kind, or None where the call must take the full path (not plain tensors, not a float scale
     and a bool causal)."""
     if (type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor or type(scale) is not float
             or type(causal) is not bool):
         return None
-    if seqused_k is None:
-        sk = None
-    elif type(seqused_k) is _Tensor:
-        sk = _meta(seqused_k)
-    else:
+    sk = _seqused_meta(seqused_k)
+    if sk is _NOT_PLAIN:
         return None
     return ("fwd", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
             v.stride(), v.dtype, v.device, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, sk, scale, causal,
@@ -1225,11 +1232,8 @@ def _decode_fp8kv_kind_key(q, k_data, v_data, k_scale, v_scale, seqused_k, scale
     if (type(q) is not T or type(k_data) is not T or type(v_data) is not T or type(k_scale) is not T
             or type(v_scale) is not T or type(causal) is not bool):
         return None
-    if seqused_k is None:
-        sk = None
-    elif type(seqused_k) is T:
-        sk = _meta(seqused_k)
-    else:
+    sk = _seqused_meta(seqused_k)
+    if sk is _NOT_PLAIN:
         return None
     return ("fp8kv", q.shape, q.stride(), q.dtype, q.device, k_data.shape, k_data.stride(), k_data.dtype,
             k_data.device, v_data.shape, v_data.stride(), v_data.dtype, v_data.device, k_scale.shape, k_scale.stride(),
