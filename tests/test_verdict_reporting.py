@@ -112,6 +112,7 @@ def test_bench_host_mode_on_cpu(tmp_path, capsys):
     assert all(r["attention_calls"]["impl"] > 0 and r["attention_calls"]["stock_fallback"] == 0 for r in patched)
     text = capsys.readouterr().out
     assert "prefill 64: host µs/call (torch SDPA / this path, >1 = faster)" in text and "(1.00x)" in text
+    assert f"bf16 on cpu, {rows[0]['env']['kernel_build'] or 'no'} kernel build: host µs per call" in text  # which build
 
 
 def test_bench_host_mode_says_where_its_rows_went(tmp_path, capsys):
