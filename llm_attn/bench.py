@@ -279,8 +279,7 @@ def _host_mode(p, args, f, argv) -> int:
         build = env.get("kernel_build") or "no"  # the NVRTC build's calls cost the host more (kernels/NOTES.md)
         print(f"\n{dt} on {device}, {build} kernel build: host µs per call, median of {args.host_rounds} interleaved "
               f"rounds of {args.repeats_host} back-to-back calls (no sync inside); in brackets: torch SDPA's µs / this "
-              f"path's "
-              f"(>1 = this path costs the host less) [95 % paired interval]")
+              f"path's (>1 = this path costs the host less) [95 % paired interval]")
         print(host_cost_table(rows))
         if args.user_timing:
             print(f"\n{dt} on {device}, as a user's script times it ({args.user_processes} fresh processes per "
