@@ -85,6 +85,20 @@ def _preload(modules: tuple[str, ...]) -> None:
         _exit_interrupted()
 
 
+_held = False
+
+
+def hold_sigint(module_name: str) -> None:
+    """The first line of a command-line module: when it runs as the command (``module_name == "__main__"``) and
+    Ctrl-C has its default handler, a Ctrl-C from here on is only remembered until ``run_cli`` takes over (which then
+    exits 130 with one line), so that the module's own imports, before ``run_cli`` is reached, never end in a
+    traceback. Imported as a library, the module leaves the signal alone."""
+    global _held
+    if module_name == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint_deferred)
+        _held = True
+
+
 def run_cli(main: Callable[[], int | None], preload: tuple[str, ...] = ("torch",)) -> None:
     """``sys.exit(main())``, with Ctrl-C (at any point) as exit status 130 and the line ``interrupted``.
 
@@ -92,7 +106,10 @@ def run_cli(main: Callable[[], int | None], preload: tuple[str, ...] = ("torch",
     the KeyboardInterrupt into another exception without keeping it in the chain, so any exception after a Ctrl-C
     counts as the interrupt. Once main() has finished, a Ctrl-C during the interpreter's shutdown (torch's teardown
     takes a moment) is ignored, so the exit status stays the one main() gave."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
+    if _held or signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with it ignored
+        if _sigint_seen:  # a Ctrl-C while the module was still importing (hold_sigint)
+            print("\ninterrupted", file=sys.stderr, flush=True)
+            _exit_interrupted()
         if not {"-h", "--help"} & set(sys.argv[1:]):  # --help stays fast
             _preload(preload)
         signal.signal(signal.SIGINT, _on_sigint)

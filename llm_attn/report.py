@@ -31,6 +31,10 @@ own tables and their own plot panels, never mixed with measurements.
 
 from __future__ import annotations
 
+from llm_attn._cli import hold_sigint
+
+hold_sigint(__name__)  # before any other import: a Ctrl-C from here on exits 130 without a traceback
+
 import argparse
 import sys
 

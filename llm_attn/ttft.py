@@ -32,6 +32,10 @@ out-of-memory or failing point is recorded as such and the sweep goes on. ``--re
 
 from __future__ import annotations
 
+from llm_attn._cli import hold_sigint
+
+hold_sigint(__name__)  # before any other import: a Ctrl-C from here on exits 130 without a traceback
+
 import argparse
 import dataclasses
 import sys

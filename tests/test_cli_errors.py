@@ -338,6 +338,22 @@ def test_ctrl_c_early_exits_130_without_a_traceback(name, delay, tmp_path):
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_sigint_is_held_only_by_the_command_itself():
+    """hold_sigint, the first line of every command-line module: a Ctrl-C during the module's own imports is held for
+    run_cli (exit 130, no traceback); imported as a library, the module leaves the signal alone."""
+    code = ("import signal, llm_attn.ttft, llm_attn.bench, llm_attn.experiment, llm_attn.report, llm_attn.models.__main__;"
+            " print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-3000:]
+    # Held from the module's first line: a Ctrl-C sent before run_cli is reached (here: while the module imports)
+    # ends as the command's own interrupt.
+    code = ("import os, runpy, signal, sys; sys.argv = ['llm_attn.report', '--help']; "
+            "import llm_attn._cli as c; c.hold_sigint('__main__'); os.kill(os.getpid(), signal.SIGINT); "
+            "runpy.run_module('llm_attn.report', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130 and proc.stderr.strip() == "interrupted", (proc.returncode, proc.stderr[-3000:])
+
+
 def test_package_import_is_light_and_lazy():
     code = ("import sys, llm_attn; assert 'torch' not in sys.modules, 'torch imported'; "
             "import llm_attn.ttft, llm_attn.bench, llm_attn.experiment, llm_attn.report; "

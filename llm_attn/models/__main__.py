@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from llm_attn._cli import hold_sigint
+
+hold_sigint(__name__)  # before any other import: a Ctrl-C from here on exits 130 without a traceback
+
 import argparse
 import json
 import logging
