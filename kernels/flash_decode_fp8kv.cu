@@ -27,7 +27,9 @@ int flash_prefill_fp8kv_version(const FlashDecodeFp8KvParams& p, int v2_rows, in
 // merge, count, combine) weighs twice as much and a second block per SM hides more of it: +2 to +7 % at B >= 4 and
 // at B = 1 from 16k keys on the H100 (kernels/NOTES.md, "The FP8-cache decode: conflict-free merge, two blocks an
 // SM"); 8 tiles a split keeps B = 1 at 2k-8k keys (32 splits: -7 %) and 4096 keys B = 16 at 2k (2 splits: -4 %) on
-// the fp16 rule.
+// the fp16 rule. The count is then cut to the splits that get a tile: the kernel gives each split ceil(tiles /
+// splits) tiles, so 33 splits of 512 tiles (B = 1, 8 KV heads, 32k keys) left the 33rd empty, a block and a partial
+// the combine still read; 32 run the same 16 tiles a block.
 int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) {
     if (!use_decode_kernel(p.base)) return 1;
     const int splits = flash_fwd_num_splits(p.base, num_sms);
@@ -37,7 +39,10 @@ int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& p, int num_sms) 
     two = two < n_tiles / 8 ? two : n_tiles / 8;
     two = two < 128 ? two : 128;
     if (two == 2 && p.base.seqlen_k < 4096) two = 1;
-    return two > splits ? static_cast<int>(two) : splits;
+    const int count = two > splits ? static_cast<int>(two) : splits;
+    if (count <= 1 || n_tiles < 1) return count;
+    const int per_split = (n_tiles + count - 1) / count;
+    return (n_tiles + per_split - 1) / per_split;
 }
 
 cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& p, cudaStream_t stream) {

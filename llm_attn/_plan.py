@@ -389,16 +389,21 @@ def decode_fp8kv_kernel_name(is_bf16: bool, traits: DecodeFp8KvTraits) -> str:
 def decode_fp8kv_num_splits(s: Shape, num_sms: int) -> int:
     """flash_decode_fp8kv_num_splits: where the decode kernel takes the rows, flash_fwd_num_splits (the decode rule,
     ``decode_splits`` forcing it) raised to about two blocks per SM where each split keeps >= 8 64-key tiles (and a
-    first split >= 4096 keys); else 1."""
+    first split >= 4096 keys), cut to the splits that get a tile (the kernel gives each ceil(tiles / splits)); else
+    1."""
     if not use_decode_kernel(s):
         return 1
     splits = num_splits(s, num_sms)
     if s.decode_splits > 0:
         return splits
-    two = min(2 * num_sms // (s.batch * s.num_kv_heads), _cdiv(s.seqlen_k, 64) // 8, 128)
+    n_tiles = _cdiv(s.seqlen_k, 64)
+    two = min(2 * num_sms // (s.batch * s.num_kv_heads), n_tiles // 8, 128)
     if two == 2 and s.seqlen_k < 4096:
         two = 1
-    return max(splits, two)
+    count = max(splits, two)
+    if count <= 1 or n_tiles < 1:
+        return count
+    return _cdiv(n_tiles, _cdiv(n_tiles, count))
 
 
 def decode_fp8kv_traits(s: Shape) -> DecodeFp8KvTraits:

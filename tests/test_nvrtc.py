@@ -1353,7 +1353,7 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path, monkeypatch):
              for (b, hq, hkv), sq, sk, d, sms, forced in itertools.product(
                  ((1, 32, 8), (2, 32, 8), (4, 32, 8), (8, 32, 8), (16, 32, 8), (64, 32, 8), (1, 8, 8), (3, 32, 1),
                   (5, 16, 2), (1, 64, 1)),
-                 (1, 2, 4, 5), (1, 63, 64, 65, 300, 1000, 1023, 1024, 2049, 8192, 131072), (64, 128),
+                 (1, 2, 4, 5), (1, 63, 64, 65, 300, 1000, 1023, 1024, 2049, 8192, 32768, 131072), (64, 128),
                  (16, 34, 108, 132, 144), (0, 1, 2, 7, 500))]
     lines = "".join(f"{s.batch} {s.num_heads} {s.num_kv_heads} {s.seqlen_q} {s.seqlen_k} {s.head_dim} {sms} "
                     f"{s.decode_splits}\n" for s, sms in cases)
@@ -1366,6 +1366,11 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path, monkeypatch):
            if int(g) != _plan.decode_fp8kv_num_splits(s, sms)]
     assert not bad, f"{len(bad)} of {len(cases)} cases differ (shape, SMs, C++, Python), e.g. {bad[:3]}"
     assert {int(g) for g in got} >= {1, 2, 7, 16, 128}  # the rule's branches were all reached
+    for (s, _sms), g in zip(cases, got):  # the rule's own counts leave no split without a tile (the kernel: ceil)
+        n, tiles = int(g), -(-s.seqlen_k // 64)
+        assert s.decode_splits or n == 1 or (n - 1) * -(-tiles // n) < tiles, (s, n)
+    # B = 1, 8 KV heads, 32k keys on 132 SMs: two blocks an SM asks 33 splits of 512 tiles; the 33rd got none
+    assert _plan.decode_fp8kv_num_splits(_plan.Shape(1, 32, 8, 1, 32768, 128), 132) == 32
     # The prefill kernel's version (v2's 128-row blocks against the SM count; LLM_ATTN_FP8KV_PREFILL_V unset here).
     assert all(_plan.prefill_fp8kv_traits(d, 2).rows == 128 for d in (64, 128))
     want = [_plan.prefill_fp8kv_version(s, dataclasses.replace(H100, num_sms=sms), 0) for s, sms in cases]
