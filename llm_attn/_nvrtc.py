@@ -397,7 +397,7 @@ def device_info(index: int) -> tuple[str, _plan.Device]:
 
 
 _functions: dict[tuple[int, str], object] = {}
-_handles: dict[tuple[int, str], int] = {}  # the same CUfunctions as raw handles, for _cu_launch
+_handles: dict[tuple[int, str], ctypes.c_void_p] = {}  # the same CUfunctions as raw handles, for _cu_launch
 _load_lock = threading.Lock()
 
 
@@ -405,7 +405,9 @@ def _libcuda_launch():
     """libcuda's own cuLaunchKernel through ctypes, or None where the library does not load: one foreign call a
     launch (the driver and primary context cuda-python uses), where cuda-python's wrapper converts its arguments in
     Python first (kernels/NOTES.md "The NVRTC build's eager training calls"). LLM_ATTN_NVRTC_LAUNCH=cuda-python keeps
-    every launch on cuda-python (A/B runs)."""
+    every launch on cuda-python (A/B runs). No argtypes: converting eleven arguments through them cost ~2 us a call;
+    _launch passes what the C prototype takes as it is (the function and the stream as c_void_p, the grid, block
+    and shared-memory sizes as Python ints, all below 2**31, the argument array, None for `extra`)."""
     if os.environ.get("LLM_ATTN_NVRTC_LAUNCH", "") == "cuda-python":
         return None
     for name in (("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")):
@@ -413,7 +415,6 @@ def _libcuda_launch():
             fn = ctypes.CDLL(name).cuLaunchKernel
         except (OSError, AttributeError):
             continue
-        fn.argtypes = [ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         return fn
     return None
@@ -456,7 +457,7 @@ def _function(index: int, kernel: str, smem: int):
                     "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)")
         stats = compile_stats.setdefault((arch, kernel), {})
         stats["load_seconds"] = time.perf_counter() - t0
-        _handles[(index, kernel)] = int(fn)
+        _handles[(index, kernel)] = ctypes.c_void_p(int(fn))
         _functions[(index, kernel)] = fn
         return fn
 
@@ -476,6 +477,7 @@ def _plan_for(index: int, *shape) -> _plan.Plan:
 
 
 _ArgArray = ctypes.c_void_p * 1
+_VoidP = ctypes.c_void_p
 _cu_streams: dict = {}  # raw stream handle -> driver.CUstream (a wrapper of the handle, made once)
 
 
@@ -503,7 +505,7 @@ def _launch(index: int, launch: _plan.Launch, params: ctypes.Structure, stream: 
     args = _ArgArray(ctypes.addressof(params))
     if _cu_launch is not None:
         gx, gy, gz = launch.grid
-        result = _cu_launch(handle, gx, gy, gz, launch.threads, 1, 1, launch.smem, stream, args, None)
+        result = _cu_launch(handle, gx, gy, gz, launch.threads, 1, 1, launch.smem, _VoidP(stream), args, None)
         if result:
             _drv_check(_driver().CUresult(result), f"launching {launch.kernel}")
         return
@@ -677,16 +679,33 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     del workspace  # it lived until the launches were queued; torch's allocator orders its reuse by stream
 
 
-def _workspace(p: FlashFwdParams, plan: _plan.Plan, q, k, index: int, stream: int):
-    """binding.cpp's split workspace: one allocation for o_accum (splits, B, H, Sq, D) and lse_accum
-    (splits, B, H, Sq) floats; the decode kernel's B * Hkv counters from the counter pool, or (where it cannot
-    serve) after them in the same allocation, zeroed here. Returns the allocation (None without splits)."""
-    if plan.num_splits <= 1:
+def _workspace(p: FlashFwdParams, plan: _plan.Plan, q, k, index: int, stream: int, lse_rows: int = 0):
+    """binding.cpp's split workspace: o_accum (splits, B, H, Sq, D) and lse_accum (splits, B, H, Sq) floats; the
+    decode kernel's B * Hkv counters from the counter pool, or (where it cannot serve) after the floats in one
+    allocation, zeroed here. The floats: this stream's eager buffer (_eager_workspace) where it serves, else that
+    allocation from torch's caching allocator. `lse_rows` > 0: the caller does not keep lse, so its rows go in the
+    eager buffer too where it serves (p.lse set; else left 0 for the caller to allocate). Returns the torch
+    allocation (None: none was made)."""
+    splits = plan.num_splits > 1
+    if not splits and not lse_rows:
         return None
     batch, num_heads, seqlen_q, head_dim = q.shape
-    rows = plan.num_splits * batch * num_heads * seqlen_q
-    n_counters = batch * k.shape[1] if plan.decode else 0
-    pooled = _pooled_counters(index, stream, n_counters) if plan.decode else None
+    rows = plan.num_splits * batch * num_heads * seqlen_q if splits else 0
+    n_counters = batch * k.shape[1] if splits and plan.decode else 0
+    pooled = _pooled_counters(index, stream, n_counters) if n_counters else None
+    partial_bytes = (rows * (head_dim + 1) * 4 + 15) & ~15
+    if pooled or not n_counters:
+        base = _eager_workspace(index, stream, partial_bytes + lse_rows * 4)
+        if base is not None:
+            if splits:
+                p.o_accum, p.lse_accum = base, base + rows * head_dim * 4
+                if pooled:
+                    p.split_counters = pooled
+            if lse_rows:
+                p.lse = base + partial_bytes
+            return None
+    if not splits:
+        return None
     workspace = torch.empty(rows * (head_dim + 1) + (0 if pooled else n_counters), dtype=torch.float32,
                             device=q.device)
     base = workspace.data_ptr()
@@ -714,14 +733,9 @@ _pool_enabled = True
 def _pooled_counters(index: int, stream: int, n: int) -> int | None:
     """`n` zeroed counters for a decode launch on `stream`, torch's current stream on device `index` (the current
     device): this stream's eager slice, or a fresh slice for a launch being captured."""
-    if _is_capturing is not None:  # torch's query of the current stream (= `stream`): no cuda-python call
-        captured = _is_capturing()
-    else:
-        driver = _driver()
-        status = driver.cuStreamIsCapturing(_cu_stream(stream))
-        if _rc(status) != 0:
-            return None
-        captured = status[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    captured = _capturing(stream)
+    if captured is None:
+        return None
     if not captured:  # the common case: this stream's slice, read without the lock (dict reads are atomic)
         pool = _pools.get(index)
         slice_ = pool["eager"].get(stream) if pool is not None and _pool_enabled else None
@@ -751,6 +765,69 @@ def _pooled_counters(index: int, stream: int, n: int) -> int | None:
         if not captured:
             pool["eager"][stream] = (slice_ptr, size)
         return slice_ptr
+
+
+# The split partials of eager calls (o_accum, lse_accum; read and written by the launches of one call only): one
+# buffer per (device, stream), cuMemAlloc'd (not a tensor: cudagraph trees' warm-up counts the live tensors of its
+# pool, kernels/NOTES.md "The NVRTC build's forward calls on the host"), reused call after call in the stream's own
+# order, so an eager decode call makes no allocation for them. A call that needs more gets a larger buffer (the old one
+# is kept, never freed under work in flight), up to _EAGER_WS_MAX_BYTES per device; past that, a launch being
+# captured and a failed query or allocation take torch's allocator as before. set_eager_workspace(False) turns it off.
+_EAGER_WS_STEP = 1 << 20
+_EAGER_WS_MAX_BYTES = 32 << 20
+_eager_ws: dict = {}  # (device, stream) -> (base, bytes)
+_eager_ws_total: dict = {}  # device -> bytes allocated
+_eager_ws_enabled = True
+
+
+def _capturing(stream: int) -> bool | None:
+    """Whether `stream` (torch's current stream) is being captured; None where the query failed."""
+    if _is_capturing is not None:  # torch's query of the current stream (= `stream`): no cuda-python call
+        return bool(_is_capturing())
+    driver = _driver()
+    status = driver.cuStreamIsCapturing(_cu_stream(stream))
+    if _rc(status) != 0:
+        return None
+    return status[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _eager_workspace(index: int, stream: int, nbytes: int) -> int | None:
+    """`nbytes` of device memory for the split partials of an eager launch on `stream` (torch's current stream on
+    device `index`, the current device), or None (the caller allocates)."""
+    ws = _eager_ws.get((index, stream))
+    if ws is not None and ws[1] >= nbytes:  # the common case: read without the lock (dict reads are atomic)
+        return ws[0] if _eager_ws_enabled and _capturing(stream) is False else None
+    if not _eager_ws_enabled or _capturing(stream) is not False:
+        return None
+    size = -(-nbytes // _EAGER_WS_STEP) * _EAGER_WS_STEP
+    with _pool_lock:
+        ws = _eager_ws.get((index, stream))
+        if ws is not None and ws[1] >= nbytes:
+            return ws[0]
+        total = _eager_ws_total.get(index, 0)
+        if total + size > _EAGER_WS_MAX_BYTES:
+            return None
+        driver = _driver()
+        _bind_context(driver, index)
+        prev = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        try:
+            err, dptr = driver.cuMemAlloc(size)
+        finally:
+            if _rc(prev[0]) == 0:
+                driver.cuThreadExchangeStreamCaptureMode(prev[1])
+        if _rc(err) != 0:
+            return None
+        _eager_ws_total[index] = total + size
+        _eager_ws[(index, stream)] = (int(dptr), size)
+        return int(dptr)
+
+
+def set_eager_workspace(enabled: bool) -> bool:
+    """Tests and A/B runs: whether eager split launches take their partials from the stream's buffer
+    (_eager_workspace; True, the default) or from torch's allocator; returns the previous state."""
+    global _eager_ws_enabled
+    prev, _eager_ws_enabled = _eager_ws_enabled, bool(enabled)
+    return prev
 
 
 def _grow_pool(driver, index: int, pool: dict, ints: int) -> bool:
@@ -869,20 +946,49 @@ def mha_fwd_alloc(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: 
     (_KINDS) skips the checks and the plan."""
     try:
         key = _alloc_kind_key(q, k, v, seqused_k, scale, causal) if _kinds_enabled else None
-        kind = _KINDS.get(key) if key is not None else None
     except (TypeError, AttributeError, RuntimeError):  # odd arguments: the full path says what is wrong
-        key = kind = None
+        key = None
+    return _alloc_of_kind(key, q, k, v, seqused_k, scale, causal)
+
+
+def mha_fwd_alloc_keyed(checked: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        seqused_k: torch.Tensor | None, scale: float, causal: bool,
+                        need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mha_fwd_alloc`` for a call of ``flash_attn_func`` whose inputs ``kernel_contract.check_inputs`` passed under
+    the key `checked` (plain tensors q, k, v with their shapes, strides, dtypes and devices, seqused_k's type, dtype,
+    shape and device, causal, scale and path as given): its kind extends that key by what it lacks, not rebuilt from
+    the tensors (kernels/NOTES.md "The NVRTC build's forward calls on the host"). `scale` a float, `causal` a bool.
+    ``need_lse=False``: the caller drops lse, so a kind seen before may write it to the stream's eager buffer and
+    return None for it (no allocation)."""
+    try:
+        key = ("fwd", checked, (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+               None if seqused_k is None else seqused_k.stride(), scale, causal, _tile, _decode_splits,
+               _decode_config, _get_device()) if _kinds_enabled else None
+    except (TypeError, AttributeError, RuntimeError):
+        key = None
+    return _alloc_of_kind(key, q, k, v, seqused_k, scale, causal, need_lse)
+
+
+def _alloc_of_kind(key, q, k, v, seqused_k, scale, causal, need_lse=True):
+    """mha_fwd_alloc's body: the kind `key` (None: the full path, and no kind kept) seen before, or the full path."""
+    kind = _KINDS.get(key) if key is not None else None
     if kind is not None:
         index, plan, template, out_size, out_stride, lse_size = kind
         device = q.device
         out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=device)
-        lse = _empty(lse_size, dtype=_float32, device=device)
         p = FlashFwdParams.from_buffer_copy(template)
-        p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if seqused_k is not None:
             p.seqused_k = seqused_k.data_ptr()
         stream = _raw_stream(index)
-        workspace = _workspace(p, plan, q, k, index, stream)
+        lse = None
+        if need_lse:
+            lse = _empty(lse_size, dtype=_float32, device=device)
+            p.lse = lse.data_ptr()
+        workspace = _workspace(p, plan, q, k, index, stream, 0 if need_lse else lse_size.numel())
+        if not p.lse:  # not kept by the caller, and the eager buffer did not take it
+            lse = _empty(lse_size, dtype=_float32, device=device)
+            p.lse = lse.data_ptr()
         for launch in plan.launches:
             _launch(index, launch, p, stream)
         del workspace  # as mha_fwd: it lived until the launches were queued
@@ -1165,13 +1271,14 @@ def _decode_fp8kv_plan_for(index: int, shape: _plan.Shape, prefill_version: int 
 
 def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor, k_scale: torch.Tensor,
                      v_scale: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
-                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     causal: bool, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode attention over the FP8 (e4m3) KV cache, dequantised in registers: binding.cpp's mha_decode_fp8kv, with
     its checks and messages (decode_fp8kv_problem), its split count (flash_decode_fp8kv_num_splits: the decode rule,
     set_decode_splits forcing it), the split workspace of mha_fwd (float32 partials from torch's caching allocator,
     the arrival counters from the decode counter pool, else zeroed in the same allocation) and its one launch
     (_plan.decode_fp8kv_plan), on the current stream, without synchronisation. Returns (out (B, Hq, Sq, D) in
-    (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without K's smoothing shift)."""
+    (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without K's smoothing shift). ``need_lse=False``
+    (the caller drops lse): a kind seen before may write it to the stream's eager buffer and return None for it."""
     scale = float(scale)
     try:
         key = _decode_fp8kv_kind_key(q, k_data, v_data, k_scale, v_scale, seqused_k, scale, causal) \
@@ -1183,15 +1290,21 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
         index, plan, template, out_size, out_stride, lse_size = kind
         device = q.device
         out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=device)
-        lse = _empty(lse_size, dtype=_float32, device=device)
         fp = FlashDecodeFp8KvParams.from_buffer_copy(template)
         p = fp.base
-        p.q, p.k, p.v, p.o, p.lse = q.data_ptr(), k_data.data_ptr(), v_data.data_ptr(), out.data_ptr(), lse.data_ptr()
+        p.q, p.k, p.v, p.o = q.data_ptr(), k_data.data_ptr(), v_data.data_ptr(), out.data_ptr()
         if seqused_k is not None:
             p.seqused_k = seqused_k.data_ptr()
         fp.k_scale, fp.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
         stream = _raw_stream(index)
-        workspace = _workspace(p, plan, q, k_data, index, stream)
+        lse = None
+        if need_lse:
+            lse = _empty(lse_size, dtype=_float32, device=device)
+            p.lse = lse.data_ptr()
+        workspace = _workspace(p, plan, q, k_data, index, stream, 0 if need_lse else lse_size.numel())
+        if not p.lse:  # not kept by the caller, and the eager buffer did not take it
+            lse = _empty(lse_size, dtype=_float32, device=device)
+            p.lse = lse.data_ptr()
         for launch in plan.launches:
             _launch(index, launch, fp, stream)
         del workspace

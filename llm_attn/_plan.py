@@ -22,6 +22,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+from llm_attn import _environ
 from llm_attn import _kernel_table as _table
 
 TILE_AUTO, TILE_LARGE, TILE_WIDE, TILE_SMALL, TILE_HOPPER = 0, 1, 2, 3, 4  # FwdTile (kernels/flash.h)
@@ -492,7 +493,7 @@ class PrefillFp8KvV2Traits(PrefillFp8KvTraits):
 def prefill_fp8kv_forced() -> int:
     """LLM_ATTN_FP8KV_PREFILL_V as flash_prefill_fp8kv_version reads it per call: "1" or "2" forces that version of
     the FP8-cache prefill kernel; 0 (unset, anything else): the grid rule chooses."""
-    v = os.environ.get("LLM_ATTN_FP8KV_PREFILL_V")
+    v = _environ.get("LLM_ATTN_FP8KV_PREFILL_V")  # per call: the read that does not raise when unset
     return 1 if v == "1" else 2 if v == "2" else 0
 
 
@@ -702,7 +703,7 @@ def fp8_qk(qk: str = "") -> str:
     int8)."""
     if qk:
         return qk
-    return "e4m3" if os.environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
+    return "e4m3" if _environ.get("LLM_ATTN_FP8_QK") == "e4m3" else "int8"
 
 
 def fp8_block_n(head_dim: int, requested: int = 0, pv: str = "", qk: str = "") -> int:

@@ -67,7 +67,9 @@ _torch_function_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enable
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 _profiler_enabled = torch.autograd._profiler_enabled
-_jit_tracing = torch.jit.is_tracing  # torch.jit.trace records ops through the dispatcher
+# torch.jit.trace records ops through the dispatcher. torch.jit.is_tracing's own test (is_scripting) is False here:
+# this module is never scripted.
+_jit_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 
 
 def _kernel_ready(t: torch.Tensor) -> bool:

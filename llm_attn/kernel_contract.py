@@ -88,21 +88,28 @@ def check_inputs(q, k, v, causal, scale, seqused_k, path: str) -> bool:
 
     Eager calls with inputs like a previous good call's cost one dict lookup (``_VERDICTS``); traced calls and
     anything unusual run the full check (``check_inputs_full``)."""
+    return check_inputs_keyed(q, k, v, causal, scale, seqused_k, path)[0]
+
+
+def check_inputs_keyed(q, k, v, causal, scale, seqused_k, path: str) -> tuple[bool, tuple | None]:
+    """``check_inputs``, and the key its verdict is kept under (None where it keeps none: traced calls, subclasses,
+    unhashable arguments). Callers may build on the key: it stands for every property of the inputs the checks
+    read (the NVRTC build's call kinds, ``_nvrtc.mha_fwd_alloc_keyed``)."""
     if torch.compiler.is_compiling():
-        return check_inputs_full(q, k, v, causal, scale, seqused_k, path)
+        return check_inputs_full(q, k, v, causal, scale, seqused_k, path), None
     try:
         key = _verdict_key(q, k, v, causal, scale, seqused_k, path)
         verdict = _VERDICTS.get(key) if key is not None else None
     except TypeError:  # an unhashable argument (e.g. path=[...]): the full check says what is wrong
         key = verdict = None
     if verdict is not None:
-        return verdict
+        return verdict, key
     verdict = check_inputs_full(q, k, v, causal, scale, seqused_k, path)
     if key is not None:
         if len(_VERDICTS) >= _VERDICTS_MAX:
             _VERDICTS.clear()
         _VERDICTS[key] = verdict
-    return verdict
+    return verdict, key
 
 
 def check_inputs_full(q, k, v, causal, scale, seqused_k, path: str) -> bool:

@@ -12,8 +12,10 @@ from typing import Literal
 
 import torch
 
+from llm_attn import _environ
 from llm_attn import _ext as _ext_mod
 from llm_attn import backward, quant_reference, quant_reference_int8, reference
+from llm_attn import kv_cache_reference as _kvref
 from llm_attn.backward import direct_call_allowed, eager_call_allowed
 from llm_attn._ext import KernelNotBuiltError, get_ext, kernel_build
 
@@ -26,6 +28,7 @@ from llm_attn.kernel_contract import (  # noqa: E402,F401
     PRECISIONS,
     aligned16,
     check_inputs,
+    check_inputs_keyed,
     fp8_tile_problem,
     quant_problem,
     readable,
@@ -68,11 +71,28 @@ def _flash_fwd_cuda(q, k, v, seqused_k, scale, causal, use_kernel, deterministic
     return _kernel_impl(q, k, v, seqused_k, scale, causal)
 
 
-def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None):
+def _kernel_impl(q, k, v, seqused_k, scale, causal, ext=None, checked=None, need_lse=True):
     # The build makes out (in _empty_outputs' layout) and lse, and copies an input the kernels cannot read in place
     # (kernel_contract.readable): one crossing into C++ per call on the host-bound path, no Python layout checks (lse
-    # is kept: the kernels write it unconditionally, one small float32 (B, Hq, Sq) allocation).
-    return (ext or _current_ext()).mha_fwd_alloc(q, k, v, seqused_k, float(scale), bool(causal))
+    # is kept: the kernels write it unconditionally, one small float32 (B, Hq, Sq) allocation). `checked`: the key
+    # check_inputs passed these very inputs under; the NVRTC build builds its call kind on it (and, with need_lse
+    # False, may write lse where no allocation is made and return None for it).
+    ext = ext or _current_ext()
+    if checked is not None and _is_nvrtc(ext):
+        return ext.mha_fwd_alloc_keyed(checked, q, k, v, seqused_k, float(scale), bool(causal), need_lse)
+    return ext.mha_fwd_alloc(q, k, v, seqused_k, float(scale), bool(causal))
+
+
+_NVRTC_BUILD: dict = {}  # build module -> whether it is llm_attn._nvrtc (asked once per module, not per call)
+
+
+def _is_nvrtc(ext) -> bool:
+    """Whether `ext` is the NVRTC build, whose per-call functions also take what the host-bound path passes
+    (a checked key, need_lse): the AOT extension's take the binding's arguments only."""
+    known = _NVRTC_BUILD.get(ext)
+    if known is None:
+        known = _NVRTC_BUILD[ext] = getattr(ext, "__name__", "") == "llm_attn._nvrtc"
+    return known
 
 
 @_flash_fwd.register_fake
@@ -230,7 +250,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     elif path == "cuda":  # the old keyword's value, passed by position
         warnings.warn("flash_attn_func(..., 'cuda') is deprecated: use path='kernel'", DeprecationWarning, stacklevel=2)
         path = "kernel"
-    use_kernel = check_inputs(q, k, v, causal, scale, seqused_k, path)
+    use_kernel, checked = check_inputs_keyed(q, k, v, causal, scale, seqused_k, path)
     if precision != "native":
         return _flash_attn_quant(q, k, v, causal, scale, return_lse, seqused_k, use_kernel, precision, fp8_qk,
                                  fp8_pv)
@@ -243,7 +263,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         # Eager, nothing to differentiate, no mode that must see the op: the op's own implementation, without the
         # dispatcher's round trip (the same code the op runs; torch.compile, autograd and modes keep the op).
         if use_kernel:
-            out, lse = _kernel_impl(q, k, v, seqused_k, scale, causal, ext)
+            out, lse = _kernel_impl(q, k, v, seqused_k, scale, causal, ext, checked, return_lse)
         else:
             out, lse = _reference_impl(q, k, v, seqused_k, scale, causal)
     elif use_kernel and not compiling and _cpp_autograd and eager_call_allowed(q, k, v):
@@ -323,7 +343,7 @@ _EXT_CACHE: dict = {}
 
 
 def _current_ext():
-    key = (_ext_mod._forced, os.environ.get("LLM_ATTN_BUILD"), os.environ.get("LLM_ATTN_BACKEND"))
+    key = (_ext_mod._forced, _environ.get("LLM_ATTN_BUILD"), _environ.get("LLM_ATTN_BACKEND"))  # per call: no raise
     ext = _EXT_CACHE.get(key)
     if ext is None:
         ext = get_ext()  # raises KernelNotBuiltError; failures are not cached
@@ -502,8 +522,7 @@ def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool, prefill: bool |
     (``Fp8KV.trusted``) has only the query checked against it: this runs on every layer of every decode step.
     ``prefill``: whether the kernel build takes more than FP8_KV_MAX_ROWS rows (the prefill kernel); None asks the
     current build (``fp8_kv_prefill_available``), only for such a call."""
-    from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
-
+    kvref = _kvref
     if not isinstance(kv, kvref.Fp8KV):
         return f"kv must be an llm_attn.kv_cache_reference.Fp8KV (the cache's .fp8(layer)), got {type(kv).__name__}"
     if q.dim() != 4:
@@ -604,8 +623,7 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     head_dim) by the kernel), and the lse if ``return_lse``. Bad input raises ValueError with one line; a build
     without the kernel raises KernelNotBuiltError.
     """
-    from llm_attn import kv_cache_reference as kvref  # noqa: PLC0415
-
+    kvref = _kvref
     if path not in ("auto", "kernel", "reference"):
         raise ValueError(f"path must be 'auto', 'kernel' or 'reference', got {path!r}")
     use_kernel = path == "kernel" or (path == "auto" and q.is_cuda)
@@ -632,6 +650,9 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     n, kd, vd = kv.length, kv.k_data, kv.v_data
     if kd.shape[2] != n:  # capacity past the valid tokens (two views cost the host ~3 us each: only when needed)
         kd, vd = kd[:, :, :n], vd[:, :, :n]
+    if not return_lse and _is_nvrtc(ext):  # lse dropped: no allocation for it (the stream's eager buffer takes it)
+        return ext.mha_decode_fp8kv(readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal),
+                                    False)[0]
     out, lse = ext.mha_decode_fp8kv(readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal))
     if not return_lse:
         return out

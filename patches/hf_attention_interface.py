@@ -302,8 +302,10 @@ def _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is
     decode kernel holds on a build without the prefill kernel)."""
     if runtime.forced or _is_compiling() or (dropout and dropout > 0 and module.training):
         return None
-    if kwargs and any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
-        return None
+    if kwargs:
+        for name in _UNSUPPORTED_KWARGS:  # a loop, not any(generator): this runs on every decode call
+            if kwargs.get(name) is not None:
+                return None
     q_len, kv_len = query.shape[2], key.shape[2]
     if query.shape[-1] != key.shape[-1] or kv_len != fp8.length:
         return None
@@ -327,8 +329,9 @@ def _fp8_kv_direct(runtime, module, query, key, fp8, attention_mask, dropout, is
     if read is None:
         return None
     out, how = read
-    runtime.count_native(variant)
-    runtime.count_kv_cache_read(key, how)
+    report = runtime.report  # counted directly: not compiling (checked above), and K is the cache's (fp8)
+    report.native_calls[variant] += 1
+    report.kv_cache_reads[how] += 1
     return out.transpose(1, 2).contiguous()
 
 

@@ -34,7 +34,7 @@ EXTENSIONS = {"llm_attn._C"}  # compiled (kernels/binding.cpp): imports nothing 
 
 # Layers, lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
-    ("kernel builds and contract", ["llm_attn._kernel_table", "llm_attn._cuda_abi", "llm_attn._plan", "llm_attn._nvrtc",
+    ("kernel builds and contract", ["llm_attn._environ", "llm_attn._kernel_table", "llm_attn._cuda_abi", "llm_attn._plan", "llm_attn._nvrtc",
                                     "llm_attn._nvrtc_sm90", "llm_attn._ext", "llm_attn.kernel_contract",
                                     "llm_attn.reference", "llm_attn.quant_reference", "llm_attn.quant_reference_int8",
                                     "llm_attn.kv_cache_reference", "llm_attn.envinfo", "llm_attn.awq", "llm_attn._version",

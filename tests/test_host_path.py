@@ -7,6 +7,7 @@ the runtime's cached runners survive copying. Host time itself is measured by be
 from __future__ import annotations
 
 import copy
+import os
 import math
 import pickle
 
@@ -328,6 +329,100 @@ def test_nvrtc_call_kinds_keep_results_and_errors(sq, sk, used):
     assert torch.equal(full, fast)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the NVRTC build's eager buffer needs one")
+def test_nvrtc_keyed_kinds_and_the_eager_split_buffer(monkeypatch):
+    """flash_attn_func on the NVRTC build: the call kinds built on check_inputs' key (_nvrtc.mha_fwd_alloc_keyed) and
+    the split partials in the stream's eager buffer (_nvrtc._eager_workspace) give the float64 answer on poisoned
+    outputs for fresh data every call, with a forced split count, and on a second stream (its own buffer); a call being
+    captured in a CUDA graph gets no buffer (torch's allocator serves it) and its replays on new data are right; the
+    buffer turned off gives the same bits."""
+    from llm_attn import _ext, _nvrtc
+
+    if _nvrtc.unavailable_reason():
+        pytest.skip(_nvrtc.unavailable_reason())
+    if not _nvrtc._kinds_enabled:
+        pytest.skip("this torch lacks the queries the call kinds need (_cuda_getDevice, _cuda_getCurrentRawStream)")
+    b, hq, hkv, d, sk = 2, 8, 2, 64, 4100
+    served = []
+    real = _nvrtc._eager_workspace
+    monkeypatch.setattr(_nvrtc, "_eager_workspace", lambda *a: served.append(real(*a)) or served[-1])
+
+    def data(seed, dtype=torch.float16):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return (torch.randn(b, hq, 1, d, device="cuda", dtype=dtype, generator=g),
+                *(torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, generator=g) for _ in range(2)))
+
+    def check(out, q, k, v):
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        ref = _sdpa(q.cpu().double() * (0.125 * math.sqrt(d)), k.cpu().double(), v.cpu().double(), False)
+        torch.testing.assert_close(out.cpu().double(), ref.double(), rtol=3e-3, atol=3e-3)
+
+    def call(q, k, v):
+        _nan_pool(q.numel() * 2)
+        return flash_attn_func(q, k, v, causal=True, scale=0.125)
+
+    prev_build = _ext.set_backend("nvrtc")
+    try:
+        _nvrtc._KINDS.clear()
+        for seed in range(3):  # the first call keeps the kind, the next two take it
+            q, k, v = data(seed)
+            check(call(q, k, v), q, k, v)
+        assert [type(key[1]) for key in _nvrtc._KINDS] == [tuple]  # one kind, built on check_inputs' key
+        q, k, v = data(9)  # the same kind asked for its lse (the calls above dropped theirs)
+        _nan_pool(q.numel() * 2)
+        out, lse = flash_attn_func(q, k, v, causal=True, scale=0.125, return_lse=True)
+        check(out, q, k, v)
+        kk = k.cpu().double().repeat_interleave(hq // hkv, 1)
+        ref_lse = torch.logsumexp(q.cpu().double() @ kk.transpose(-1, -2) * 0.125, dim=-1)
+        torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-4, atol=1e-4)
+        assert served and all(served), "the eager decode calls took the stream's buffer"
+        stream = torch.cuda.current_stream().cuda_stream
+        small = _nvrtc._eager_ws[(torch.cuda.current_device(), stream)][1]
+        prev = _nvrtc.set_decode_splits(128)  # another kind, four times the partials, the same buffer or a larger one
+        try:
+            q, k, v = data(3)
+            check(call(q, k, v), q, k, v)
+        finally:
+            _nvrtc.set_decode_splits(prev)
+        assert _nvrtc._eager_ws[(torch.cuda.current_device(), stream)][1] >= small
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            q, k, v = data(4)
+            out = call(q, k, v)
+        torch.cuda.current_stream().wait_stream(side)
+        check(out, q, k, v)
+        assert (torch.cuda.current_device(), side.cuda_stream) in _nvrtc._eager_ws
+        # captured: no buffer; replays read the static inputs' new values
+        sq_, sk_, sv_ = data(5)
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+            flash_attn_func(sq_, sk_, sv_, causal=True, scale=0.125)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        served.clear()
+        with torch.cuda.graph(graph):
+            gout = flash_attn_func(sq_, sk_, sv_, causal=True, scale=0.125)
+        assert served == [None]
+        for seed in (6, 7):
+            for dst, src in zip((sq_, sk_, sv_), data(seed), strict=True):
+                dst.copy_(src)
+            gout.fill_(float("nan"))
+            graph.replay()
+            check(gout, sq_, sk_, sv_)
+        q, k, v = data(8)
+        fast = call(q, k, v)
+        prev = _nvrtc.set_eager_workspace(False)
+        try:
+            full = call(q, k, v)
+        finally:
+            _nvrtc.set_eager_workspace(prev)
+        torch.cuda.synchronize()
+        assert torch.equal(fast, full)
+    finally:
+        _ext.set_backend(prev_build)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: the NVRTC launcher's cache needs one")
 def test_nvrtc_backward_cache_keeps_results_and_errors():
     """_nvrtc.mha_bwd's cache of call kinds (_PREPARED_BWD): a kind seen again with fresh data gets the float64
@@ -418,3 +513,19 @@ def test_cuda_graph_capture_of_the_direct_path(monkeypatch, q_len):
             ref = _sdpa(q.cpu().double(), k.cpu().double(), v.cpu().double(), True)
             assert not out.isnan().any()
             torch.testing.assert_close(out.cpu().double(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_environ_get_reads_what_os_environ_holds(monkeypatch):
+    """llm_attn._environ.get (the per-call reads of LLM_ATTN_BUILD and friends) answers as os.environ.get does, for a
+    variable unset, set, set empty and removed again after import."""
+    from llm_attn import _environ
+
+    name = "LLM_ATTN_TEST_ENVIRON_GET"
+    monkeypatch.delenv(name, raising=False)
+    assert _environ.get(name) is None and _environ.get(name, "x") == "x"
+    monkeypatch.setenv(name, "nvrtc")
+    assert _environ.get(name) == "nvrtc" == os.environ.get(name)
+    monkeypatch.setenv(name, "")
+    assert _environ.get(name, "x") == ""
+    monkeypatch.delenv(name)
+    assert _environ.get(name, "y") == "y"

@@ -1505,20 +1505,26 @@ def test_fp8kv_decode_entry_is_the_binding():
     assert returned == cpp, {"only here": returned - cpp, "only in binding.cpp": cpp - returned}
 
 
-@pytest.mark.parametrize("pooled,forced,sq", [(True, 0, 1), (False, 0, 1), (True, 3, 1), (False, 1, 1), (True, 3, 40)])
-def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forced, sq):
-    """_nvrtc.mha_decode_fp8kv without a GPU (the device, the counter pool and the launch stood in for, CPU tensors
-    past the checks): FlashDecodeFp8KvParams as binding.cpp's mha_decode_fp8kv fills it (set_shared_params with the
-    byte strides of the e4m3 K/V, the scales and their strides, the automatic tile, the split count), the split
-    workspace (partials, and the counters from the pool or zeroed after them), the outputs' layout, one launch."""
+@pytest.mark.parametrize("pooled,eager,forced,sq", [(True, False, 0, 1), (False, False, 0, 1), (True, True, 0, 1),
+                                                   (False, True, 0, 1), (True, False, 3, 1), (False, False, 1, 1),
+                                                   (True, True, 3, 40)])
+def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, eager, forced, sq):
+    """_nvrtc.mha_decode_fp8kv without a GPU (the device, the counter pool, the stream's eager buffer and the launch
+    stood in for, CPU tensors past the checks): FlashDecodeFp8KvParams as binding.cpp's mha_decode_fp8kv fills it
+    (set_shared_params with the byte strides of the e4m3 K/V, the scales and their strides, the automatic tile, the
+    split count), the split workspace (partials in the stream's buffer when the counters are pooled, else with the
+    counters zeroed after them in one allocation), the outputs' layout, one launch."""
     nvrtc = _nvrtc_or_skip()
     from llm_attn import _cuda_abi
 
-    index, counters = 0, 0x10000
+    index, counters, buffer = 0, 0x10000, 0x200000
+    asked = []
     monkeypatch.setattr(nvrtc, "decode_fp8kv_problem", lambda *a: None)
     monkeypatch.setattr(nvrtc, "_device_of", lambda q: contextlib.nullcontext((index, 1234)))
     monkeypatch.setattr(nvrtc, "device_info", lambda i: ("sm_90", H100))
     monkeypatch.setattr(nvrtc, "_pooled_counters", lambda i, stream, n: counters if pooled else None)
+    monkeypatch.setattr(nvrtc, "_eager_workspace",
+                        lambda i, stream, nbytes: asked.append((i, stream, nbytes)) or (buffer if eager else None))
     nvrtc._decode_fp8kv_plan_for.cache_clear()
     launched = []
 
@@ -1563,6 +1569,9 @@ def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, forc
     rows = plan.num_splits * b * hq * sq
     assert p.lse_accum - p.o_accum == 4 * rows * d
     assert p.split_counters == (counters if pooled else p.lse_accum + 4 * rows)
+    # the stream's buffer is asked only where the counters are pooled (else they share one zeroed allocation)
+    assert asked == ([(index, 1234, (4 * rows * (d + 1) + 15) // 16 * 16)] if pooled else [])
+    assert (p.o_accum == buffer) == (pooled and eager)
 
 
 # -- the backward's plan --------------------------------------------------------------------------------------------
