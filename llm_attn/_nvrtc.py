@@ -974,25 +974,12 @@ def _alloc_of_kind(key, q, k, v, seqused_k, scale, causal, need_lse=True):
     kind = _KINDS.get(key) if key is not None else None
     if kind is not None:
         index, plan, template, out_size, out_stride, lse_size = kind
-        device = q.device
-        out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=device)
+        out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=q.device)
         p = FlashFwdParams.from_buffer_copy(template)
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if seqused_k is not None:
             p.seqused_k = seqused_k.data_ptr()
-        stream = _raw_stream(index)
-        lse = None
-        if need_lse:
-            lse = _empty(lse_size, dtype=_float32, device=device)
-            p.lse = lse.data_ptr()
-        workspace = _workspace(p, plan, q, k, index, stream, 0 if need_lse else lse_size.numel())
-        if not p.lse:  # not kept by the caller, and the eager buffer did not take it
-            lse = _empty(lse_size, dtype=_float32, device=device)
-            p.lse = lse.data_ptr()
-        for launch in plan.launches:
-            _launch(index, launch, p, stream)
-        del workspace  # as mha_fwd: it lived until the launches were queued
-        return out, lse
+        return out, _issue_kind(p, p, plan, q, k, index, lse_size, need_lse)
     qr, kr, vr = kernel_contract.readable(q), kernel_contract.readable(k), kernel_contract.readable(v)
     out, lse = _empty_outputs(qr)
     mha_fwd(qr, kr, vr, out, lse, seqused_k, scale, causal)
@@ -1001,6 +988,25 @@ def _alloc_of_kind(key, q, k, v, seqused_k, scale, causal, need_lse=True):
         if prepared is not None and prepared[0] == key[-1]:  # the current device's call, as _prepare made it
             _keep_kind(key, (*prepared, out.shape, out.stride(), lse.shape))
     return out, lse
+
+
+def _issue_kind(params, p: FlashFwdParams, plan: _plan.Plan, q, k, index: int, lse_size, need_lse: bool):
+    """A kind's call once its pointers but lse's are set (`p`: the FlashFwdParams inside `params`, the struct the
+    kernels take): lse (allocated where the caller keeps it, else in the stream's eager buffer where that serves), the
+    split workspace, the launches on the current stream. Returns lse, or None where it was dropped."""
+    stream = _raw_stream(index)
+    lse = None
+    if need_lse:
+        lse = _empty(lse_size, dtype=_float32, device=q.device)
+        p.lse = lse.data_ptr()
+    workspace = _workspace(p, plan, q, k, index, stream, 0 if need_lse else lse_size.numel())
+    if not p.lse:  # not kept by the caller, and the eager buffer did not take it
+        lse = _empty(lse_size, dtype=_float32, device=q.device)
+        p.lse = lse.data_ptr()
+    for launch in plan.launches:
+        _launch(index, launch, params, stream)
+    del workspace  # as mha_fwd: it lived until the launches were queued
+    return lse
 
 
 def _keep_kind(key, kind) -> None:
@@ -1288,27 +1294,14 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
         key = kind = None
     if kind is not None:  # a kind seen before (_KINDS): its template holds every field but the pointers
         index, plan, template, out_size, out_stride, lse_size = kind
-        device = q.device
-        out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=device)
+        out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=q.device)
         fp = FlashDecodeFp8KvParams.from_buffer_copy(template)
         p = fp.base
         p.q, p.k, p.v, p.o = q.data_ptr(), k_data.data_ptr(), v_data.data_ptr(), out.data_ptr()
         if seqused_k is not None:
             p.seqused_k = seqused_k.data_ptr()
         fp.k_scale, fp.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-        stream = _raw_stream(index)
-        lse = None
-        if need_lse:
-            lse = _empty(lse_size, dtype=_float32, device=device)
-            p.lse = lse.data_ptr()
-        workspace = _workspace(p, plan, q, k_data, index, stream, 0 if need_lse else lse_size.numel())
-        if not p.lse:  # not kept by the caller, and the eager buffer did not take it
-            lse = _empty(lse_size, dtype=_float32, device=device)
-            p.lse = lse.data_ptr()
-        for launch in plan.launches:
-            _launch(index, launch, fp, stream)
-        del workspace
-        return out, lse
+        return out, _issue_kind(fp, p, plan, q, k_data, index, lse_size, need_lse)
     problem = decode_fp8kv_problem(q, k_data, v_data, k_scale, v_scale, seqused_k, scale)
     if problem:
         raise RuntimeError("llm_attn.mha_decode_fp8kv: " + problem)
