@@ -767,8 +767,8 @@ def _pooled_counters(index: int, stream: int, n: int) -> int | None:
         return slice_ptr
 
 
-# The split partials of eager calls (o_accum, lse_accum; read and written by the launches of one call only): one
-# buffer per (device, stream), cuMemAlloc'd (not a tensor: cudagraph trees' warm-up counts the live tensors of its
+# The split partials of eager calls (o_accum, lse_accum) and the lse a caller drops (need_lse=False), read and
+# written by the launches of one call only: one buffer per (device, stream), cuMemAlloc'd (not a tensor: cudagraph trees' warm-up counts the live tensors of its
 # pool, kernels/NOTES.md "The NVRTC build's forward calls on the host"), reused call after call in the stream's own
 # order, so an eager decode call makes no allocation for them. A call that needs more gets a larger buffer (the old one
 # is kept, never freed under work in flight), up to _EAGER_WS_MAX_BYTES per device; past that, a launch being
@@ -792,8 +792,8 @@ def _capturing(stream: int) -> bool | None:
 
 
 def _eager_workspace(index: int, stream: int, nbytes: int) -> int | None:
-    """`nbytes` of device memory for the split partials of an eager launch on `stream` (torch's current stream on
-    device `index`, the current device), or None (the caller allocates)."""
+    """`nbytes` of device memory for an eager call's scratch (split partials, a dropped lse) on `stream` (torch's
+    current stream on device `index`, the current device), or None (the caller allocates)."""
     ws = _eager_ws.get((index, stream))
     if ws is not None and ws[1] >= nbytes:  # the common case: read without the lock (dict reads are atomic)
         return ws[0] if _eager_ws_enabled and _capturing(stream) is False else None
@@ -1280,8 +1280,9 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
                      causal: bool, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode attention over the FP8 (e4m3) KV cache, dequantised in registers: binding.cpp's mha_decode_fp8kv, with
     its checks and messages (decode_fp8kv_problem), its split count (flash_decode_fp8kv_num_splits: the decode rule,
-    set_decode_splits forcing it), the split workspace of mha_fwd (float32 partials from torch's caching allocator,
-    the arrival counters from the decode counter pool, else zeroed in the same allocation) and its one launch
+    set_decode_splits forcing it), the split workspace of mha_fwd (float32 partials in the stream's eager buffer or
+    from torch's caching allocator, the arrival counters from the decode counter pool, else zeroed in one allocation
+    with the partials) and its one launch
     (_plan.decode_fp8kv_plan), on the current stream, without synchronisation. Returns (out (B, Hq, Sq, D) in
     (B, Sq, Hq, D) memory order, lse (B, Hq, Sq) float32, natural log, without K's smoothing shift). ``need_lse=False``
     (the caller drops lse): a kind seen before may write it to the stream's eager buffer and return None for it."""
