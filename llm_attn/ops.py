@@ -522,14 +522,13 @@ def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool, prefill: bool |
     (``Fp8KV.trusted``) has only the query checked against it: this runs on every layer of every decode step.
     ``prefill``: whether the kernel build takes more than FP8_KV_MAX_ROWS rows (the prefill kernel); None asks the
     current build (``fp8_kv_prefill_available``), only for such a call."""
-    kvref = _kvref
-    if not isinstance(kv, kvref.Fp8KV):
+    if not isinstance(kv, _kvref.Fp8KV):
         return f"kv must be an llm_attn.kv_cache_reference.Fp8KV (the cache's .fp8(layer)), got {type(kv).__name__}"
     if q.dim() != 4:
         return f"q must be 4-D (batch, heads, q_len, head_dim), got {q.dim()}-D"
     kd = kv.k_data
     if not kv.trusted:
-        problem = _fp8_kv_storage_problem(kv, kvref)
+        problem = _fp8_kv_storage_problem(kv)
         if problem:
             return problem
     b, hq, sq, d = q.shape
@@ -557,17 +556,17 @@ def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool, prefill: bool |
     return None
 
 
-def _fp8_kv_storage_problem(kv, kvref) -> str | None:
+def _fp8_kv_storage_problem(kv) -> str | None:
     """What is wrong with an Fp8KV's own tensors (dtypes, shapes, devices, length), or None."""
     kd, vd = kv.k_data, kv.v_data
-    if kd.dtype != kvref.STORAGE_DTYPE or vd.dtype != kvref.STORAGE_DTYPE:
-        return f"the cache's data must be {kvref.STORAGE_DTYPE}, got {kd.dtype} and {vd.dtype}"
+    if kd.dtype != _kvref.STORAGE_DTYPE or vd.dtype != _kvref.STORAGE_DTYPE:
+        return f"the cache's data must be {_kvref.STORAGE_DTYPE}, got {kd.dtype} and {vd.dtype}"
     if kd.dim() != 4 or kd.shape != vd.shape:
         return f"k_data {tuple(kd.shape)} and v_data {tuple(vd.shape)} must be one (batch, kv_heads, tokens, " \
                f"head_dim) shape"
     if not 0 < kv.length <= kd.shape[2]:
         return f"the cache holds {kv.length} tokens of {kd.shape[2]} slots: nothing to attend to"
-    blocks = kvref.n_blocks(kv.length)
+    blocks = _kvref.n_blocks(kv.length)
     for name, t in (("k_scale", kv.k_scale), ("v_scale", kv.v_scale)):
         if t.dtype != torch.float32 or t.dim() != 3 or tuple(t.shape[:2]) != tuple(kd.shape[:2]) \
                 or t.shape[2] < blocks:
@@ -623,7 +622,6 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     head_dim) by the kernel), and the lse if ``return_lse``. Bad input raises ValueError with one line; a build
     without the kernel raises KernelNotBuiltError.
     """
-    kvref = _kvref
     if path not in ("auto", "kernel", "reference"):
         raise ValueError(f"path must be 'auto', 'kernel' or 'reference', got {path!r}")
     use_kernel = path == "kernel" or (path == "auto" and q.is_cuda)
@@ -640,7 +638,7 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
         raise ValueError("seqused_k must be an int32 tensor of shape (batch,) on q's device")
     if not use_kernel:
         rounding = "kernel" if q.dtype in FP8_KV_KERNEL_DTYPES else "float32"
-        return kvref.decode_attention(q, kv, causal=causal, scale=scale, return_lse=return_lse,
+        return _kvref.decode_attention(q, kv, causal=causal, scale=scale, return_lse=return_lse,
                                       seqused_k=seqused_k, rounding=rounding)
     ext = _current_ext()  # raises KernelNotBuiltError with build instructions
     if not hasattr(ext, "mha_decode_fp8kv"):
