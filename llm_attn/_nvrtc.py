@@ -1290,9 +1290,27 @@ def mha_decode_fp8kv(q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor
     try:
         key = _decode_fp8kv_kind_key(q, k_data, v_data, k_scale, v_scale, seqused_k, scale, causal) \
             if _kinds_enabled else None
-        kind = _KINDS.get(key) if key is not None else None
     except (TypeError, AttributeError, RuntimeError):  # odd arguments: the full path says what is wrong
-        key = kind = None
+        key = None
+    return _decode_fp8kv_of_kind(key, q, k_data, v_data, k_scale, v_scale, seqused_k, scale, causal, need_lse)
+
+
+def mha_decode_fp8kv_keyed(checked: tuple, q: torch.Tensor, k_data: torch.Tensor, v_data: torch.Tensor,
+                           k_scale: torch.Tensor, v_scale: torch.Tensor, seqused_k: torch.Tensor | None, scale: float,
+                           causal: bool, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mha_decode_fp8kv`` for a call of ``ops.decode_fp8_kv`` whose inputs passed its checks under the key
+    `checked` (q, the cache view's tensors with their shapes, strides, dtypes and devices, seqused_k's, the data
+    pointers' alignment, the view's length, scale and causal): its kind extends that key by what it lacks, not
+    rebuilt from the tensors. k_data/v_data: the view's valid tokens. `scale` a float, `causal` a bool."""
+    key = ("fp8kv", checked, _decode_splits, _plan.prefill_fp8kv_forced(), _get_device()) if _kinds_enabled else None
+    return _decode_fp8kv_of_kind(key, q, k_data, v_data, k_scale, v_scale, seqused_k, scale, causal, need_lse)
+
+
+def _decode_fp8kv_of_kind(key, q, k_data, v_data, k_scale, v_scale, seqused_k, scale: float, causal: bool,
+                          need_lse: bool):
+    """mha_decode_fp8kv's body: the kind `key` (None: the full path, and no kind kept) seen before, or the full
+    path."""
+    kind = _KINDS.get(key) if key is not None else None
     if kind is not None:  # a kind seen before (_KINDS): its template holds every field but the pointers
         index, plan, template, out_size, out_stride, lse_size = kind
         out = _empty_strided(out_size, out_stride, dtype=q.dtype, device=q.device)

@@ -514,7 +514,8 @@ FP8_KV_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 def fp8_kv_rows(q: torch.Tensor, kv) -> int:
     """The rows one (batch, KV head) block of the decode kernel holds: query heads per KV head x q_len."""
-    return q.shape[1] // max(kv.k_data.shape[1], 1) * q.shape[2]
+    shape = q.shape  # read once: every read builds a torch.Size (this runs on every decode call)
+    return shape[1] // max(kv.k_data.shape[1], 1) * shape[2]
 
 
 def fp8_kv_decode_problem(q: torch.Tensor, kv, use_kernel: bool, prefill: bool | None = None) -> str | None:
@@ -625,6 +626,13 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
     if path not in ("auto", "kernel", "reference"):
         raise ValueError(f"path must be 'auto', 'kernel' or 'reference', got {path!r}")
     use_kernel = path == "kernel" or (path == "auto" and q.is_cuda)
+    checked = _fp8_kv_verdict_key(q, kv, causal, scale, seqused_k) if use_kernel else None
+    known = _FP8_KV_VERDICTS.get(checked) if checked is not None else None
+    if known is not None:  # a trusted view's call like one that passed every check below: only the launch is left
+        ext = _current_ext()
+        if known[0] is ext:
+            return _fp8_kv_kernel(ext, checked, q, kv, kv.used if seqused_k is None else seqused_k, known[1],
+                                  causal, return_lse, known[2])
     problem = fp8_kv_decode_problem(q, kv, use_kernel)
     if problem:
         raise ValueError(problem)
@@ -645,13 +653,58 @@ def decode_fp8_kv(q: torch.Tensor, kv, causal: bool = True, scale: float | None 
         raise KernelNotBuiltError(f"this {kernel_build()} build has no FP8-cache decode kernel (mha_decode_fp8kv): an "
                                   f"extension built before it: rebuild it (python -m pip install --no-build-isolation "
                                   f"-e .), or LLM_ATTN_BUILD=nvrtc, or read the cache's dequantised copy")
-    n, kd, vd = kv.length, kv.k_data, kv.v_data
-    if kd.shape[2] != n:  # capacity past the valid tokens (two views cost the host ~3 us each: only when needed)
+    sliced = kv.k_data.shape[2] != kv.length
+    qr = readable(q)
+    if checked is not None and qr is q:
+        if len(_FP8_KV_VERDICTS) >= _FP8_KV_VERDICTS_MAX:
+            _FP8_KV_VERDICTS.clear()
+        _FP8_KV_VERDICTS[checked] = (ext, scale, sliced)
+    return _fp8_kv_kernel(ext, checked if qr is q else None, qr, kv, seqused_k, scale, bool(causal), return_lse,
+                          sliced)
+
+
+# decode_fp8_kv's verdicts on the kernel calls of views the cache made (``Fp8KV.trusted``): a call whose key
+# (_fp8_kv_verdict_key) passed every check before, with the same kernel build, skips them (kernels/NOTES.md "The
+# FP8-cache decode call's checks, kept per kind"). The key also extends to the NVRTC build's call kind.
+_FP8_KV_VERDICTS: dict = {}
+_FP8_KV_VERDICTS_MAX = 512
+_Tensor = torch.Tensor
+_SCALE_TYPES = (float, int, type(None))
+
+
+def _fp8_kv_verdict_key(q, kv, causal, scale, seqused_k) -> tuple | None:
+    """The key of decode_fp8_kv's verdict for a kernel call on a trusted view: every property of q, the view's four
+    tensors and seqused_k (the view's ``used`` where None) that the checks and the launch read, the view's length and
+    the arguments as given. None (the checks run every call) for anything else: an untrusted view, subclasses,
+    another type of scale or causal."""
+    if type(q) is not _Tensor or type(kv) is not _kvref.Fp8KV or not kv.trusted or type(causal) is not bool \
+            or type(scale) not in _SCALE_TYPES:
+        return None
+    sk = kv.used if seqused_k is None else seqused_k
+    if sk is not None:
+        if type(sk) is not _Tensor:
+            return None
+        sk = (sk.shape, sk.stride(), sk.dtype, sk.device)
+    kd, vd, ks, vs = kv.k_data, kv.v_data, kv.k_scale, kv.v_scale
+    return (q.shape, q.stride(), q.dtype, q.device, kd.shape, kd.stride(), kd.dtype, kd.device, vd.shape, vd.stride(),
+            vd.dtype, vd.device, ks.shape, ks.stride(), ks.dtype, ks.device, vs.shape, vs.stride(), vs.dtype,
+            vs.device, (q.data_ptr() | kd.data_ptr() | vd.data_ptr()) & 15, kv.length, sk, type(scale), scale, causal)
+
+
+def _fp8_kv_kernel(ext, checked, q, kv, seqused_k, scale: float, causal: bool, return_lse: bool, sliced: bool):
+    """decode_fp8_kv's launch on checked inputs (`checked`: their verdict key, or None): the NVRTC build's call kind
+    is built on the key; the lse (where asked) gets K's smoothing shift back."""
+    kd, vd = kv.k_data, kv.v_data
+    if sliced:  # capacity past the valid tokens (two views cost the host ~3 us each: only when needed)
+        n = kv.length
         kd, vd = kd[:, :, :n], vd[:, :, :n]
-    if not return_lse and _is_nvrtc(ext):  # lse dropped: no allocation for it (the stream's eager buffer takes it)
-        return ext.mha_decode_fp8kv(readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal),
-                                    False)[0]
-    out, lse = ext.mha_decode_fp8kv(readable(q), kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, bool(causal))
+    if not _is_nvrtc(ext):
+        out, lse = ext.mha_decode_fp8kv(q, kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, causal)
+    elif checked is not None:  # lse dropped: no allocation for it (the stream's eager buffer takes it)
+        out, lse = ext.mha_decode_fp8kv_keyed(checked, q, kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, causal,
+                                              return_lse)
+    else:
+        out, lse = ext.mha_decode_fp8kv(q, kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, causal, return_lse)
     if not return_lse:
         return out
     # The kernel's lse leaves out K's smoothing shift (the same for every key of a row): add q . k_shift back.

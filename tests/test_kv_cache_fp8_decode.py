@@ -157,6 +157,34 @@ def test_the_kernel_path_refuses_what_it_cannot_take_in_one_line():
         ops.decode_fp8_kv(q, kv, path="cuda")
 
 
+def test_the_verdict_key_stands_for_what_the_checks_read():
+    """decode_fp8_kv keeps its checks' verdict per key for views the cache made (``Fp8KV.trusted``) only: the key
+    changes with every property the checks read (the view's length, q's dtype and shape, seqused_k, scale as given,
+    causal), and a view built by hand, a subclass or an odd argument type gets none (every check runs). A call on CPU
+    with path='kernel' still raises and keeps no verdict."""
+    q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+    _, _, kv = _cache(1, 2, 100, 64)
+    _, _, longer = _cache(1, 2, 101, 64)
+    assert kv.trusted
+    key = ops._fp8_kv_verdict_key(q, kv, True, None, None)
+    assert key is not None and key == ops._fp8_kv_verdict_key(torch.randn_like(q), kv, True, None, None)
+    used = torch.tensor([50], dtype=torch.int32)
+    others = [ops._fp8_kv_verdict_key(*a) for a in (
+        (q, longer, True, None, None), (q.bfloat16(), kv, True, None, None), (q[:, :2], kv, True, None, None),
+        (q, kv, True, 0.125, None), (q, kv, True, 1, None), (q, kv, False, None, None), (q, kv, True, None, used),
+        (q, kv, True, None, used.long()), (torch.randn(1, 4, 1, 128, dtype=torch.float16)[..., :64], kv, True, None, None))]
+    assert None not in others and len({key, *others}) == 1 + len(others)
+    hand = ref.Fp8KV(kv.k_data, kv.k_scale, kv.k_shift, kv.v_data, kv.v_scale, kv.length)
+    assert not hand.trusted
+    for args in ((q, hand, True, None, None), (q, kv, 1, None, None), (q, kv, True, torch.tensor(0.1), None),
+                 (q, kv, True, True, None), (torch.nn.Parameter(q), kv, True, None, None), (q, kv, True, None, [50])):
+        assert ops._fp8_kv_verdict_key(*args) is None
+    ops._FP8_KV_VERDICTS.clear()
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        ops.decode_fp8_kv(q, kv, path="kernel")
+    assert not ops._FP8_KV_VERDICTS
+
+
 class _CudaLikeQuery:
     """What fp8_kv_decode_problem reads of a CUDA query (shape, dtype, device), without a GPU."""
 

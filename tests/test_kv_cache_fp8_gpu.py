@@ -199,19 +199,32 @@ def test_batch_with_different_lengths_and_forced_splits(ext, dtype, d):
 @pytest.mark.parametrize("used", [None, (1500, 777, 0)])
 def test_a_call_kind_seen_again_reads_fresh_data(ext, request, used):
     """The same call kind (shapes, strides, scale, causal) with fresh caches and queries, as every layer of a decode
-    step makes it: on the NVRTC build the second and later calls take the fast path of a kind seen before
-    (_nvrtc._KINDS: the checks and the plan of the first call, the pointers of this one); each gets its own float64
-    answer on poisoned outputs."""
+    step makes it: decode_fp8_kv keeps its checks' verdict for the first call of the cache's views and the later
+    calls skip them (ops._FP8_KV_VERDICTS, both builds); on the NVRTC build they also take the fast path of a kind
+    seen before, built on that verdict's key (_nvrtc._KINDS: the plan of the first call, the pointers of this one).
+    Each gets its own float64 answer on poisoned outputs, with its lse and without it (the patch's call: the same
+    bits)."""
     from llm_attn import _nvrtc
 
+    nvrtc = request.node.callspec.params["cuda_ext"] == "nvrtc"
     used = None if used is None else torch.tensor(used, device="cuda")
-    if request.node.callspec.params["cuda_ext"] == "nvrtc":
+    if nvrtc:
         _nvrtc._KINDS.clear()
+    ops._FP8_KV_VERDICTS.clear()
     for seed in range(4):
         q, k, v, kv = _inputs(3, 32, 8, 1, 1500, 128, torch.bfloat16, 100 + seed)
         _check(q, k, v, kv, causal=True, used=used, label=f"seed {seed}")
-    if request.node.callspec.params["cuda_ext"] == "nvrtc" and _nvrtc._kinds_enabled:
-        assert sum(key[0] == "fp8kv" for key in _nvrtc._KINDS) == 1
+        out = ops.decode_fp8_kv(q, kv, seqused_k=None if used is None else used.to(torch.int32), path="kernel")
+        assert torch.equal(out, _run(q, kv, seqused_k=None if used is None else used.to(torch.int32))[0])
+    assert len(ops._FP8_KV_VERDICTS) == 1
+    # A query one element into its buffer (not 16-byte aligned): read through a copy, and no verdict kept for it.
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape).copy_(q)
+    sk = None if used is None else used.to(torch.int32)
+    assert torch.equal(ops.decode_fp8_kv(odd, kv, seqused_k=sk, path="kernel"), out)
+    assert len(ops._FP8_KV_VERDICTS) == 1
+    if nvrtc and _nvrtc._kinds_enabled:
+        kinds = [key for key in _nvrtc._KINDS if key[0] == "fp8kv"]
+        assert len(kinds) == len(ops._FP8_KV_VERDICTS) and all(key[1] in ops._FP8_KV_VERDICTS for key in kinds)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -451,6 +464,7 @@ def test_graphs_of_many_caches_and_split_counts_replay_cleanly(ext, request):
 
 def test_bad_input_is_one_line_never_a_crash(ext):
     q, k, v, kv = _inputs(1, 8, 2, 1, 100, 64, torch.float16, 1)
+    _check(q, k, v, kv, causal=True, used=None, label="a good call first")  # its verdict must not pass the bad ones
     for bad, match in (((q.float(), kv), "float16 or bfloat16"),
                        ((torch.randn(1, 8, 20, 64, device="cuda"), kv), "float16 or bfloat16"),  # a prefill's rows
                        ((torch.randn(1, 8, 101, 64, device="cuda", dtype=torch.float16), kv), "newest cached"),
