@@ -1526,6 +1526,9 @@ def test_mha_decode_fp8kv_fills_what_the_binding_fills(monkeypatch, pooled, eage
     monkeypatch.setattr(nvrtc, "_device_of", lambda q: contextlib.nullcontext((index, 1234)))
     monkeypatch.setattr(nvrtc, "device_info", lambda i: ("sm_90", H100))
     monkeypatch.setattr(nvrtc, "_pooled_counters", lambda i, stream, n: counters if pooled else None)
+    # The full path every call: on a GPU machine an earlier case's call kind (the same shapes) would serve this one
+    # through the real stream and device, past the stand-ins.
+    monkeypatch.setattr(nvrtc, "_kinds_enabled", False)
     monkeypatch.setattr(nvrtc, "_eager_workspace",
                         lambda i, stream, nbytes: asked.append((i, stream, nbytes)) or (buffer if eager else None))
     nvrtc._decode_fp8kv_plan_for.cache_clear()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import cpu_check_here, load_script
 
 from llm_attn import bench, ttft
@@ -112,7 +113,8 @@ def test_bench_host_mode_on_cpu(tmp_path, capsys):
     assert all(r["attention_calls"]["impl"] > 0 and r["attention_calls"]["stock_fallback"] == 0 for r in patched)
     text = capsys.readouterr().out
     assert "prefill 64: host µs/call (torch SDPA / this path, >1 = faster)" in text and "(1.00x)" in text
-    assert f"bf16 on cpu, {rows[0]['env']['kernel_build'] or 'no'} kernel build: host µs per call" in text  # which build
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the bench's default: the GPU where there is one
+    assert f"bf16 on {device}, {rows[0]['env']['kernel_build'] or 'no'} kernel build: host µs per call" in text
 
 
 def test_bench_host_mode_says_where_its_rows_went(tmp_path, capsys):
