@@ -14,7 +14,8 @@
 # (after awq when both are given, so that the default ttft model can load; README_PART=cmd1 or tests splits them
 # over two calls; README_PYTEST_ADDOPTS adds pytest options to command 2, e.g. "--ignore-glob=tests/test_[a-o]*.py" to
 # finish a run that a call's time limit cut; README_PART=tests_prebuilt: command 2 after command 1's install lines with the carried
-# extension in place of command 1's build). awq installs gptqmodel and its
+# extension in place of command 1's build, or, on a machine still warm from a cmd1 call, the one that call built: an
+# extension built for sm_90 and sm_90a is larger than what comes back through $OUT). awq installs gptqmodel and its
 # source-only dependencies from .whl/ (carried; see llm_attn/models.py) into /tmp/site. Make .whl/ on a machine with
 # PyPI: `pip download --no-deps -d .whl gptqmodel==7.5.0 pypcre==0.6.4 logbar==0.4.15 tokenicer==0.0.14
 # device-smi==0.5.7 defuser==0.0.28` (for the lora and --prompts steps also `datasets==5.2.0 dill==0.4.1
@@ -85,9 +86,17 @@ if has readme; then
    # README_PART=tests_prebuilt: the state command 1 leaves, without paying its build again in this call: the
    # extension carried in .carry (built from the same sources: the stamps must match) is put in place and command 1's
    # install lines run with LLM_ATTN_NO_CUDA=1 (setup.py then compiles nothing; everything else installs as written).
+   # An extension too large to come back through $OUT: on a machine still warm from the cmd1 call, the copy that call
+   # kept in /tmp/readme_C (its stamp beside it) serves instead.
    if [ "$part" = tests_prebuilt ]; then
-     [ "$(cat "$OLDPWD/.carry/_C.stamp" 2>/dev/null)" = "$stamp" ] || { echo "tests_prebuilt: no .carry extension of these sources"; exit 1; }
-     gunzip -c "$OLDPWD/.carry/_C.so.gz" > "llm_attn/_C$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+     so="llm_attn/_C$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+     if [ "$(cat "$OLDPWD/.carry/_C.stamp" 2>/dev/null)" = "$stamp" ] && [ -f "$OLDPWD/.carry/_C.so.gz" ]; then
+       gunzip -c "$OLDPWD/.carry/_C.so.gz" > "$so"
+     elif [ "$(cat /tmp/readme_C/_C.stamp 2>/dev/null)" = "$stamp" ]; then
+       cp /tmp/readme_C/_C*.so "$so"; echo "tests_prebuilt: the extension the cmd1 call built on this machine"
+     else
+       echo "tests_prebuilt: no extension of these sources (.carry/_C.so.gz + _C.stamp, or a cmd1 call's on this machine)"; exit 1
+     fi
      export LLM_ATTN_NO_CUDA=1
    fi
    echo "README command 1 (python: $(command -v python), pip: $(command -v pip)): $cmd1"
@@ -96,7 +105,10 @@ if has readme; then
    echo "README command 1: exit code $rc, kernel backend $(cd /tmp && python -c 'import llm_attn; print(llm_attn.kernel_backend())' 2>&1 | tail -1)"
    tail -$(( rc ? 30 : 8 )) "$OUT/readme_cmd1.log"
    # The extension command 1 built, for the next calls to carry (the same stamp as the build step's).
-   if ls llm_attn/_C*.so >/dev/null 2>&1; then gzip -1 -c llm_attn/_C*.so > "$OUT/_C.so.gz"; echo "$stamp" > "$OUT/_C.stamp"; fi
+   if ls llm_attn/_C*.so >/dev/null 2>&1; then
+     gzip -1 -c llm_attn/_C*.so > "$OUT/_C.so.gz"; echo "$stamp" > "$OUT/_C.stamp"
+     if [ "$part" != tests_prebuilt ]; then rm -rf /tmp/readme_C && mkdir -p /tmp/readme_C && cp llm_attn/_C*.so /tmp/readme_C/ && echo "$stamp" > /tmp/readme_C/_C.stamp; fi
+   fi
    [ "$part" = cmd1 ] && exit "$rc"
    echo "README command 2: $cmd2"
    start=$(date +%s)
