@@ -698,9 +698,10 @@ def _fp8_kv_kernel(ext, checked, q, kv, seqused_k, scale: float, causal: bool, r
     if sliced:  # capacity past the valid tokens (two views cost the host ~3 us each: only when needed)
         n = kv.length
         kd, vd = kd[:, :, :n], vd[:, :, :n]
+    # NVRTC: a dropped lse (not return_lse) allocates nothing (the stream's eager buffer takes it).
     if not _is_nvrtc(ext):
         out, lse = ext.mha_decode_fp8kv(q, kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, causal)
-    elif checked is not None:  # lse dropped: no allocation for it (the stream's eager buffer takes it)
+    elif checked is not None:
         out, lse = ext.mha_decode_fp8kv_keyed(checked, q, kd, vd, kv.k_scale, kv.v_scale, seqused_k, scale, causal,
                                               return_lse)
     else:
