@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--paths", nargs="+", default=["llm_attn.flash_attn_func", "llm_attn via the patch",
                                                    hostcost.FP8_PATH],
-                    choices=[*hostcost.PATHS, hostcost.FP8_PATH])
+                    choices=[*hostcost.PATHS, *hostcost.FP8_PATHS])
     ap.add_argument("--shapes", nargs="+", default=["decode", "prefill"], choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--calls", type=int, default=1000)

@@ -252,6 +252,7 @@ def _host_mode(p, args, f, argv) -> int:
     from llm_attn.envinfo import environment  # noqa: PLC0415
     from llm_attn.harness.hostcost import (  # noqa: PLC0415
         HostShape,
+        fp8_step_lines,
         host_cost_table,
         measure_host_cost,
         user_timing_table,
@@ -285,6 +286,8 @@ def _host_mode(p, args, f, argv) -> int:
               f"rounds of {args.repeats_host} back-to-back calls (no sync inside); in brackets: torch SDPA's µs / this "
               f"path's (>1 = this path costs the host less) [95 % paired interval]")
         print(host_cost_table(rows))
+        for line in fp8_step_lines(rows):
+            print(line)
         if args.user_timing:
             print(f"\n{dt} on {device}, as a user's script times it ({args.user_processes} fresh processes per "
                   f"path and shape, interleaved; in each, {args.repeats_host} calls under inference_mode, wall time "

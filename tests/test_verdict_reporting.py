@@ -106,13 +106,16 @@ def test_bench_host_mode_on_cpu(tmp_path, capsys):
                        "--kv", "128", "--out", str(out)]) == 0
     rows = list(map(json.loads, out.read_text().splitlines()))
     paths = {"llm_attn.flash_attn_func", "llm_attn via the patch", "sdpa (transformers)", "torch SDPA"}
+    fp8 = {"llm_attn via the patch, FP8 cache", "llm_attn via the patch, FP8 cache, update's return + call",
+           "sdpa (transformers), FP8 cache, update's return + call"}  # the decode on the FP8 cache: decode shapes only
     assert {(r["shape"], r["path"]) for r in rows} == {(s, p) for s in ("prefill 64", "decode kv 128") for p in paths} | {
-        ("decode kv 128", "llm_attn via the patch, FP8 cache")}  # the decode on the FP8 cache: decode shapes only
+        ("decode kv 128", p) for p in fp8}
     assert all(r["us_per_call"] > 0 and r["mode"] == "host" and r["command"] for r in rows)
     patched = [r for r in rows if r["path"] == "llm_attn via the patch"]
     assert all(r["attention_calls"]["impl"] > 0 and r["attention_calls"]["stock_fallback"] == 0 for r in patched)
     text = capsys.readouterr().out
     assert "prefill 64: host µs/call (torch SDPA / this path, >1 = faster)" in text and "(1.00x)" in text
+    assert re.search(r"decode kv 128, FP8 cache, update's return \+ call: stock's µs / ours \d+\.\d+x \[", text)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the bench's default: the GPU where there is one
     assert f"bf16 on {device}, {rows[0]['env']['kernel_build'] or 'no'} kernel build: host µs per call" in text
 
@@ -123,8 +126,8 @@ def test_bench_host_mode_says_where_its_rows_went(tmp_path, capsys):
             "--kv", "16"]
     out = tmp_path / "host.jsonl"
     assert bench.main([*args, "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1] == f"9 rows appended to {out}"  # 4 + 5 paths
-    assert len(out.read_text().splitlines()) == 9
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"11 rows appended to {out}"  # 4 + 7 paths
+    assert len(out.read_text().splitlines()) == 11
     assert bench.main(args) == 0
     assert "rows not saved: add --out FILE.jsonl" in capsys.readouterr().out.strip().splitlines()[-1]
 

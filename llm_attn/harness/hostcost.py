@@ -17,6 +17,14 @@ paired bootstrap interval over the rounds (harness/stats.py). The paths:
   (``llm_attn.models.kv_cache``; placeholders tagged with the cache's bytes and scales), which reads the bytes
   (the FP8-cache decode kernel): its scales must add no host work (issue 38 item 5).
 
+Two more decode paths time a decode step's whole host work per layer on the FP8 cache past the append (which both
+pay alike): what the cache's ``update`` returns, then the attention call on it (issue 38 item 5 asks ours <= SDPA's
+with the FP8 cache too, and stock attention can read that cache only through a dequantised copy):
+
+- ``llm_attn via the patch, FP8 cache, update's return + call``: the placeholders, then the patched call;
+- ``sdpa (transformers), FP8 cache, update's return + call``: an unpatched model's step, the dequantised copy
+  (``ops.fp8_kv_dequantized``, one launch and two allocations), then stock ``sdpa_attention_forward`` on it.
+
 On a GPU the N calls only enqueue kernels (N = 300 stays far below the launch queue's depth, so the host never
 waits for the device); on the CPU every call also computes, so CPU numbers are not host costs.
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +73,10 @@ class HostShape:
 # The paths (module docstring), in the order of the tables; torch SDPA is every ratio's reference.
 PATHS = ("llm_attn.flash_attn_func", "llm_attn via the patch", "sdpa (transformers)", "torch SDPA")
 FP8_PATH = "llm_attn via the patch, FP8 cache"  # decode shapes only: the same call reading the FP8 KV cache's bytes
+# Decode shapes only: what the FP8 cache's update returns plus the attention call, ours and stock's (module docstring).
+FP8_STEP_PATH = "llm_attn via the patch, FP8 cache, update's return + call"
+FP8_STOCK_STEP_PATH = "sdpa (transformers), FP8 cache, update's return + call"
+FP8_PATHS = (FP8_PATH, FP8_STEP_PATH, FP8_STOCK_STEP_PATH)
 
 # The shapes of issue 18: Llama 3 8B geometry (32 query heads over 8 KV heads, head_dim 128).
 PREFILL = HostShape("prefill 2048", 1, 32, 8, 2048, 2048, 128)
@@ -118,7 +131,7 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
 
     if user_timing and user_processes < 1:
         raise ValueError(f"user_processes must be >= 1, got {user_processes}")
-    known = (*PATHS, FP8_PATH)
+    known = (*PATHS, *FP8_PATHS)
     if paths is not None and (bad := [p for p in paths if p not in known]):
         raise ValueError(f"unknown host-cost path(s) {bad}; known: {', '.join(known)}")
     device = torch.device(device)
@@ -133,33 +146,41 @@ def measure_host_cost(device: str | torch.device = "cuda", dtype: torch.dtype = 
                            "device": str(device), "dtype": str(dtype).replace("torch.", ""), **vars(shape),
                            "samples_us": []} for name in fns}
             report.reset_counters()
+            seen = {name: Counter() for name in fns}  # the patch's counters moved by each path's own calls
             live = list(fns)
             for _ in range(rounds):
                 order.shuffle(live)
                 for name in list(live):
+                    before = _patch_counters(report)
                     try:
                         rows[name]["samples_us"].append(host_us_per_call(fns[name], device, calls, warmup))
                     except Exception as e:  # noqa: BLE001 (a path this device cannot run: recorded, the others go on)
                         rows[name]["why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                         rows[name]["samples_us"] = []
                         live.remove(name)
+                    seen[name].update(_patch_counters(report) - before)
             ref = rows["torch SDPA"]["samples_us"]
             for name, row in rows.items():
                 samples = row["samples_us"]
                 row["us_per_call"] = float(np.median(samples)) if samples else None
                 if samples and ref and name != "torch SDPA":
                     row["vs_torch_sdpa"] = paired_ratio_interval(ref, samples)
-                fp8_reads = dict(report.kv_cache_reads)  # the FP8 path's calls, by how each read the cache
                 if name == "llm_attn via the patch":
-                    row["attention_calls"] = {"impl": report.num_native_calls - sum(fp8_reads.values()),
-                                              "stock_fallback": report.num_fallback_calls}
-                if name == FP8_PATH:
-                    row["fp8_cache_reads"] = fp8_reads
+                    row["attention_calls"] = {"impl": seen[name]["native"], "stock_fallback": seen[name]["fallback"]}
+                if name in (FP8_PATH, FP8_STEP_PATH):  # its calls, by how each read the cache
+                    row["fp8_cache_reads"] = {k[len("read "):]: n for k, n in seen[name].items()
+                                              if k.startswith("read ")}
                 out.append(row)
             del model, module, fns
     if user_timing:
         _user_timing_rounds(out, device, dtype, calls, user_processes, order)
     return out
+
+
+def _patch_counters(report) -> Counter:
+    """The patch report's call counters now: native calls, stock fallbacks, and the FP8 cache's reads by kind."""
+    return Counter({"native": report.num_native_calls, "fallback": report.num_fallback_calls,
+                    **{f"read {k}": n for k, n in report.kv_cache_reads.items()}})
 
 
 def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: int, order: random.Random,
@@ -202,7 +223,8 @@ def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: 
 
 
 def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
-    """The four paths' zero-argument callables for one shape (inputs made here), with the patched model they use
+    """The paths' zero-argument callables for one shape (inputs made here; the FP8-cache ones at decode shapes), with
+    the patched model they use
     and its patch report."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
@@ -228,10 +250,17 @@ def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
 
         layer = Fp8DynamicLayer()
         layer.attn_config = module.config  # patched: the attention reads the bytes, update returns placeholders
+        stock = Fp8DynamicLayer()  # no patched config: update returns the dequantised copy, as to an unpatched model
         with torch.inference_mode():
             kp, vp = layer.update(k, v)
+            stock.update(k, v)
         paths[FP8_PATH] = lambda m=module, q=q, kp=kp, vp=vp, s=scale: llm_attn_attention_forward(m, q, kp, vp, None,
                                                                                               scaling=s)
+        # update's return is what it gives after the append (_dequantized), here without appending again
+        paths[FP8_STEP_PATH] = lambda m=module, q=q, c=layer, s=scale: llm_attn_attention_forward(
+            m, q, *c._dequantized(), None, scaling=s)
+        paths[FP8_STOCK_STEP_PATH] = lambda m=module, q=q, c=stock, s=scale: sdpa_attention_forward(
+            m, q, *c._dequantized(), None, scaling=s)
     return model, module, report, paths
 
 
@@ -332,6 +361,27 @@ def host_cost_table(rows: list[dict], tablefmt: str = "github") -> str:
     return tabulate(table, headers=headers, tablefmt=tablefmt, disable_numparse=True)
 
 
+def fp8_step_lines(rows: list[dict]) -> list[str]:
+    """Per decode shape with both FP8-cache step paths measured: stock's µs over ours, paired by round (> 1 = ours
+    costs the host less), and ours against the patched call on the fp16 cache (the FP8 cache's own host work)."""
+    from llm_attn.harness.stats import format_ratio_interval, paired_ratio_interval  # noqa: PLC0415
+
+    by = {(r["shape"], r["path"]): r.get("samples_us") for r in rows}
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        ours, stock = by.get((shape, FP8_STEP_PATH)), by.get((shape, FP8_STOCK_STEP_PATH))
+        fp16 = by.get((shape, "llm_attn via the patch"))
+        if not (ours and stock):
+            continue
+        line = (f"{shape}, FP8 cache, update's return + call: stock's µs / ours "
+                f"{format_ratio_interval(paired_ratio_interval(stock, ours))}")
+        if fp16:
+            line += (f"; the patched call on the fp16 cache / ours "
+                     f"{format_ratio_interval(paired_ratio_interval(fp16, ours))}")
+        lines.append(line)
+    return lines
+
+
 def main(argv=None) -> int:
     """``python -m llm_attn.harness.hostcost [--device cuda] [--dtype float16] [--calls 300]``: the table."""
     import argparse  # noqa: PLC0415
@@ -348,6 +398,7 @@ def main(argv=None) -> int:
         return 2
     rows = measure_host_cost(args.device, getattr(torch, args.dtype), calls=args.calls)
     print(host_cost_table(rows))
+    print("\n".join(fp8_step_lines(rows)))
     return 0
 
 
