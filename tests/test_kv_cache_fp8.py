@@ -510,6 +510,7 @@ def test_patched_attention_reads_the_fp8_cache_directly_and_via_the_copy_elsewhe
         with torch.inference_mode():  # what the cache hands to llm_attn's attention function: no values
             k, v = cache.layers[0].update(*(torch.zeros(2, 2, 1, 64),) * 2)
         assert ref.is_placeholder(k) and ref.is_placeholder(v) and k.stride() == (0, 0, 0, 0)
+        assert k is v and k.shape == (2, 2, 82, 64)  # one view serves as both: nothing reads values from either
         assert ref.fp8_kv_of(k).length == 82
         # left padding: the mask is not a causal prefix, the call takes stock sdpa (counted), on the copy made here
         report.reset_counters()
@@ -524,6 +525,26 @@ def test_patched_attention_reads_the_fp8_cache_directly_and_via_the_copy_elsewhe
     with torch.inference_mode():  # unpatched again: the cache returns real copies
         k, _ = Fp8DynamicCache(config=tiny.config).layers[0].update(*(torch.ones(1, 2, 3, 64),) * 2)
     assert not ref.is_placeholder(k) and torch.equal(k, torch.ones(1, 2, 3, 64))
+
+
+def test_the_attention_implementation_is_read_as_transformers_reads_it(tiny):
+    """The cache asks on every layer of every token which attention the model runs; it reads the value the
+    config's property returns from the instance (the property costs ~3 µs on transformers' configs), and any other
+    config object through the attribute."""
+    from types import SimpleNamespace
+
+    from llm_attn.models.kv_cache import _attn_implementation
+
+    cfg = tiny.config
+    was = cfg._attn_implementation
+    try:
+        for impl in ("eager", "sdpa"):
+            cfg._attn_implementation = impl
+            assert _attn_implementation(cfg) == cfg._attn_implementation == impl
+    finally:
+        cfg._attn_implementation = was
+    assert _attn_implementation(SimpleNamespace(_attn_implementation="llm_attn")) == "llm_attn"
+    assert _attn_implementation(object()) is None
 
 
 def test_chunked_prefill_reads_every_chunk_directly(tiny):
