@@ -18,9 +18,10 @@ cudaError_t launch_decode_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t str
     return cudaGetLastError();
 }
 
-// One configuration per row count, on every device: e4m3 tiles are half the bytes of fp16 ones, so 4 stages of
-// one m16 row tile (hd 128: 68 KB) and 3 of two (72 KB, the merge buffer's size) fit the 99 KB that sm_86/sm_89
-// give a block. The tables are kernel_tiles.h's DecodeFp8KvConfig<D> (kernels/generate_kernels.py).
+// One configuration per row count, on every device: e4m3 tiles are half the bytes of fp16 ones, so 3 stages of
+// one m16 row tile (hd 128: 53 KB; 4 were slower on the H200, kernels/NOTES.md "The FP8-cache decode's stage count")
+// and 3 of two (72 KB, the merge buffer's size) fit the 99 KB that sm_86/sm_89 give a block. The tables are
+// kernel_tiles.h's DecodeFp8KvConfig<D> (kernels/generate_kernels.py).
 template <typename T, int kHeadDim>
 cudaError_t run_flash_decode_fp8kv_(FlashDecodeFp8KvParams& params, cudaStream_t stream) {
     using Config = DecodeFp8KvConfig<kHeadDim>;

@@ -68,8 +68,10 @@ DECODE_MAX_ROWS = 32
 # there to be measured against Deep (experiments/decode_splits.py).
 DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2), ("Deep4", 1, 4))
 # The decode kernel over the FP8 (e4m3) KV cache: DecodeFp8KvTraits<D, kMTiles, kStages> (flash_decode_fp8kv_kernel.cuh)
-# per row count, the same on every device (DecodeFp8KvConfig<D>; flash_decode_fp8kv_launch.cuh says why).
-DECODE_FP8KV_TRAITS = (("OneTile", 1, 4), ("TwoTiles", 2, 3))
+# per row count, the same on every device (DecodeFp8KvConfig<D>; flash_decode_fp8kv_launch.cuh says why). OneTile's
+# 3 stages: on the H200 at B=1 32k keys 3.3 % faster than 4, 2 and 5-6 slower (kernels/NOTES.md "The FP8-cache
+# decode's stage count").
+DECODE_FP8KV_TRAITS = (("OneTile", 1, 3), ("TwoTiles", 2, 3))
 # The prefill over the FP8 KV cache (more rows than DECODE_MAX_ROWS): PrefillFp8KvTraits<D, kNWarps, kStages>
 # (flash_prefill_fp8kv_kernel.cuh), one tile on every device (PrefillFp8KvConfig<D>::Tile; flash_prefill_fp8kv_launch.cuh
 # says why): 4 warps x 16 packed rows, 3 stages of e4m3 K/V.

@@ -93,7 +93,7 @@ template <int kHeadDim_, int kMTiles_, int kStages_>
 struct DecodeFp8KvTraits;
 template <int kHeadDim>
 struct DecodeFp8KvConfig {
-    using OneTile = DecodeFp8KvTraits<kHeadDim, 1, 4>;
+    using OneTile = DecodeFp8KvTraits<kHeadDim, 1, 3>;
     using TwoTiles = DecodeFp8KvTraits<kHeadDim, 2, 3>;
 };
 

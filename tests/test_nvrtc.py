@@ -1222,14 +1222,14 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     for name, line in FP8KV_HOST_LINES:
         assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py / _nvrtc.py"
     # Llama 3 8B decode on an H100: 8 (batch x KV head) blocks, 32 splits (about two blocks an SM asks 33; the 33rd
-    # would get none of the 512 tiles), one m16 row tile of 4 stages (68 KB).
+    # would get none of the 512 tiles), one m16 row tile of 3 stages (53 KB).
     s = _plan.Shape(1, 32, 8, 1, 32768, 128, True, True)
     p = _plan.decode_fp8kv_plan(s, H100)
     assert (p.num_splits, p.decode, len(p.launches)) == (32, True, 1)
     launch = p.launches[0]
     assert launch.kernel == ("llm_attn::flash_decode_fp8kv_kernel<__nv_bfloat16, "
-                             "llm_attn::DecodeFp8KvTraits<128, 1, 4>>")
-    assert (launch.grid, launch.threads, launch.smem) == ((32, 8, 1), 128, 16 * 128 * 2 + 128 + 2 * 4 * 64 * 128)
+                             "llm_attn::DecodeFp8KvTraits<128, 1, 3>>")
+    assert (launch.grid, launch.threads, launch.smem) == ((32, 8, 1), 128, 16 * 128 * 2 + 128 + 2 * 3 * 64 * 128)
     # The split count at every shape against the fp16 kernel's (flash_fwd_num_splits), whatever the tile or decode
     # config.
     for (b, hq, hkv), sq, sk, dev in itertools.product(((1, 32, 8), (4, 32, 8), (16, 32, 8), (1, 8, 8), (2, 32, 1)),
@@ -1257,7 +1257,7 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     # MQA (32 rows): two row tiles, 3 stages, 76 KB (the merge buffer); 16 rows still one.
     assert _plan.decode_fp8kv_plan(_plan.Shape(1, 32, 1, 1, 4096, 128), H100).launches[0].kernel.endswith(
         "DecodeFp8KvTraits<128, 2, 3>>")
-    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 1, 4)
+    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 1, 3)
     assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 5, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 2, 3)
     # A forced split count (force_decode(splits=)) is clamped to the 64-key tiles.
     for forced, want in ((1, 1), (7, 7), (500, 16)):
