@@ -547,6 +547,31 @@ def test_the_attention_implementation_is_read_as_transformers_reads_it(tiny):
     assert _attn_implementation(object()) is None
 
 
+def test_patched_decode_on_the_static_fp8_cache_compiles_fullgraph(tiny):
+    """torch.compile(fullgraph=True) of a patched decode step on the static FP8 cache: the cache's check of which
+    attention runs must not trace anything dynamo refuses (reading the config past its __getattribute__ did), and
+    the compiled step gives the eager step's logits (traced, the cache hands attention its dequantised copy)."""
+    from llm_attn import patch_model, unpatch_model
+
+    ids, step = _ids(tiny, 1, 16, seed=21), _ids(tiny, 1, 1, seed=22)
+    patch_model(tiny)
+    try:
+        with torch.inference_mode():
+            got = []
+            for compiled in (False, True):
+                cache = Fp8StaticCache(config=tiny.config, max_cache_len=64)
+                tiny(ids, past_key_values=cache)
+                fn = lambda x, c=cache: tiny(x, past_key_values=c).logits  # noqa: E731
+                if compiled:
+                    torch._dynamo.reset()
+                    fn = torch.compile(fn, fullgraph=True, backend="eager")
+                got.append(fn(step))
+    finally:
+        unpatch_model(tiny)
+        torch._dynamo.reset()
+    assert torch.isfinite(got[1]).all() and (got[1] - got[0]).abs().max() < 1e-4
+
+
 def test_chunked_prefill_reads_every_chunk_directly(tiny):
     """The harness's --prefill-chunk on the FP8 cache, patched: each chunk (q_len < kv_len, causal bottom-right over
     everything cached) reads the bytes (on a GPU the prefill kernel; here its blockwise reference), never the copy,

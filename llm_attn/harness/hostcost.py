@@ -224,8 +224,7 @@ def _user_timing_rounds(rows: list[dict], device, dtype, calls: int, processes: 
 
 def _paths(shape: HostShape, device: torch.device, dtype: torch.dtype):
     """The paths' zero-argument callables for one shape (inputs made here; the FP8-cache ones at decode shapes), with
-    the patched model they use
-    and its patch report."""
+    the patched model they use and its patch report."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
 
     from llm_attn.ops import flash_attn_func  # noqa: PLC0415

@@ -144,9 +144,10 @@ class _Fp8Storage:
     def _attention_reads_fp8(self) -> bool:
         """Whether the model this cache serves runs llm_attn's attention function now (which reads placeholders).
         Never while torch.compile traces: the traced attention cannot look for the FP8 view, so it gets the copy."""
+        if torch.compiler.is_compiling():  # first: dynamo cannot trace _attn_implementation's object.__getattribute__
+            return False
         config = getattr(self, "attn_config", None)
-        return (config is not None and _attn_implementation(config) == "llm_attn"
-                and not torch.compiler.is_compiling())
+        return config is not None and _attn_implementation(config) == "llm_attn"
 
     def fp8(self) -> ref.Fp8KV:
         """The raw FP8 data and scales (the storage itself, not a copy) and the number of valid tokens."""
