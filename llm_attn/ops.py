@@ -766,9 +766,11 @@ def fp8_kv_dequantized(kv, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Te
     values, bit for bit, in one launch where the current build has the kernel (``fp8_cache_dequant_available``: the
     AOT or the NVRTC build, whichever ``flash_attn_func`` runs on) and the cache is on a CUDA device (fp16/bf16,
     head_dim 64 or 128, contiguous 16-byte-aligned storage: what ``llm_attn.models.kv_cache`` makes); the PyTorch
-    reference otherwise. ``out``: (k, v) to write into (tests poison them first); the kernel path only."""
+    reference otherwise, and always while torch.compile traces (the launch and its pointer checks are not traceable;
+    inductor fuses the reference's ops). ``out``: (k, v) to write into (tests poison them first); the kernel path
+    only."""
     d, n = kv.k_data.shape[-1], kv.length
-    use_kernel = (kv.k_data.is_cuda and dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
+    use_kernel = (not torch.compiler.is_compiling() and kv.k_data.is_cuda and dtype in (torch.float16, torch.bfloat16) and d in (64, 128)
                   and kv.used is None and kv.k_data.shape[0] * kv.k_data.shape[1] <= 65535
                   and all(t.is_contiguous() and t.data_ptr() % 16 == 0  # the kernel's 16-byte loads
                           for t in (kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift))

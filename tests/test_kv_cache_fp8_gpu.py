@@ -581,6 +581,39 @@ def test_tiny_model_decode_reads_the_bytes_on_the_gpu(ext):
         assert (got == want).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_patched_decode_on_the_fp8_cache_compiles_fullgraph_on_the_gpu(ext, cache):
+    """torch.compile(fullgraph=True) (inductor) of a patched decode step on the FP8 cache, on the GPU, where the cache
+    has its one-launch copy: nothing the traced step runs may be untraceable (the copy's pointer checks were: found on
+    an H200; the CPU test never reaches them), and the compiled step (attention reads the copy) gives the eager step's
+    logits (attention reads the bytes)."""
+    from llm_attn import patch_model, unpatch_model
+    from llm_attn.models import load_model
+    from llm_attn.models.kv_cache import Fp8DynamicCache
+
+    model, _ = load_model("tiny:fp16", device="cuda", dtype=torch.float16, attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=gen).cuda()
+    step = torch.randint(0, model.config.vocab_size, (2, 1), generator=gen).cuda()
+    got = []
+    patch_model(model)
+    try:
+        with torch.inference_mode():
+            for compiled in (False, True):
+                c = (Fp8StaticCache(config=model.config, max_cache_len=128) if cache == "static"
+                     else Fp8DynamicCache(config=model.config))
+                model(ids, past_key_values=c)
+                fn = lambda x, c=c: model(x, past_key_values=c).logits  # noqa: E731
+                if compiled:
+                    torch._dynamo.reset()
+                    fn = torch.compile(fn, fullgraph=True)
+                got.append(fn(step).float())
+    finally:
+        unpatch_model(model)
+        torch._dynamo.reset()
+    assert torch.isfinite(got[1]).all() and (got[1] - got[0]).abs().max() < 0.05
+
+
 @pytest.mark.parametrize("choice", ["kernel", "auto"])
 def test_tiny_model_chunked_prefill_reads_the_bytes_on_the_gpu(prefill_ext, monkeypatch, choice):
     """The tiny Llama (fp16) patched, a 300-token prompt in chunks of 128 over the FP8 cache (the harness's
