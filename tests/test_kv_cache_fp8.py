@@ -547,10 +547,12 @@ def test_the_attention_implementation_is_read_as_transformers_reads_it(tiny):
     assert _attn_implementation(object()) is None
 
 
-def test_patched_decode_on_the_static_fp8_cache_compiles_fullgraph(tiny):
+@pytest.mark.parametrize("device_position", [False, True])
+def test_patched_decode_on_the_static_fp8_cache_compiles_fullgraph(tiny, device_position):
     """torch.compile(fullgraph=True) of a patched decode step on the static FP8 cache: the cache's check of which
     attention runs must not trace anything dynamo refuses (reading the config past its __getattribute__ did), and
-    the compiled step gives the eager step's logits (traced, the cache hands attention its dequantised copy)."""
+    the compiled step gives the eager step's logits (traced, the cache hands attention its dequantised copy). With
+    device_position the traced step takes the host path (the device step reads its used length back with a sync)."""
     from llm_attn import patch_model, unpatch_model
 
     ids, step = _ids(tiny, 1, 16, seed=21), _ids(tiny, 1, 1, seed=22)
@@ -559,7 +561,7 @@ def test_patched_decode_on_the_static_fp8_cache_compiles_fullgraph(tiny):
         with torch.inference_mode():
             got = []
             for compiled in (False, True):
-                cache = Fp8StaticCache(config=tiny.config, max_cache_len=64)
+                cache = Fp8StaticCache(config=tiny.config, max_cache_len=64, device_position=device_position)
                 tiny(ids, past_key_values=cache)
                 fn = lambda x, c=cache: tiny(x, past_key_values=c).logits  # noqa: E731
                 if compiled:

@@ -581,12 +581,12 @@ def test_tiny_model_decode_reads_the_bytes_on_the_gpu(ext):
         assert (got == want).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "static-device-position", "dynamic"])
 def test_patched_decode_on_the_fp8_cache_compiles_fullgraph_on_the_gpu(ext, cache):
     """torch.compile(fullgraph=True) (inductor) of a patched decode step on the FP8 cache, on the GPU, where the cache
-    has its one-launch copy: nothing the traced step runs may be untraceable (the copy's pointer checks were: found on
-    an H200; the CPU test never reaches them), and the compiled step (attention reads the copy) gives the eager step's
-    logits (attention reads the bytes)."""
+    has its one-launch copy and append: nothing the traced step runs may be untraceable (the copy's pointer checks
+    were: found on an H200; the CPU test never reaches them), and the compiled step (attention reads the copy; with
+    device_position, the host path's update) gives the eager step's logits (attention reads the bytes)."""
     from llm_attn import patch_model, unpatch_model
     from llm_attn.models import load_model
     from llm_attn.models.kv_cache import Fp8DynamicCache
@@ -600,8 +600,8 @@ def test_patched_decode_on_the_fp8_cache_compiles_fullgraph_on_the_gpu(ext, cach
     try:
         with torch.inference_mode():
             for compiled in (False, True):
-                c = (Fp8StaticCache(config=model.config, max_cache_len=128) if cache == "static"
-                     else Fp8DynamicCache(config=model.config))
+                c = (Fp8DynamicCache(config=model.config) if cache == "dynamic" else
+                     Fp8StaticCache(config=model.config, max_cache_len=128, device_position=cache != "static"))
                 model(ids, past_key_values=c)
                 fn = lambda x, c=c: model(x, past_key_values=c).logits  # noqa: E731
                 if compiled:

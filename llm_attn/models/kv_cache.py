@@ -25,8 +25,9 @@ Not supported (transformers 5.17): ``cache_implementation="fp8"``. Its ``generat
 ``_prepare_cache_for_generation``, with no registry; pass the cache as ``past_key_values=`` instead. Models with
 sliding-window or linear-attention layers are refused (full attention only, as transformers' ``QuantizedCache``).
 The static variant keeps its write position on the host by default, so it is not ``torch.compile``-able
-(``is_compileable`` is False, and generate does not try). ``Fp8StaticCache(..., device_position=True)`` makes its
-decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph decode does): a one-token update
+(``is_compileable`` is False, and generate does not try); a step that the user compiles traces the host path's
+ops, with ``device_position`` too, and attention reads the dequantised copy. ``Fp8StaticCache(...,
+device_position=True)`` makes its decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph decode does): a one-token update
 then runs on the device alone. It writes the token into the open block's float32 originals (a fixed 64-slot buffer)
 at the position held in ``cumulative_length``, re-quantises that block from them (K's shift too while block 0 is
 open), and, for llm_attn's attention function, returns placeholders of the whole capacity with the used length as a
@@ -288,7 +289,10 @@ class Fp8StaticLayer(_Fp8Storage, StaticLayer):
 
     # -- device_position: the decode step on the device alone -----------------------------------------------------
     def _device_step(self, query_length: int) -> bool:
-        return self.device_position and self.is_initialized and query_length == 1
+        # Not while torch.compile traces: the step's used-length read (one sync) and its append launch cannot be
+        # traced; the host path's ops can, and store the same bytes.
+        return (self.device_position and self.is_initialized and query_length == 1
+                and not torch.compiler.is_compiling())
 
     def _update_on_device(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """One token written and its block re-quantised with no host value (module docstring): the host path's
