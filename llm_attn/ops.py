@@ -771,7 +771,8 @@ def fp8_kv_dequantized(kv, dtype: torch.dtype, out: tuple[torch.Tensor, torch.Te
     only."""
     d, n = kv.k_data.shape[-1], kv.length
     use_kernel = (not torch.compiler.is_compiling() and kv.k_data.is_cuda
-                  and dtype in (torch.float16, torch.bfloat16) and d in (64, 128) and kv.used is None and kv.k_data.shape[0] * kv.k_data.shape[1] <= 65535
+                  and dtype in (torch.float16, torch.bfloat16) and d in (64, 128) and kv.used is None
+                  and kv.k_data.shape[0] * kv.k_data.shape[1] <= 65535
                   and all(t.is_contiguous() and t.data_ptr() % 16 == 0  # the kernel's 16-byte loads
                           for t in (kv.k_data, kv.v_data, kv.k_scale, kv.v_scale, kv.k_shift))
                   and fp8_cache_dequant_available())

@@ -27,8 +27,8 @@ sliding-window or linear-attention layers are refused (full attention only, as t
 The static variant keeps its write position on the host by default, so it is not ``torch.compile``-able
 (``is_compileable`` is False, and generate does not try); a step that the user compiles traces the host path's
 ops, with ``device_position`` too, and attention reads the dequantised copy. ``Fp8StaticCache(...,
-device_position=True)`` makes its decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph decode does): a one-token update
-then runs on the device alone. It writes the token into the open block's float32 originals (a fixed 64-slot buffer)
+device_position=True)`` makes its decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph
+decode does): a one-token update then runs on the device alone. It writes the token into the open block's float32 originals (a fixed 64-slot buffer)
 at the position held in ``cumulative_length``, re-quantises that block from them (K's shift too while block 0 is
 open), and, for llm_attn's attention function, returns placeholders of the whole capacity with the used length as a
 device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host path's,
