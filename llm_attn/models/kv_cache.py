@@ -25,25 +25,23 @@ Not supported (transformers 5.17): ``cache_implementation="fp8"``. Its ``generat
 ``_prepare_cache_for_generation``, with no registry; pass the cache as ``past_key_values=`` instead. Models with
 sliding-window or linear-attention layers are refused (full attention only, as transformers' ``QuantizedCache``).
 The static variant keeps its write position on the host by default, so it is not ``torch.compile``-able
-(``is_compileable`` is False, and generate does not try); a step that the user compiles traces the host path's
-ops, with ``device_position`` too, and attention reads the dequantised copy. ``Fp8StaticCache(...,
-device_position=True)`` makes its decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph
-decode does): a one-token update then runs on the device alone. It writes the token into the open block's float32 originals (a fixed 64-slot buffer)
-at the position held in ``cumulative_length``, re-quantises that block from them (K's shift too while block 0 is
-open), and, for llm_attn's attention function, returns placeholders of the whole capacity with the used length as a
-device tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host path's,
-bit for bit. Stock attention gets the copy: while a graph is captured, of the whole capacity (transformers builds
-the causal mask during a capture, and it hides the slots past the used length, as for its own ``StaticCache``), so
-stock attention's decode step on the FP8 cache is capturable too (the honest baseline of a graph decode); eagerly,
-of the used tokens (their number read back: one sync), the host path's result. The first device step after a
-host-side update refills the open block's buffers from the host's tail, so it must run eagerly, not under capture.
-On a GPU that step is one launch per layer (``llm_attn.ops.fp8_cache_append``, kernels/fp8_cache_append.h: the AOT
-build, and the NVRTC build, which compiles the same kernel at first use); elsewhere (CPU, an extension built before
-the kernel) the same arithmetic runs as ~35 PyTorch ops, each a kernel in the graph (measured on the 8B: ~2-3 ms per
-token, more than the FP8 cache saves at 32k context). Every other call (a prefill, beam reordering) first reads the
-position back (one sync). Past ``max_cache_len`` the device path clamps its writes and the next host read raises
-IndexError.
-"""
+(``is_compileable`` is False, and generate does not try); a step that the user compiles traces the host path's ops, with
+``device_position`` too, and attention reads the dequantised copy. ``Fp8StaticCache(..., device_position=True)`` makes
+its decode steps capturable in a CUDA graph (what ``llm_attn.harness.measure``'s graph decode does): a one-token update
+then runs on the device alone. It writes the token into the open block's float32 originals (a fixed 64-slot buffer) at
+the position held in ``cumulative_length``, re-quantises that block from them (K's shift too while block 0 is open),
+and, for llm_attn's attention function, returns placeholders of the whole capacity with the used length as a device
+tensor (``Fp8KV.used``, the decode kernel's ``seqused_k``). The stored bytes and scales are the host path's, bit for
+bit. Stock attention gets the copy: while a graph is captured, of the whole capacity (transformers builds the causal
+mask during a capture, and it hides the slots past the used length, as for its own ``StaticCache``), so stock
+attention's decode step on the FP8 cache is capturable too (the honest baseline of a graph decode); eagerly, of the used
+tokens (their number read back: one sync), the host path's result. The first device step after a host-side update
+refills the open block's buffers from the host's tail, so it must run eagerly, not under capture. On a GPU that step is
+one launch per layer (``llm_attn.ops.fp8_cache_append``, kernels/fp8_cache_append.h: the AOT build, and the NVRTC build,
+which compiles the same kernel at first use); elsewhere (CPU, an extension built before the kernel) the same arithmetic
+runs as ~35 PyTorch ops, each a kernel in the graph (measured on the 8B: ~2-3 ms per token, more than the FP8 cache
+saves at 32k context). Every other call (a prefill, beam reordering) first reads the position back (one sync). Past
+``max_cache_len`` the device path clamps its writes and the next host read raises IndexError. """
 
 from __future__ import annotations
 
