@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 SYMBOL = "g_llm_attn_phase"
 SLOTS = 8                  # stamps per block: phases 0-6, then the SM id
@@ -121,8 +123,6 @@ class Stamps:
 
     def read(self):
         """The stamps of the one module whose kernel ran since clear(): (blocks, SLOTS) integers."""
-        import numpy as np
-
         for ptr, size in self._globals():
             host = np.zeros(size // 8, dtype=np.uint64)
             self.driver.cuMemcpyDtoH(host.ctypes.data, ptr, size)  # an address, as _nvrtc passes one
@@ -133,9 +133,15 @@ class Stamps:
         raise RuntimeError("no stamps: the instrumented kernel did not run (is LLM_ATTN_BUILD=nvrtc set?)")
 
 
-def phase_rows(stamps) -> dict[str, float]:
-    """Microseconds per phase (medians over blocks), the launch ramp and the stamped span, of one call."""
-    s = stamps[stamps[:, 0] > 0]
+def phase_rows(stamps, heads_x_batch: int) -> dict[str, float]:
+    """Microseconds per phase (medians over blocks), the launch ramp and the stamped span, of one call; then where
+    the tile loops end (from the first block's entry): deciles, blocks alone on their SM against blocks sharing one,
+    and the later half of the splits against the earlier half (the grid is splits x KV heads x batch: block b is
+    split b % splits)."""
+    splits = max(len(stamps) // heads_x_batch, 1)
+    split_of = np.arange(len(stamps)) % splits
+    keep = stamps[:, 0] > 0
+    s, split_of = stamps[keep], split_of[keep]
     t0 = s[:, 0].min()
     out = {"blocks": len(s), "SMs": len(set(s[:, SLOTS - 1].tolist()))}
     names = ["Q staged", "first tile", "tile loop", "merge + partials", "fence + count"]
@@ -149,6 +155,20 @@ def phase_rows(stamps) -> dict[str, float]:
     ends = s[:, :7].max(axis=1)
     out["last block's tile loop end - first's"] = (s[:, 3].max() - s[:, 3][s[:, 3] > 0].min()) / 1e3
     out["block time (median)"] = statistics.median((ends - s[:, 0]).tolist()) / 1e3
+    done = s[:, 3] > 0
+    loop_end = (s[:, 3] - t0) / 1e3
+    for p in (10, 50, 90):
+        out[f"tile loop end, p{p}"] = float(np.percentile(loop_end[done], p)) if done.any() else float("nan")
+    sm = s[:, SLOTS - 1]
+    alone = np.isin(sm, [x for x, n in zip(*np.unique(sm, return_counts=True)) if n == 1])
+    for name, pick in (("alone on an SM", alone), ("sharing an SM", ~alone)):
+        sel = done & pick
+        out[f"tile loop end, blocks {name} ({int(sel.sum())})"] = (
+            statistics.median(loop_end[sel].tolist()) if sel.any() else float("nan"))
+    late, early = done & (split_of >= splits / 2), done & (split_of < splits / 2)
+    out["tile loop end, later half of the splits - earlier"] = (
+        statistics.median(loop_end[late].tolist()) - statistics.median(loop_end[early].tolist())
+        if late.any() and early.any() else float("nan"))
     return out
 
 
@@ -177,7 +197,7 @@ def worker(args) -> None:
                 stamps.clear()
                 fn()
                 torch.cuda.synchronize()
-                rows.append(phase_rows(stamps.read()))
+                rows.append(phase_rows(stamps.read(), 8 * args.batch))
             gbs = 2 * args.batch * 8 * kv * 128 * elem / graph_us / 1e3
             print(f"\n## {label}, B={args.batch} 32/8 hd128 bf16, KV {kv}: graph {graph_us:.1f} us a call ({gbs:.0f} GB/s)"
                   f", {rows[0]['blocks']} blocks on {rows[0]['SMs']} SMs; medians of {args.reps} eager calls, us")
