@@ -41,7 +41,8 @@ one launch per layer (``llm_attn.ops.fp8_cache_append``, kernels/fp8_cache_appen
 which compiles the same kernel at first use); elsewhere (CPU, an extension built before the kernel) the same arithmetic
 runs as ~35 PyTorch ops, each a kernel in the graph (measured on the 8B: ~2-3 ms per token, more than the FP8 cache
 saves at 32k context). Every other call (a prefill, beam reordering) first reads the position back (one sync). Past
-``max_cache_len`` the device path clamps its writes and the next host read raises IndexError. """
+``max_cache_len`` the device path clamps its writes and the next host read raises IndexError.
+"""
 
 from __future__ import annotations
 
