@@ -104,14 +104,7 @@ __device__ __forceinline__ void prefetch_tma_desc(const TmaDesc* desc) {
 // Orders this thread's ordinary shared-memory writes before later async-proxy (TMA, wgmma) reads of them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// ---- named barriers and register reallocation -------------------------------------------------------------------
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// Arrives without waiting: with named_barrier_sync by other threads, one group lets another proceed.
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
+// ---- register reallocation (named barriers: ptx.cuh) ------------------------------------------------------------
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
