@@ -89,8 +89,8 @@ def make_copy(dst: Path) -> None:
     fp8 = (k / "flash_decode_fp8kv_kernel.cuh").read_text()
     (k / "flash_decode_fp8kv_kernel.cuh").write_text(instrument(
         fp8, "__device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvParams& fp) {\n",
-        "    for (int i = 0; i < num_tiles; ++i) {\n",
-        "        __syncthreads();  // tile i (and Q) visible to all; everyone is done with the stage about to be refilled"))
+        "    for (int i = 0; i < loop_tiles; ++i) {\n",
+        "        group_sync();  // tile i (and Q) visible to the group; it is done with the stage about to be refilled"))
 
 
 class Stamps:

@@ -753,8 +753,9 @@ std::tuple<at::Tensor, at::Tensor> mha_decode_fp8kv(const at::Tensor& q, const a
     fp.k_scale = k_scale.data_ptr<float>(), fp.v_scale = v_scale.data_ptr<float>();
     fp.ks_batch_stride = k_scale.stride(0), fp.ks_head_stride = k_scale.stride(1);
     fp.vs_batch_stride = v_scale.stride(0), fp.vs_head_stride = v_scale.stride(1);
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);
+    const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+    p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, props->multiProcessorCount,
+                                                           static_cast<int>(props->sharedMemPerBlockOptin));
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     at::Tensor workspace;
     if (p.num_splits > 1) {  // as launch_fwd: float32 partials from torch's allocator, counters from the pool

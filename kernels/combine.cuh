@@ -72,11 +72,6 @@ __device__ __forceinline__ void combine_row(const FlashFwdParams& params, int64_
     if (params.lse != nullptr && lane == 0) params.lse[row_id] = total > 0.f ? max_lse + __logf(total) : -INFINITY;
 }
 
-// The decode kernels' batch: 16 splits in flight (the fp16 rule's count at B=1 and 8 KV heads on an H100, half the
-// FP8 cache's). Their last block runs it after its tile loop; at 32 splits a batch, head_dim 64's kernels (121-128
-// registers) would rise to 174 and lose half their blocks an SM.
-inline constexpr int kDecodeCombineBatch = 16;
-
 // Merges the KV-split partials of the prefill kernel: one warp per output row.
 template <typename T, int kHeadDim>
 __global__ void flash_combine_kernel(const FlashFwdParams params) {

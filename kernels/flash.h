@@ -75,6 +75,10 @@ int flash_decode_force_splits(int splits);
 int flash_decode_forced_splits();  // 0 = automatic
 int flash_decode_force_config(int config);
 int flash_decode_forced_config();
+// The decode kernels' split combine (combine.cuh) loads 16 splits' partials in flight: the fp16 rule's count at B=1
+// and 8 KV heads on an H100. Their last block runs it after its tile loop; at 32 splits a batch, head_dim 64's kernels
+// (121-128 registers) would rise to 174 and lose half their blocks an SM. The FP8-cache split rule reads it too.
+inline constexpr int kDecodeCombineBatch = 16;
 
 // Device facts, cached per device (no synchronisation).
 int num_sms_current_device();

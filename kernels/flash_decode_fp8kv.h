@@ -24,14 +24,34 @@ struct FlashDecodeFp8KvParams {
     int64_t vs_batch_stride, vs_head_stride;
 };
 
+// Shared memory of DecodeFp8KvTraits<D, kMTiles, kStages, kWGroups> (flash_decode_fp8kv_kernel.cuh): fp16 Q, the
+// tile scales (128 bytes a warp group), and the larger of the groups' e4m3 K/V stages and the warp merge's float32
+// buffer ([warps][rows][head_dim + 8]).
+constexpr int decode_fp8kv_smem_bytes(int head_dim, int m_tiles, int stages, int wgroups) {
+    const int stage_bytes = 2 * wgroups * stages * 64 * head_dim;
+    const int merge_bytes = 4 * wgroups * 16 * m_tiles * (head_dim + 8) * 4;
+    return 16 * m_tiles * head_dim * 2 + 128 * wgroups + (stage_bytes > merge_bytes ? stage_bytes : merge_bytes);
+}
+// The same for a config of kernel_tiles.h's DecodeFp8KvConfig<D> by its type, which host code sees only declared.
+template <typename Traits>
+struct DecodeFp8KvSmem;
+template <int D, int M, int S, int W>
+struct DecodeFp8KvSmem<DecodeFp8KvTraits<D, M, S, W>> {
+    static constexpr int kBytes = decode_fp8kv_smem_bytes(D, M, S, W);
+};
+
 // Launches attention over the FP8 cache on `stream` (never synchronises): the split-KV decode kernel where
 // (query heads per KV head) x q_len <= kDecodeMaxRows (kernel_tiles.h), else the prefill kernel
 // (flash_prefill_fp8kv_kernel.cuh: chunked prefill, q_len <= kv_len; num_splits must be 1). head_dim 64 or 128;
 // anything else returns cudaErrorInvalidValue.
 cudaError_t run_flash_decode_fp8kv(FlashDecodeFp8KvParams& params, cudaStream_t stream);
-// KV splits of such a launch on a device with `num_sms` SMs: the fp16 decode kernel's rule (flash_fwd_num_splits)
-// for a decode call, 1 for a prefill call.
-int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& params, int num_sms);
+// KV splits of such a launch on a device with `num_sms` SMs and `smem_per_block_optin` bytes of shared memory a
+// block (flash_decode_fp8kv.cu says the rule) for a decode call, 1 for a prefill call.
+int flash_decode_fp8kv_num_splits(const FlashDecodeFp8KvParams& params, int num_sms, int smem_per_block_optin);
+// Whether a decode launch of `splits` splits runs blocks of two warp groups (DecodeFp8KvConfig<D>::OneTileWG2):
+// one m16 row tile, the grid at most one block an SM, and the config's shared memory within the device's.
+bool flash_decode_fp8kv_two_groups(const FlashDecodeFp8KvParams& params, int splits, int num_sms,
+                                   int smem_per_block_optin);
 
 // The prefill kernel's version for a call: LLM_ATTN_FP8KV_PREFILL_V "1" or "2" forces one (read per call, so that one
 // process can time both); otherwise v2 (each K/V tile converted to fp16 once per 128-row block) where its blocks,

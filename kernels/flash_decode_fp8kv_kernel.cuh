@@ -1,7 +1,8 @@
 // Split-KV decode over the FP8 (e4m3) KV cache: flash_decode_kernel.cuh's algorithm (one block per (batch, KV head,
 // split), the group's query heads x q_len packed as m16 rows, 4 warps x 16 keys of each 64-key tile, per-warp
 // online softmax merged through shared memory, fused split combine), with K and V read as e4m3 bytes and
-// dequantised in registers. No fp16 copy of the cache exists anywhere: global -> shared is a byte copy
+// dequantised in registers. A block has one or two such warp groups (DecodeFp8KvTraits::kWGroups); two take the
+// split's tiles in turn, each through its own stages and barrier, and meet in the warp merge. No fp16 copy of the cache exists anywhere: global -> shared is a byte copy
 // (cp.async), shared -> registers loads bytes, and the bytes become fp16 MMA operands in registers.
 //
 // The conversion is exact and needs no FP8 hardware (sm_80 onwards): an e4m3 byte s.eeee.mmm placed in an fp16 as
@@ -38,30 +39,38 @@
 
 namespace llm_attn {
 
-template <int kHeadDim_, int kMTiles_, int kStages_>
+template <int kHeadDim_, int kMTiles_, int kStages_, int kWGroups_>
 struct DecodeFp8KvTraits {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kMTiles = kMTiles_;
     static constexpr int kRows = 16 * kMTiles;
     static constexpr int kStages = kStages_;
-    static constexpr int kNWarps = 4;
+    // Warp groups: each group of 4 warps streams its own tiles of the split (group w: tiles w, w + kWGroups, ...)
+    // through its own kStages buffers, synchronised by its own named barrier, as a separate block would; the groups
+    // meet once, in the warp merge. Two groups are two blocks' streaming in one block: half the splits for the same
+    // warps an SM, so half the partials and the combine's loads (kernels/NOTES.md, "Two warp groups a block").
+    static constexpr int kWGroups = kWGroups_;
+    static constexpr int kGroupThreads = 128;
+    static constexpr int kNWarps = 4 * kWGroups;
     static constexpr int kThreads = kNWarps * 32;
-    static constexpr int kBlockN = 16 * kNWarps;   // keys per tile = the cache's 64-token scale block
+    static constexpr int kBlockN = 64;             // keys per tile = the cache's 64-token scale block, 16 a warp
     static constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks per e4m3 key row
     static constexpr int kQChunks = kHeadDim / 8;  // 16-byte chunks per fp16 Q row
     static constexpr int kSmemQ = kRows * kHeadDim * 2;          // bytes, fp16
-    static constexpr int kSmemScales = 128;                      // k and v scale per stage, padded
+    static constexpr int kSmemScales = 128 * kWGroups;           // k and v scale per stage and group, padded
     static constexpr int kSmemKV = kBlockN * kHeadDim;           // bytes of one operand's tile
-    static constexpr int kSmemStages = 2 * kStages * kSmemKV;
+    static constexpr int kSmemStages = 2 * kWGroups * kStages * kSmemKV;
     // The warp merge's float32 [warps][rows][kMergeStride]: channel c at c + 2 (c / (2 (head_dim / 8))), rows
     // kHeadDim + 8 apart (flash_decode_fp8kv_body's merge says why).
     static constexpr int kMergeStride = kHeadDim + 8;
     static constexpr int kSmemMerge = kNWarps * kRows * kMergeStride * 4;
     static constexpr int kSmemBytes = kSmemQ + kSmemScales + (kSmemStages > kSmemMerge ? kSmemStages : kSmemMerge);
+    static_assert(kSmemBytes == decode_fp8kv_smem_bytes(kHeadDim, kMTiles, kStages, kWGroups), "the host's count");
     static_assert(kStages >= 2, "need at least double buffering");
-    static_assert(kStages * 2 * 4 <= kSmemScales, "scales must fit");
-    static_assert((kBlockN * kChunks) % kThreads == 0, "tile copy must divide evenly among threads");
-    static_assert((kThreads / kChunks) % 16 == 0, "row step must keep the swizzle phase fixed");
+    static_assert(kWGroups == 1 || kWGroups == 2, "one or two warp groups (named barriers 1 and 2)");
+    static_assert(kStages * 2 * 4 <= 128, "scales must fit");
+    static_assert((kBlockN * kChunks) % kGroupThreads == 0, "tile copy must divide evenly among a group's threads");
+    static_assert((kGroupThreads / kChunks) % 16 == 0, "row step must keep the swizzle phase fixed");
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 };
 
@@ -171,13 +180,28 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     constexpr int kKP = kHeadDim / 32;   // k-step pairs of Q K^T
     const FlashFwdParams& params = fp.base;
 
+    constexpr int kWGroups = Traits::kWGroups;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // Warp group wg (4 warps, threads gtid 0..127 of it); wq: the warp's place in its group (its 16 keys of a tile).
+    const int wg = warp / 4, wq = warp % 4, gtid = tid % Traits::kGroupThreads;
+
     extern __shared__ __align__(128) unsigned char smem_raw[];
     half* sQ = reinterpret_cast<half*>(smem_raw);                                   // [kRows][kHeadDim] swizzled
-    float* sScale = reinterpret_cast<float*>(smem_raw + Traits::kSmemQ);            // [kStages][2]
-    unsigned char* sK = smem_raw + Traits::kSmemQ + Traits::kSmemScales;            // [kStages][kBlockN][kHeadDim]
-    unsigned char* sV = sK + kStages * Traits::kSmemKV;
-
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    float* sScale = reinterpret_cast<float*>(smem_raw + Traits::kSmemQ + 128 * wg);  // [groups][kStages][2], padded
+    unsigned char* sKV = smem_raw + Traits::kSmemQ + Traits::kSmemScales;  // K [groups][kStages][kBlockN][kHeadDim], V
+    unsigned char* sK = sKV + wg * kStages * Traits::kSmemKV;             // this group's stages
+    unsigned char* sV = sK + kWGroups * kStages * Traits::kSmemKV;
+    // A group's barrier: the whole block with one group (barrier 0), else named barrier 1 + wg for its 128 threads
+    // (immediate ids: ptxas then reserves 3 barriers, not all 16).
+    auto group_sync = [&] {
+        if constexpr (kWGroups == 1) {
+            __syncthreads();
+        } else if (wg == 0) {
+            named_barrier_sync(1, Traits::kGroupThreads);
+        } else {
+            named_barrier_sync(2, Traits::kGroupThreads);
+        }
+    };
     const int split = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = params.num_heads / params.num_kv_heads;
     const int seqlen_q = params.seqlen_q;
@@ -189,7 +213,14 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     const int per_split = (n_tiles + params.num_splits - 1) / params.num_splits;
     const int tile_begin = split * per_split;
     const int tile_end = min(n_tiles, tile_begin + per_split);
-    const int num_tiles = max(tile_end - tile_begin, 0);
+    // The split's tiles tile_begin .. tile_end - 1, dealt to the groups in turn: this group's i-th is tile_of(i).
+    // Both groups run loop_tiles turns (group 0's count): with an odd count, group 1's last turn only waits and
+    // meets its barrier. compute-sanitizer's racecheck reports a race after the loop, where there is none, when the
+    // two groups pass their named barriers a different number of times (kernels/NOTES.md, "Two warp groups a block").
+    const int split_tiles = max(tile_end - tile_begin, 0);
+    const int num_tiles = split_tiles > wg ? (split_tiles - wg + kWGroups - 1) / kWGroups : 0;
+    const int loop_tiles = (split_tiles + kWGroups - 1) / kWGroups;
+    auto tile_of = [&](int i) { return tile_begin + wg + kWGroups * i; };
 
     const unsigned char* k_ptr = reinterpret_cast<const unsigned char*>(params.k) + batch * params.k_batch_stride +
                                  kv_head * params.k_head_stride;
@@ -198,10 +229,10 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     const float* ks_ptr = fp.k_scale + batch * fp.ks_batch_stride + kv_head * fp.ks_head_stride;
     const float* vs_ptr = fp.v_scale + batch * fp.vs_batch_stride + kv_head * fp.vs_head_stride;
 
-    // Thread tid copies chunk tid % kChunks of rows tid / kChunks + i * kRowStep of each operand; rows past the
-    // valid keys are zero-filled. Thread 0 also copies the tile's two scales.
-    constexpr int kRowStep = Traits::kThreads / Traits::kChunks;
-    const int cp_row = tid / Traits::kChunks, cp_chunk = tid % Traits::kChunks;
+    // Thread gtid of the group copies chunk gtid % kChunks of rows gtid / kChunks + i * kRowStep of each operand; rows
+    // past the valid keys are zero-filled. The group's thread 0 also copies the tile's two scales.
+    constexpr int kRowStep = Traits::kGroupThreads / Traits::kChunks;
+    const int cp_row = gtid / Traits::kChunks, cp_chunk = gtid % Traits::kChunks;
     auto load_kv = [&](int tile, int stage) {
         const int kv = tile * kBlockN;
 #pragma unroll
@@ -214,7 +245,7 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
             cp_async_16(sK + dst, ok ? k_ptr + koff : k_ptr, ok);
             cp_async_16(sV + dst, ok ? v_ptr + voff : v_ptr, ok);
         }
-        if (tid == 0) {
+        if (gtid == 0) {
             cp_async_4(sScale + 2 * stage, ks_ptr + tile, true);
             cp_async_4(sScale + 2 * stage + 1, vs_ptr + tile, true);
         }
@@ -239,17 +270,21 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     }
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (s < num_tiles) load_kv(tile_begin + s, s);
+        if (s < num_tiles) load_kv(tile_of(s), s);
         cp_async_commit();  // always commit: keeps the group count uniform for cp_async_wait
     }
-    static_assert((kRows * Traits::kQChunks) % Traits::kThreads == 0, "Q staging must divide evenly among threads");
+    // Every thread holds whole loads, or (two groups, head_dim 64: 128 chunks for 256 threads) one load or none.
+    constexpr bool kQAll = (kRows * Traits::kQChunks) % Traits::kThreads == 0;
+    static_assert(kQAll || kQLoads == 1, "Q staging must divide evenly among threads");
 #pragma unroll
     for (int it = 0; it < kQLoads; ++it) {
         const int idx = tid + it * Traits::kThreads, r = idx / Traits::kQChunks, c = idx % Traits::kQChunks;
+        if (!kQAll && r >= kRows) break;
         const uint4 x = q_raw[it];
         *reinterpret_cast<uint4*>(sQ + swz<kHeadDim>(r, c)) =
             make_uint4(to_half2<T>(x.x), to_half2<T>(x.y), to_half2<T>(x.z), to_half2<T>(x.w));
     }
+    if constexpr (kWGroups > 1) __syncthreads();  // Q's rows, staged by both groups, before either group's barrier
 
     // Exact running max (kRescaleLog2 = 0): P <= 1, so P * v_scale * 256 stays far inside fp16.
     SoftmaxState<kMT, kDT, 0> st;
@@ -267,26 +302,27 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     uint32_t q_frag[kQInRegs ? kKP : 1][2][4];
 
     // This thread's rows of the warp's 16-key slice: S's n-tile 0 key (its B column g), and P V's four rows.
-    const int k_row0 = warp * 16 + 4 * (g >> 1) + (g & 1);  // n-tile 1: + 2 (same row group: same swizzle)
-    const int v_row0 = warp * 16 + 4 * t;
+    const int k_row0 = wq * 16 + 4 * (g >> 1) + (g & 1);  // n-tile 1: + 2 (same row group: same swizzle)
+    const int v_row0 = wq * 16 + 4 * t;
 
-    for (int i = 0; i < num_tiles; ++i) {
+    for (int i = 0; i < loop_tiles; ++i) {
         cp_async_wait<kStages - 2>();
-        __syncthreads();  // tile i (and Q) visible to all; everyone is done with the stage about to be refilled
+        group_sync();  // tile i (and Q) visible to the group; it is done with the stage about to be refilled
         if constexpr (kQInRegs) {
             if (i == 0) {
 #pragma unroll
                 for (int p = 0; p < kKP; ++p) load_q(q_frag[p], 0, p);
             }
         }
-        if (i + kStages - 1 < num_tiles) load_kv(tile_begin + i + kStages - 1, (i + kStages - 1) % kStages);
+        if (i + kStages - 1 < num_tiles) load_kv(tile_of(i + kStages - 1), (i + kStages - 1) % kStages);
         cp_async_commit();
 
+        if (i >= num_tiles) continue;  // group 1's turn past its tiles
         const int stage = i % kStages;
         const unsigned char* cK = sK + stage * Traits::kSmemKV;
         const unsigned char* cV = sV + stage * Traits::kSmemKV;
         const float k_scale = sScale[2 * stage], v_scale = sScale[2 * stage + 1];
-        const int key0 = (tile_begin + i) * kBlockN + warp * 16;
+        const int key0 = tile_of(i) * kBlockN + wq * 16;
 
         float acc_s[kMT][2][4];
 #pragma unroll
@@ -373,7 +409,7 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     cp_async_wait<0>();
     __syncthreads();  // all warps done with K/V: the stages become the merge buffer
 
-    // Merge the 4 warps' softmax states: M = max_w m_w, O = sum_w exp2(m_w - M) O_w / sum_w exp2(m_w - M) l_w.
+    // Merge the warps' softmax states: M = max_w m_w, O = sum_w exp2(m_w - M) O_w / sum_w exp2(m_w - M) l_w.
     __shared__ float s_max[Traits::kNWarps][kRows], s_sum[Traits::kNWarps][kRows];
 #pragma unroll
     for (int m = 0; m < kMT; ++m)
@@ -392,7 +428,7 @@ __device__ __forceinline__ void flash_decode_fp8kv_body(const FlashDecodeFp8KvPa
     // order at stride kHeadDim all 32 lanes hit one bank (~4 us of a 32k call on the H100, decode_phases.py).
     constexpr int kMS = Traits::kMergeStride;
     auto merge_pos = [](int c) { return c + 2 * (c / (2 * kDT)); };
-    float* s_o = reinterpret_cast<float*>(sK);
+    float* s_o = reinterpret_cast<float*>(sKV);
 #pragma unroll
     for (int m = 0; m < kMT; ++m)
 #pragma unroll

@@ -67,11 +67,13 @@ DECODE_MAX_ROWS = 32
 # 0 = automatic). Deep4 (4 stages: 132 KB for head_dim 128, one block per SM) is never chosen automatically: it is
 # there to be measured against Deep (experiments/decode_splits.py).
 DECODE_TRAITS = (("TwoTiles", 2, 2), ("Deep", 1, 3), ("Shallow", 1, 2), ("Deep4", 1, 4))
-# The decode kernel over the FP8 (e4m3) KV cache: DecodeFp8KvTraits<D, kMTiles, kStages> (flash_decode_fp8kv_kernel.cuh)
-# per row count, the same on every device (DecodeFp8KvConfig<D>; flash_decode_fp8kv_launch.cuh says why). OneTile's
-# 3 stages: on the H200 at B=1 32k keys 3.3 % faster than 4, 2 and 5-6 slower (kernels/NOTES.md "The FP8-cache
-# decode's stage count").
-DECODE_FP8KV_TRAITS = (("OneTile", 1, 3), ("TwoTiles", 2, 3))
+# The decode kernel over the FP8 (e4m3) KV cache: DecodeFp8KvTraits<D, kMTiles, kStages, kWGroups>
+# (flash_decode_fp8kv_kernel.cuh) per row count, and one m16 row tile in blocks of two warp groups where the grid is
+# at most one block an SM and the device has its shared memory (DecodeFp8KvConfig<D>; flash_decode_fp8kv_launch.cuh
+# says why). OneTile's 3 stages: on the H200 at B=1 32k keys 3.3 % faster than 4, 2 and 5-6 slower (kernels/NOTES.md
+# "The FP8-cache decode's stage count"); 5 and 7 stages at one block an SM no faster than 3 ("Two warp groups a
+# block").
+DECODE_FP8KV_TRAITS = (("OneTile", 1, 3, 1), ("TwoTiles", 2, 3, 1), ("OneTileWG2", 1, 3, 2))
 # The prefill over the FP8 KV cache (more rows than DECODE_MAX_ROWS): PrefillFp8KvTraits<D, kNWarps, kStages>
 # (flash_prefill_fp8kv_kernel.cuh), one tile on every device (PrefillFp8KvConfig<D>::Tile; flash_prefill_fp8kv_launch.cuh
 # says why): 4 warps x 16 packed rows, 3 stages of e4m3 K/V.
@@ -207,9 +209,9 @@ def tiles_header() -> str:
                 "    static constexpr bool has(int block_n) { return "
                 + " || ".join(f"block_n == {n}" for n in tiles) + "; }", "};"]
     out += ["", "// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.",
-            "template <int kHeadDim_, int kMTiles_, int kStages_>", "struct DecodeFp8KvTraits;",
+            "template <int kHeadDim_, int kMTiles_, int kStages_, int kWGroups_>", "struct DecodeFp8KvTraits;",
             "template <int kHeadDim>", "struct DecodeFp8KvConfig {"]
-    out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}>;" for name, mt, st in DECODE_FP8KV_TRAITS]
+    out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}, {wg}>;" for name, mt, st, wg in DECODE_FP8KV_TRAITS]
     out += ["};"]
     out += ["", "// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): v1's tile, v2's (the default).",
             "template <int kHeadDim_, int kNWarps_, int kStages_>", "struct PrefillFp8KvTraits;",
@@ -246,7 +248,7 @@ def python_table() -> str:
               f"BWD_TILES = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_TILES.items()) + "}",
               "# per head_dim: BwdTileNarrow<D>, for devices whose shared memory per block is below BwdTile<D>'s",
               f"BWD_NARROW = {{\n" + "".join(f"    {d}: {b!r},\n" for d, b in BWD_NARROW.items()) + "}",
-              "# (name, m_tiles, stages) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache",
+              "# (name, m_tiles, stages, warp groups) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache",
               f"DECODE_FP8KV_TRAITS = {DECODE_FP8KV_TRAITS!r}",
               "# (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache",
               f"PREFILL_FP8KV_TRAITS = {PREFILL_FP8KV_TRAITS!r}",

@@ -89,12 +89,13 @@ struct Fp8Tiles<64> {
 };
 
 // The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.
-template <int kHeadDim_, int kMTiles_, int kStages_>
+template <int kHeadDim_, int kMTiles_, int kStages_, int kWGroups_>
 struct DecodeFp8KvTraits;
 template <int kHeadDim>
 struct DecodeFp8KvConfig {
-    using OneTile = DecodeFp8KvTraits<kHeadDim, 1, 3>;
-    using TwoTiles = DecodeFp8KvTraits<kHeadDim, 2, 3>;
+    using OneTile = DecodeFp8KvTraits<kHeadDim, 1, 3, 1>;
+    using TwoTiles = DecodeFp8KvTraits<kHeadDim, 2, 3, 1>;
+    using OneTileWG2 = DecodeFp8KvTraits<kHeadDim, 1, 3, 2>;
 };
 
 // The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): v1's tile, v2's (the default).

@@ -33,8 +33,8 @@ BWD_NARROW = {
     128: {'block_m': 32, 'block_n': 64, 'n_warps': 4, 'split_dp': 1},
     64: {'block_m': 64, 'block_n': 128, 'n_warps': 8, 'split_dp': 1},
 }
-# (name, m_tiles, stages) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache
-DECODE_FP8KV_TRAITS = (('OneTile', 1, 3), ('TwoTiles', 2, 3))
+# (name, m_tiles, stages, warp groups) of DecodeFp8KvConfig<D>: the decode kernel over the FP8 KV cache
+DECODE_FP8KV_TRAITS = (('OneTile', 1, 3, 1), ('TwoTiles', 2, 3, 1), ('OneTileWG2', 1, 3, 2))
 # (n_warps, stages) of PrefillFp8KvConfig<D>::Tile: the prefill kernel over the FP8 KV cache
 PREFILL_FP8KV_TRAITS = (4, 3)
 # (n_warps, stages) of PrefillFp8KvConfig<D>::V2: v2 (over half a wave of blocks; LLM_ATTN_FP8KV_PREFILL_V forces)

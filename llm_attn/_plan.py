@@ -356,42 +356,61 @@ def sm90_kernels() -> list[str]:
 # -- the decode over the FP8 KV cache -------------------------------------------------------------------------------
 # binding.cpp's mha_decode_fp8kv: the split count is flash_decode_fp8kv_num_splits (kernels/flash_decode_fp8kv.cu:
 # the fp16 decode kernel's rule, a forced count included; the decode config override does not apply), the launch
-# run_flash_decode_fp8kv_ / launch_decode_fp8kv (flash_decode_fp8kv_launch.cuh): one config per row count
-# (DecodeFp8KvConfig<D>, the generated table), grid (splits, KV heads, batch). tests/test_nvrtc.py runs the C++ split
-# rule itself against decode_fp8kv_num_splits and reads the traits' constants back from the C++.
-DECODE_FP8KV_CONFIGS = {name: (mt, st) for name, mt, st in _table.DECODE_FP8KV_TRAITS}  # name -> (m_tiles, stages)
+# run_flash_decode_fp8kv_ / launch_decode_fp8kv (flash_decode_fp8kv_launch.cuh): one config per row count, or two
+# warp groups a block where the grid is at most one block an SM (DecodeFp8KvConfig<D>, the generated table), grid
+# (splits, KV heads, batch). tests/test_nvrtc.py runs the C++ split rule and two-group choice itself against
+# decode_fp8kv_num_splits / decode_fp8kv_two_groups and reads the traits' constants back from the C++.
+# name -> (m_tiles, stages, warp groups)
+DECODE_FP8KV_CONFIGS = {name: (mt, st, wg) for name, mt, st, wg in _table.DECODE_FP8KV_TRAITS}
 
 
 @dataclass(frozen=True)
 class DecodeFp8KvTraits:
-    """DecodeFp8KvTraits<kHeadDim, kMTiles, kStages> (kernels/flash_decode_fp8kv_kernel.cuh): 4 warps x 16 keys of
-    each 64-key tile (the cache's scale block), 16 m_tiles rows, stages e4m3 K/V tiles."""
+    """DecodeFp8KvTraits<kHeadDim, kMTiles, kStages, kWGroups> (kernels/flash_decode_fp8kv_kernel.cuh): per warp
+    group, 4 warps x 16 keys of each 64-key tile (the cache's scale block) through its own stages e4m3 K/V tiles;
+    16 m_tiles rows."""
 
     head_dim: int
     m_tiles: int
     stages: int
+    wgroups: int = 1
 
-    threads = 128
     block_n = 64
 
     @property
-    def smem_bytes(self) -> int:  # kSmemBytes: fp16 Q + the scales (128) + max(stages x (K + V) bytes, merge buffer)
-        rows, d = 16 * self.m_tiles, self.head_dim
-        return rows * d * 2 + 128 + max(2 * self.stages * self.block_n * d, 4 * rows * (d + 8) * 4)
+    def threads(self) -> int:
+        return 128 * self.wgroups
+
+    @property
+    def smem_bytes(self) -> int:  # kSmemBytes: fp16 Q + the scales (128 a group) + max(K/V stages, merge buffer)
+        rows, d, wg = 16 * self.m_tiles, self.head_dim, self.wgroups
+        return rows * d * 2 + 128 * wg + max(2 * wg * self.stages * self.block_n * d, 4 * wg * rows * (d + 8) * 4)
 
     def cpp(self) -> str:
-        return f"llm_attn::DecodeFp8KvTraits<{self.head_dim}, {self.m_tiles}, {self.stages}>"
+        return f"llm_attn::DecodeFp8KvTraits<{self.head_dim}, {self.m_tiles}, {self.stages}, {self.wgroups}>"
 
 
 def decode_fp8kv_kernel_name(is_bf16: bool, traits: DecodeFp8KvTraits) -> str:
     return f"llm_attn::flash_decode_fp8kv_kernel<{DTYPE_NAMES[is_bf16]}, {traits.cpp()}>"
 
 
-def decode_fp8kv_num_splits(s: Shape, num_sms: int) -> int:
+DECODE_COMBINE_BATCH = 16  # kDecodeCombineBatch (flash.h): the split combine's loads in flight
+
+
+def decode_fp8kv_two_groups(s: Shape, splits: int, num_sms: int, smem_per_block_optin: int) -> bool:
+    """flash_decode_fp8kv_two_groups: blocks of two warp groups (OneTileWG2) where one m16 row tile holds the rows,
+    the grid is at most one block an SM and the config's shared memory fits the device's."""
+    rows = s.num_heads // s.num_kv_heads * s.seqlen_q
+    smem = DecodeFp8KvTraits(s.head_dim, *DECODE_FP8KV_CONFIGS["OneTileWG2"]).smem_bytes
+    return rows <= 16 and smem <= smem_per_block_optin and splits * s.batch * s.num_kv_heads <= num_sms
+
+
+def decode_fp8kv_num_splits(s: Shape, num_sms: int, smem_per_block_optin: int) -> int:
     """flash_decode_fp8kv_num_splits: where the decode kernel takes the rows, flash_fwd_num_splits (the decode rule,
     ``decode_splits`` forcing it) raised to about two blocks per SM where each split keeps >= 8 64-key tiles (and a
-    first split >= 4096 keys), cut to the splits that get a tile (the kernel gives each ceil(tiles / splits)); else
-    1."""
+    first split >= 4096 keys), cut to the splits that get a tile (the kernel gives each ceil(tiles / splits)); then
+    halved (and cut again) where that is more than one combine batch of splits of at most 16 tiles and the half runs
+    in two-group blocks; else 1."""
     if not use_decode_kernel(s):
         return 1
     splits = num_splits(s, num_sms)
@@ -404,13 +423,23 @@ def decode_fp8kv_num_splits(s: Shape, num_sms: int) -> int:
     count = max(splits, two)
     if count <= 1 or n_tiles < 1:
         return count
-    return _cdiv(n_tiles, _cdiv(n_tiles, count))
+    cut = _cdiv(n_tiles, _cdiv(n_tiles, count))
+    if cut > DECODE_COMBINE_BATCH and _cdiv(n_tiles, cut) <= 16:
+        half = _cdiv(n_tiles, _cdiv(n_tiles, _cdiv(cut, 2)))
+        if decode_fp8kv_two_groups(s, half, num_sms, smem_per_block_optin):
+            return half
+    return cut
 
 
-def decode_fp8kv_traits(s: Shape) -> DecodeFp8KvTraits:
-    """run_flash_decode_fp8kv_: two m16 row tiles (TwoTiles) for 17-32 rows, else one (OneTile), on every device."""
+def decode_fp8kv_traits(s: Shape, splits: int, dev: Device) -> DecodeFp8KvTraits:
+    """run_flash_decode_fp8kv_: blocks of two warp groups (OneTileWG2) where decode_fp8kv_two_groups says so, else
+    two m16 row tiles (TwoTiles) for 17-32 rows and one (OneTile) up to 16."""
     rows = s.num_heads // s.num_kv_heads * s.seqlen_q
-    return DecodeFp8KvTraits(s.head_dim, *DECODE_FP8KV_CONFIGS["TwoTiles" if rows > 16 else "OneTile"])
+    if decode_fp8kv_two_groups(s, splits, dev.num_sms, dev.smem_per_block_optin):
+        name = "OneTileWG2"
+    else:
+        name = "TwoTiles" if rows > 16 else "OneTile"
+    return DecodeFp8KvTraits(s.head_dim, *DECODE_FP8KV_CONFIGS[name])
 
 
 def decode_fp8kv_plan(s: Shape, dev: Device, prefill_version: int | None = None) -> Plan:
@@ -425,8 +454,8 @@ def decode_fp8kv_plan(s: Shape, dev: Device, prefill_version: int | None = None)
         rows = s.num_heads // s.num_kv_heads * s.seqlen_q
         return Plan(1, False, (Launch(prefill_fp8kv_kernel_name(s.is_bf16, t),
                                       (_cdiv(rows, t.rows), s.num_kv_heads, s.batch), t.threads, t.smem_bytes),))
-    splits = decode_fp8kv_num_splits(s, dev.num_sms)
-    t = decode_fp8kv_traits(s)
+    splits = decode_fp8kv_num_splits(s, dev.num_sms, dev.smem_per_block_optin)
+    t = decode_fp8kv_traits(s, splits, dev)
     return Plan(splits, True, (Launch(decode_fp8kv_kernel_name(s.is_bf16, t), (splits, s.num_kv_heads, s.batch),
                                       t.threads, t.smem_bytes),))
 
@@ -434,9 +463,9 @@ def decode_fp8kv_plan(s: Shape, dev: Device, prefill_version: int | None = None)
 def decode_fp8kv_kernels() -> list[str]:
     """Every FP8-cache decode instantiation the AOT build compiles (flash_decode_fp8kv_hdim{D}_{dtype}.cu through
     run_flash_decode_fp8kv_): per (head_dim, dtype) each config of DecodeFp8KvConfig<D>."""
-    return [decode_fp8kv_kernel_name(tag == "bf16", DecodeFp8KvTraits(d, mt, st))
+    return [decode_fp8kv_kernel_name(tag == "bf16", DecodeFp8KvTraits(d, *cfg))
             for kind, d, tag, _, _ in _table.INSTANTIATIONS if kind == "decode_fp8kv"
-            for mt, st in DECODE_FP8KV_CONFIGS.values()]
+            for cfg in DECODE_FP8KV_CONFIGS.values()]
 
 
 # The prefill over the FP8 KV cache: run_flash_prefill_fp8kv_ / launch_prefill_fp8kv (flash_prefill_fp8kv_launch.cuh),

@@ -173,9 +173,11 @@ def test_the_split_count_the_fp8_rule_raises(ext, dtype):
     4100 keys = 65 tiles, >= 8 a split), against float64, with a ragged seqused_k."""
     from llm_attn import _plan
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
     shape = _plan.Shape(4, 32, 8, 1, 4100, 128, True, dtype == "bf16")
-    assert _plan.decode_fp8kv_num_splits(shape, sms) > _plan.num_splits(shape, sms), "the shape no longer raises"
+    assert _plan.decode_fp8kv_num_splits(shape, sms, props.shared_memory_per_block_optin) > _plan.num_splits(
+        shape, sms), "the shape no longer raises"
     q, k, v, kv = _inputs(4, 32, 8, 1, 4100, 128, DTYPES[dtype], seed=4100)
     _check(q, k, v, kv, causal=True, used=None, label=f"{dtype} B=4 n=4100")
     _check(q, k, v, kv, causal=True, used=torch.tensor([4100, 4097, 1000, 0], device="cuda"),

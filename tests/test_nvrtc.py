@@ -208,11 +208,11 @@ def _compiles_for_its_arch(arch: str, request, kernels: list[str], count: int, h
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fp8kv_decode_instantiations_compile_without_local_memory(arch, request):
     """The decode kernel over the FP8 KV cache on every arch it runs on (the device's own: it needs no FP8 hardware):
-    per (head_dim, dtype) both configs of DecodeFp8KvConfig<D> (one and two m16 row tiles), in programs that
-    static_assert the FlashDecodeFp8KvParams mirror: no stack, no spills (registers: kernels/NOTES.md "The FP8-cache
-    decode through NVRTC")."""
-    # 2 head dims x 2 dtypes x (OneTile, TwoTiles)
-    _compiles_for_its_arch(arch, request, _plan.decode_fp8kv_kernels(), 8, "flash_decode_fp8kv_kernel.cuh",
+    per (head_dim, dtype) the three configs of DecodeFp8KvConfig<D> (one and two m16 row tiles, one tile in two warp
+    groups), in programs that static_assert the FlashDecodeFp8KvParams mirror: no stack, no spills (registers:
+    kernels/NOTES.md "The FP8-cache decode through NVRTC")."""
+    # 2 head dims x 2 dtypes x (OneTile, TwoTiles, OneTileWG2)
+    _compiles_for_its_arch(arch, request, _plan.decode_fp8kv_kernels(), 12, "flash_decode_fp8kv_kernel.cuh",
                            "FlashDecodeFp8KvParams", lambda regs: 100 < regs <= 255)
 
 
@@ -1192,8 +1192,13 @@ FP8KV_HOST_LINES = (
     ("flash_decode_fp8kv_launch.cuh", "dim3 grid(params.base.num_splits, params.base.num_kv_heads, params.base.batch); "
                                       "flash_decode_fp8kv_kernel<T, Traits><<<grid, Traits::kThreads, smem, stream>>>("
                                       "params);"),
-    ("flash_decode_fp8kv_launch.cuh", "return rows > 16 ? launch_decode_fp8kv<T, typename Config::TwoTiles>(params, "
+    ("flash_decode_fp8kv_launch.cuh", "if (flash_decode_fp8kv_two_groups(params, params.base.num_splits, "
+                                      "num_sms_current_device(), max_smem_per_block_current_device())) return "
+                                      "launch_decode_fp8kv<T, typename Config::OneTileWG2>(params, stream); "
+                                      "return rows > 16 ? launch_decode_fp8kv<T, typename Config::TwoTiles>(params, "
                                       "stream) : launch_decode_fp8kv<T, typename Config::OneTile>(params, stream);"),
+    ("flash_decode_fp8kv.cu", "return rows <= 16 && smem <= smem_per_block_optin && static_cast<int64_t>(splits) * "
+                              "p.base.batch * p.base.num_kv_heads <= num_sms;"),
     ("flash_decode_fp8kv.cu", "if (!use_decode_kernel(p.base)) { // a prefill over the cache: never split if "
                               "(p.base.num_splits != 1) return cudaErrorInvalidValue;"),
     ("flash_prefill_fp8kv_launch.cuh", "dim3 grid((rows + Traits::kRows - 1) / Traits::kRows, "
@@ -1206,7 +1211,8 @@ FP8KV_HOST_LINES = (
                               'std::strcmp(v, "2") == 0) return 2;'),
     ("flash_decode_fp8kv.cu", "return 2 * blocks > num_sms ? 2 : 1;"),
     ("binding.cpp", "p.tile = llm_attn::kTileAuto;"),
-    ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, num_sms);"),
+    ("binding.cpp", "p.num_splits = llm_attn::flash_decode_fp8kv_num_splits(fp, props->multiProcessorCount, "
+                    "static_cast<int>(props->sharedMemPerBlockOptin));"),
     ("binding.cpp", "const int64_t n_counters = static_cast<int64_t>(p.batch) * p.num_kv_heads; int* pooled = "
                     "pooled_counters(q.get_device(), stream, n_counters); workspace = at::empty({rows * (p.head_dim + "
                     "1) + (pooled ? 0 : n_counters)}, q.options().dtype(at::kFloat));"),
@@ -1221,15 +1227,31 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     whatever it launches is compiled above and fits every device's shared memory."""
     for name, line in FP8KV_HOST_LINES:
         assert line in _kernels_text(name), f"{name} no longer has `{line}`: update llm_attn/_plan.py / _nvrtc.py"
-    # Llama 3 8B decode on an H100: 8 (batch x KV head) blocks, 32 splits (about two blocks an SM asks 33; the 33rd
-    # would get none of the 512 tiles), one m16 row tile of 3 stages (53 KB).
+    # Llama 3 8B decode on an H100 at 32k keys: 8 (batch x KV head) pairs; about two blocks an SM asks 33 splits,
+    # cut to 32 (the 33rd would get none of the 512 tiles), of 16 tiles: more than one combine batch of short splits,
+    # so halved to 16 in blocks of two warp groups (one m16 row tile, 3 stages a group: 100.3 KB, 256 threads).
     s = _plan.Shape(1, 32, 8, 1, 32768, 128, True, True)
     p = _plan.decode_fp8kv_plan(s, H100)
-    assert (p.num_splits, p.decode, len(p.launches)) == (32, True, 1)
+    assert (p.num_splits, p.decode, len(p.launches)) == (16, True, 1)
     launch = p.launches[0]
     assert launch.kernel == ("llm_attn::flash_decode_fp8kv_kernel<__nv_bfloat16, "
-                             "llm_attn::DecodeFp8KvTraits<128, 1, 3>>")
-    assert (launch.grid, launch.threads, launch.smem) == ((32, 8, 1), 128, 16 * 128 * 2 + 128 + 2 * 3 * 64 * 128)
+                             "llm_attn::DecodeFp8KvTraits<128, 1, 3, 2>>")
+    assert (launch.grid, launch.threads, launch.smem) == ((16, 8, 1), 256,
+                                                          16 * 128 * 2 + 256 + 2 * 2 * 3 * 64 * 128)
+    # At 64k keys the splits are 32 tiles long: 32 splits of one-group blocks (53 KB, 128 threads); on an RTX 4060 Ti
+    # (99 KB a block) two-group blocks of head_dim 128 do not fit: one-group blocks whatever the grid.
+    p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=65536), H100)
+    assert p.num_splits == 32 and p.launches[0].kernel.endswith("DecodeFp8KvTraits<128, 1, 3, 1>>")
+    assert (p.launches[0].threads, p.launches[0].smem) == (128, 16 * 128 * 2 + 128 + 2 * 3 * 64 * 128)
+    # 8k keys: the rule's 16 splits x 8 pairs = 128 blocks, at most one an SM: two groups; not on the 4060 Ti.
+    p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=8192), H100)
+    assert p.num_splits == 16 and p.launches[0].kernel.endswith("DecodeFp8KvTraits<128, 1, 3, 2>>")
+    for kv in (8192, 32768):
+        p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=kv), RTX4060TI)
+        assert p.launches[0].kernel.endswith("DecodeFp8KvTraits<128, 1, 3, 1>>")
+    # head_dim 64's two-group blocks (50.3 KB) fit it: at 1024 keys the grid is at most one block an SM there too.
+    p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=1024, head_dim=64), RTX4060TI)
+    assert p.num_splits * 8 <= 34 and p.launches[0].kernel.endswith("DecodeFp8KvTraits<64, 1, 3, 2>>")
     # The split count at every shape against the fp16 kernel's (flash_fwd_num_splits), whatever the tile or decode
     # config.
     for (b, hq, hkv), sq, sk, dev in itertools.product(((1, 32, 8), (4, 32, 8), (16, 32, 8), (1, 8, 8), (2, 32, 1)),
@@ -1249,16 +1271,23 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
             assert p.launches[0].grid == (-(-rows // 64), hkv, b) and "PrefillFp8KvTraits" in p.launches[0].kernel
             continue
         # The fp16 rule's count, or more: up to ~2 blocks an SM, each split keeping >= 8 tiles; either cut to the
-        # splits that get a tile (the kernel gives each ceil(tiles / splits)).
-        got, fp16 = _plan.decode_fp8kv_plan(shape, dev).num_splits, _plan.num_splits(shape, dev.num_sms)
+        # splits that get a tile (the kernel gives each ceil(tiles / splits)); or about half that in two-group
+        # blocks, one an SM at most.
+        p = _plan.decode_fp8kv_plan(shape, dev)
+        got, fp16 = p.num_splits, _plan.num_splits(shape, dev.num_sms)
         tiles = -(-sk // 64)
         cut = -(-tiles // -(-tiles // fp16))
-        assert got == cut or fp16 < got <= min(2 * dev.num_sms // (b * hkv), sk // 64 // 8), (shape, dev, got, fp16)
+        two_groups = p.launches[0].kernel.endswith(", 2>>")
+        assert not two_groups or (rows <= 16 and got * b * hkv <= dev.num_sms), (shape, dev, got)
+        assert (got == cut or fp16 < got <= min(2 * dev.num_sms // (b * hkv), sk // 64 // 8)
+                or two_groups), (shape, dev, got, fp16)
     # MQA (32 rows): two row tiles, 3 stages, 76 KB (the merge buffer); 16 rows still one.
     assert _plan.decode_fp8kv_plan(_plan.Shape(1, 32, 1, 1, 4096, 128), H100).launches[0].kernel.endswith(
-        "DecodeFp8KvTraits<128, 2, 3>>")
-    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 1, 3)
-    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 5, 4096, 128)) == _plan.DecodeFp8KvTraits(128, 2, 3)
+        "DecodeFp8KvTraits<128, 2, 3, 1>>")
+    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128), 32, H100) == _plan.DecodeFp8KvTraits(128, 1, 3)
+    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 5, 4096, 128), 8, H100) == _plan.DecodeFp8KvTraits(128, 2, 3)
+    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128), 16, H100) == _plan.DecodeFp8KvTraits(
+        128, 1, 3, 2)
     # A forced split count (force_decode(splits=)) is clamped to the 64-key tiles.
     for forced, want in ((1, 1), (7, 7), (500, 16)):
         p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=1000, decode_splits=forced), H100)
@@ -1336,15 +1365,16 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path, monkeypatch):
         cudaError_t run_flash_prefill_fp8kv_(FlashDecodeFp8KvParams&, cudaStream_t) { return cudaSuccess; }
         }
         int main() {
-            int b, hq, hkv, sq, sk, d, sms, forced;
-            while (std::scanf("%d %d %d %d %d %d %d %d", &b, &hq, &hkv, &sq, &sk, &d, &sms, &forced) == 8) {
+            int b, hq, hkv, sq, sk, d, sms, smem, forced;
+            while (std::scanf("%d %d %d %d %d %d %d %d %d", &b, &hq, &hkv, &sq, &sk, &d, &sms, &smem, &forced) == 9) {
                 llm_attn::flash_decode_force_splits(forced);
                 llm_attn::FlashDecodeFp8KvParams fp{};
                 llm_attn::FlashFwdParams& p = fp.base;
                 p.batch = b, p.num_heads = hq, p.num_kv_heads = hkv, p.seqlen_q = sq, p.seqlen_k = sk, p.head_dim = d;
                 p.tile = llm_attn::kTileAuto;
-                std::printf("%d %d\\n", llm_attn::flash_decode_fp8kv_num_splits(fp, sms),
-                            llm_attn::flash_prefill_fp8kv_version(fp, 128, sms));
+                const int splits = llm_attn::flash_decode_fp8kv_num_splits(fp, sms, smem);
+                std::printf("%d %d %d\\n", splits, llm_attn::flash_prefill_fp8kv_version(fp, 128, sms),
+                            llm_attn::flash_decode_fp8kv_two_groups(fp, splits, sms, smem) ? 1 : 0);
             }
         }
     """))
@@ -1352,32 +1382,39 @@ def test_fp8kv_decode_splits_are_the_cpp(tmp_path, monkeypatch):
     r = subprocess.run([cxx, "-std=c++17", "-O1", f"-I{tmp_path}", f"-I{os.path.join(ROOT, 'kernels')}",
                         str(tmp_path / "run.cpp"), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    cases = [(_plan.Shape(b, hq, hkv, sq, sk, d, decode_splits=forced), sms)
-             for (b, hq, hkv), sq, sk, d, sms, forced in itertools.product(
+    cases = [(_plan.Shape(b, hq, hkv, sq, sk, d, decode_splits=forced), sms, smem)
+             for (b, hq, hkv), sq, sk, d, sms, smem, forced in itertools.product(
                  ((1, 32, 8), (2, 32, 8), (4, 32, 8), (8, 32, 8), (16, 32, 8), (64, 32, 8), (1, 8, 8), (3, 32, 1),
                   (5, 16, 2), (1, 64, 1)),
                  (1, 2, 4, 5), (1, 63, 64, 65, 300, 1000, 1023, 1024, 2049, 8192, 32768, 131072), (64, 128),
-                 (16, 34, 108, 132, 144), (0, 1, 2, 7, 500))]
-    lines = "".join(f"{s.batch} {s.num_heads} {s.num_kv_heads} {s.seqlen_q} {s.seqlen_k} {s.head_dim} {sms} "
-                    f"{s.decode_splits}\n" for s, sms in cases)
+                 (16, 34, 108, 132, 144), (99 * 1024, 227 * 1024), (0, 1, 2, 7, 500))]
+    lines = "".join(f"{s.batch} {s.num_heads} {s.num_kv_heads} {s.seqlen_q} {s.seqlen_k} {s.head_dim} {sms} {smem} "
+                    f"{s.decode_splits}\n" for s, sms, smem in cases)
     run = subprocess.run([str(exe)], input=lines, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout.split()
-    got, versions = out[0::2], out[1::2]
-    assert len(got) == len(versions) == len(cases)
-    bad = [(s, sms, g, _plan.decode_fp8kv_num_splits(s, sms)) for (s, sms), g in zip(cases, got)
-           if int(g) != _plan.decode_fp8kv_num_splits(s, sms)]
-    assert not bad, f"{len(bad)} of {len(cases)} cases differ (shape, SMs, C++, Python), e.g. {bad[:3]}"
+    got, versions, groups = out[0::3], out[1::3], out[2::3]
+    assert len(got) == len(versions) == len(groups) == len(cases)
+    bad = [(s, sms, smem, g, _plan.decode_fp8kv_num_splits(s, sms, smem)) for (s, sms, smem), g in zip(cases, got)
+           if int(g) != _plan.decode_fp8kv_num_splits(s, sms, smem)]
+    assert not bad, f"{len(bad)} of {len(cases)} cases differ (shape, SMs, smem, C++, Python), e.g. {bad[:3]}"
     assert {int(g) for g in got} >= {1, 2, 7, 16, 128}  # the rule's branches were all reached
-    for (s, _sms), g in zip(cases, got):  # the rule's own counts leave no split without a tile (the kernel: ceil)
+    want_groups = [_plan.decode_fp8kv_two_groups(s, int(g), sms, smem) for (s, sms, smem), g in zip(cases, got)]
+    bad = [c for c, g, w in zip(cases, groups, want_groups) if (g == "1") != w]
+    assert not bad, f"{len(bad)} two-group choices differ, e.g. {bad[:3]}"
+    assert {True, False} <= set(want_groups)
+    # halved where two-group blocks run it: B = 1, 8 KV heads, 16k-32k keys on 132 SMs (227 KB), not on 99 KB
+    assert _plan.decode_fp8kv_num_splits(_plan.Shape(1, 32, 8, 1, 16384, 128), 132, 227 * 1024) == 16
+    assert _plan.decode_fp8kv_num_splits(_plan.Shape(1, 32, 8, 1, 16384, 128), 132, 99 * 1024) == 32
+    for (s, _sms, _smem), g in zip(cases, got):  # the rule's own counts leave no split without a tile (the kernel)
         n, tiles = int(g), -(-s.seqlen_k // 64)
         assert s.decode_splits or n == 1 or (n - 1) * -(-tiles // n) < tiles, (s, n)
-    # B = 1, 8 KV heads, 32k keys on 132 SMs: two blocks an SM asks 33 splits of 512 tiles; the 33rd got none
-    assert _plan.decode_fp8kv_num_splits(_plan.Shape(1, 32, 8, 1, 32768, 128), 132) == 32
+    # B = 1, 8 KV heads, 64k keys on 132 SMs: two blocks an SM asks 33 splits of 1024 tiles; the 33rd got none
+    assert _plan.decode_fp8kv_num_splits(_plan.Shape(1, 32, 8, 1, 65536, 128), 132, 227 * 1024) == 32
     # The prefill kernel's version (v2's 128-row blocks against the SM count; LLM_ATTN_FP8KV_PREFILL_V unset here).
     assert all(_plan.prefill_fp8kv_traits(d, 2).rows == 128 for d in (64, 128))
-    want = [_plan.prefill_fp8kv_version(s, dataclasses.replace(H100, num_sms=sms), 0) for s, sms in cases]
-    bad = [(s, sms, v, w) for (s, sms), v, w in zip(cases, versions, want) if int(v) != w]
+    want = [_plan.prefill_fp8kv_version(s, dataclasses.replace(H100, num_sms=sms), 0) for s, sms, _ in cases]
+    bad = [(s, sms, v, w) for (s, sms, _), v, w in zip(cases, versions, want) if int(v) != w]
     assert not bad, f"{len(bad)} prefill versions differ (shape, SMs, C++, Python), e.g. {bad[:3]}"
     assert set(want) == {1, 2}
 
@@ -1398,13 +1435,16 @@ def test_fp8kv_decode_constants_match_cpp():
                  f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": t.rows,
                  f"llm_attn::PrefillFp8KvConfig<{d}>::V2::kNWarps": t.n_warps,
                  f"llm_attn::PrefillFp8KvConfig<{d}>::V2::kStages": t.stages}
-    for d, (mt, st) in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS.values()):
-        t = _plan.DecodeFp8KvTraits(d, mt, st)
+    for d, cfg in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS.values()):
+        t = _plan.DecodeFp8KvTraits(d, *cfg)
         want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
-                 f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": 16 * t.m_tiles}
+                 f"{t.cpp()}::kBlockN": t.block_n, f"{t.cpp()}::kRows": 16 * t.m_tiles,
+                 f"{t.cpp()}::kWGroups": t.wgroups,
+                 f"llm_attn::DecodeFp8KvSmem<{t.cpp()}>::kBytes": t.smem_bytes}
     for d, cfg in itertools.product((64, 128), _plan.DECODE_FP8KV_CONFIGS):
         want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kStages"] = _plan.DECODE_FP8KV_CONFIGS[cfg][1]
         want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kMTiles"] = _plan.DECODE_FP8KV_CONFIGS[cfg][0]
+        want[f"llm_attn::DecodeFp8KvConfig<{d}>::{cfg}::kWGroups"] = _plan.DECODE_FP8KV_CONFIGS[cfg][2]
     _assert_constants(["flash_decode_fp8kv_kernel.cuh", "flash_prefill_fp8kv_kernel.cuh"], "sm_80", want)
 
 
