@@ -208,10 +208,12 @@ def tiles_header() -> str:
                 f"    static constexpr int kDefaultBlockNInt8 = {FP8_INT8_DEFAULT.get(d, tiles[0])};",
                 "    static constexpr bool has(int block_n) { return "
                 + " || ".join(f"block_n == {n}" for n in tiles) + "; }", "};"]
-    out += ["", "// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.",
+    out += ["", "// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two, "
+            "one in two warp groups.",
             "template <int kHeadDim_, int kMTiles_, int kStages_, int kWGroups_>", "struct DecodeFp8KvTraits;",
             "template <int kHeadDim>", "struct DecodeFp8KvConfig {"]
-    out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}, {wg}>;" for name, mt, st, wg in DECODE_FP8KV_TRAITS]
+    out += [f"    using {name} = DecodeFp8KvTraits<kHeadDim, {mt}, {st}, {wg}>;"
+            for name, mt, st, wg in DECODE_FP8KV_TRAITS]
     out += ["};"]
     out += ["", "// The prefill kernel over the FP8 KV cache (flash_prefill_fp8kv_launch.cuh): v1's tile, v2's (the default).",
             "template <int kHeadDim_, int kNWarps_, int kStages_>", "struct PrefillFp8KvTraits;",

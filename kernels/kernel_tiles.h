@@ -88,7 +88,7 @@ struct Fp8Tiles<64> {
     static constexpr bool has(int block_n) { return block_n == 128 || block_n == 192; }
 };
 
-// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two.
+// The decode kernel over the FP8 KV cache (flash_decode_fp8kv_launch.cuh): one row tile, two, one in two warp groups.
 template <int kHeadDim_, int kMTiles_, int kStages_, int kWGroups_>
 struct DecodeFp8KvTraits;
 template <int kHeadDim>
