@@ -1284,10 +1284,11 @@ def test_fp8kv_decode_plan_mirrors_the_cpp_host_code():
     # MQA (32 rows): two row tiles, 3 stages, 76 KB (the merge buffer); 16 rows still one.
     assert _plan.decode_fp8kv_plan(_plan.Shape(1, 32, 1, 1, 4096, 128), H100).launches[0].kernel.endswith(
         "DecodeFp8KvTraits<128, 2, 3, 1>>")
-    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128), 32, H100) == _plan.DecodeFp8KvTraits(128, 1, 3)
-    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 5, 4096, 128), 8, H100) == _plan.DecodeFp8KvTraits(128, 2, 3)
-    assert _plan.decode_fp8kv_traits(_plan.Shape(1, 32, 8, 4, 4096, 128), 16, H100) == _plan.DecodeFp8KvTraits(
-        128, 1, 3, 2)
+    # (Shape, splits, device): a grid above one block an SM, 17-32 rows, a grid of at most one block an SM.
+    traits = _plan.decode_fp8kv_traits
+    assert traits(_plan.Shape(1, 32, 8, 4, 4096, 128), 32, H100) == _plan.DecodeFp8KvTraits(128, 1, 3)
+    assert traits(_plan.Shape(1, 32, 8, 5, 4096, 128), 8, H100) == _plan.DecodeFp8KvTraits(128, 2, 3)
+    assert traits(_plan.Shape(1, 32, 8, 4, 4096, 128), 16, H100) == _plan.DecodeFp8KvTraits(128, 1, 3, 2)
     # A forced split count (force_decode(splits=)) is clamped to the 64-key tiles.
     for forced, want in ((1, 1), (7, 7), (500, 16)):
         p = _plan.decode_fp8kv_plan(dataclasses.replace(s, seqlen_k=1000, decode_splits=forced), H100)
@@ -1423,7 +1424,8 @@ def test_fp8kv_decode_constants_match_cpp():
     """The numbers decode_fp8kv_plan uses are the header's: every DecodeFp8KvTraits' shared memory, threads and key
     tile, and kDecodeMaxRows, read back from a probe kernel's PTX (NVRTC)."""
     _nvrtc_or_skip()
-    want = {"llm_attn::kDecodeMaxRows": _plan.DECODE_MAX_ROWS}
+    want = {"llm_attn::kDecodeMaxRows": _plan.DECODE_MAX_ROWS,
+            "llm_attn::kDecodeCombineBatch": _plan.DECODE_COMBINE_BATCH}
     for d in (64, 128):
         t = _plan.PrefillFp8KvTraits(d, *_plan.PREFILL_FP8KV_CONFIG)
         want |= {f"{t.cpp()}::kSmemBytes": t.smem_bytes, f"{t.cpp()}::kThreads": t.threads,
