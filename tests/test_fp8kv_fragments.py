@@ -22,8 +22,8 @@ KERNEL = Path(__file__).resolve().parents[1] / "kernels" / "flash_decode_fp8kv_k
 # The kernel's expressions this simulation mirrors (whitespace-normalised).
 SOURCE_LINES = (
     "return row * kHeadDim + ((chunk ^ ((2 * (row >> 2)) & (kChunks - 1))) << 4);",
-    "const int k_row0 = warp * 16 + 4 * (g >> 1) + (g & 1);",
-    "const int v_row0 = warp * 16 + 4 * t;",
+    "const int k_row0 = wq * 16 + 4 * (g >> 1) + (g & 1);",  # wq: the warp in its group of 4
+    "const int v_row0 = wq * 16 + 4 * t;",
     "const int col = (((2 * p + (t >> 1)) ^ ((2 * (k_row0 >> 2)) & (Traits::kChunks - 1))) << 4) + 8 * (t & 1);",
     "const int vcol = kHeadDim == 128 ? (g ^ ((2 * (v_row0 >> 2)) & (Traits::kChunks - 1))) << 4 : (((g >> 1) ^ "
     "((2 * (v_row0 >> 2)) & (Traits::kChunks - 1))) << 4) + 8 * (g & 1);",
