@@ -48,6 +48,10 @@ struct BwdTraits {
     static_assert(kSmemBytes == (4 * kSmemQ + 2 * kSmemK + kSmemDS) * 2 + 4 * kBlockM * 4, "the layout below");
     // dP^T is computed in this many slices of the queries (register pressure: 2 for head_dim 128).
     static constexpr int kSplitDp = kSplitDp_;
+    // Head_dim 64: the warp's K and V rows (its A operands of S^T = K Q^T and dP^T = V dO^T, 4 k-steps each) are loaded
+    // from shared memory once per block and held in 32 registers across the query steps, as FlashAttention-2's
+    // sm_86/89 tile holds V (kernels/NOTES.md "BP11"). Head_dim 128 has no registers for them (8 k-steps each).
+    static constexpr bool kKvInRegs = kHeadDim_ == 64;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim must be 64 or 128");
     // dQ step: kBlockM / 16 m-tiles of dS K, each shared by kWarpsPerMT warps that split head_dim.
@@ -391,6 +395,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 
     if (it_begin < it_end) {
         load_kv_block<T, Traits>(params, b, sK, sV, tid);
+        if constexpr (Traits::kKvInRegs) cp_async_commit();  // K, V a group of their own: waited for before the loop
         // The steps in BwdBlock::Step order: `cur` this step, `nxt` the one after it.
         BwdBlock::Step cur = b.step(it_begin);
         load_q_step<T, Traits>(params, batch, b.head(cur), cur.mb * kBlockM, sQ, sLse, sDsum, tid);
@@ -429,6 +434,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
         }
         const float scale_log2 = params.scale_log2;
         const int key_row0 = n0 + warp * 16 + g;  // this thread's keys: key_row0 and key_row0 + 8
+        // kKvInRegs: K's and V's A fragments, loaded once, while the first step's Q and dO are still arriving.
+        uint32_t k_frag[Traits::kKvInRegs ? kKD : 1][4], v_frag[Traits::kKvInRegs ? kKD : 1][4];
+        if constexpr (Traits::kKvInRegs) {
+            cp_async_wait<1>();
+            __syncthreads();
+#pragma unroll
+            for (int kk = 0; kk < kKD; ++kk) {
+                ldsm_x4(k_frag[kk], addr_a(kk, kOffK));
+                ldsm_x4(v_frag[kk], addr_a(kk, kOffV));
+            }
+        }
 
         for (int it = it_begin; it < it_end; ++it) {
             const int head = b.head(cur);
@@ -455,7 +471,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
             for (int kk = 0; kk < kKD; ++kk) {
                 uint32_t a[4];
-                ldsm_x4(a, addr_a(kk, kOffK));
+                if constexpr (Traits::kKvInRegs) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) a[r] = k_frag[kk][r];
+                } else {
+                    ldsm_x4(a, addr_a(kk, kOffK));
+                }
 #pragma unroll
                 for (int np = 0; np < kNT / 2; ++np) {
                     uint32_t b[4];
@@ -494,7 +515,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_block(const FlashBwdParams& param
 #pragma unroll
                 for (int kk = 0; kk < kKD; ++kk) {
                     uint32_t a[4];
-                    ldsm_x4(a, addr_a(kk, kOffV));
+                    if constexpr (Traits::kKvInRegs) {
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) a[r] = v_frag[kk][r];
+                    } else {
+                        ldsm_x4(a, addr_a(kk, kOffV));
+                    }
 #pragma unroll
                     for (int np = 0; np < kSNT / 2; ++np) {
                         uint32_t b[4];
