@@ -18,8 +18,9 @@
 // flash_bwd_convert_dkdv_kernel writes dk/dv (FlashBwdParams::num_splits).
 //
 // Register budget (the seed's failure was spills): per thread dK and dV accumulators (head_dim / 2 floats each) plus
-// the S^T and dP^T tiles of 16 keys x kBlockM queries (kBlockM / 2 floats each). kernels/NOTES.md "Backward" has
-// the numbers ptxas reports.
+// the S^T and dP^T tiles of 16 keys x kBlockM queries (kBlockM / 2 floats each); at head_dim 64 also the warp's K
+// and V fragments, 32 registers (BwdTraits::kKvInRegs). kernels/NOTES.md "Backward" and "BP11" have the numbers
+// ptxas reports.
 #pragma once
 
 #include "flash.h"
