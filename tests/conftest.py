@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def load_script(path: Path | str, name: str | None = None):
     path = REPO / path
     spec = importlib.util.spec_from_file_location(name or path.stem, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # as an import would: dataclasses and pickling look the module up there
     spec.loader.exec_module(mod)
     return mod
 
