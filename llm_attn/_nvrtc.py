@@ -507,13 +507,13 @@ def _launch(index: int, launch: _plan.Launch, params: ctypes.Structure, stream: 
         gx, gy, gz = launch.grid
         result = _cu_launch(handle, gx, gy, gz, launch.threads, 1, 1, launch.smem, _VoidP(stream), args, None)
         if result:
-            _drv_check(_driver().CUresult(result), f"launching {launch.kernel}")
+            _drv_check(_driver().CUresult(result), f"launching {launch.kernel}{_capture_hint()}")
         return
     fn = _functions[key]
     result = _driver().cuLaunchKernel(fn, *launch.grid, launch.threads, 1, 1, launch.smem, _cu_stream(stream),
                                    ctypes.addressof(args), 0)
     if int(result[0] if isinstance(result, tuple) else result) != 0:
-        _drv_check(result, f"launching {launch.kernel}")
+        _drv_check(result, f"launching {launch.kernel}{_capture_hint()}")
 
 
 # -- the extension's interface ---------------------------------------------------------------------------------
@@ -832,31 +832,57 @@ def set_eager_workspace(enabled: bool) -> bool:
 
 def _grow_pool(driver, index: int, pool: dict, ints: int) -> bool:
     """Appends a zeroed chunk of at least `ints` counters (cuMemAlloc in relaxed capture mode, zeroed on the pool's
-    own stream and waited for); False if the pool is at its limit or a step failed."""
+    own stream and waited for); False if the pool is at its limit or a step failed. A failed driver call is kept in
+    pool["error"] (its name and result), which a launch that then finds its capture invalidated reports
+    (_capture_hint): the callers fall back without raising, so that error would otherwise go unseen."""
     size = max(_COUNTER_CHUNK_INTS, ints)
     if pool["total"] + size > _COUNTER_POOL_MAX_INTS:
         return False
+
+    def failed(call: str, result) -> bool:
+        pool["error"] = f"{call} returned {_rc_name(driver, result)}"
+        return False
+
     _bind_context(driver, index)
     prev = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
     try:
         if pool["zero_stream"] is None:
             err, zs = driver.cuStreamCreate(int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
             if _rc(err) != 0:
-                return False
+                return failed("cuStreamCreate", err)
             pool["zero_stream"] = zs
         err, dptr = driver.cuMemAlloc(size * 4)
         if _rc(err) != 0:
-            return False
-        if (_rc(driver.cuMemsetD32Async(dptr, 0, size, pool["zero_stream"])) != 0
-                or _rc(driver.cuStreamSynchronize(pool["zero_stream"])) != 0):
+            return failed("cuMemAlloc", err)
+        call, result = "cuMemsetD32Async", driver.cuMemsetD32Async(dptr, 0, size, pool["zero_stream"])
+        if _rc(result) == 0:
+            call, result = "cuStreamSynchronize", driver.cuStreamSynchronize(pool["zero_stream"])
+        if _rc(result) != 0:
             driver.cuMemFree(dptr)
-            return False
+            return failed(call, result)
         pool["chunks"].append([int(dptr), size, 0])
         pool["total"] += size
         return True
     finally:
         if _rc(prev[0]) == 0:
             driver.cuThreadExchangeStreamCaptureMode(prev[1])
+
+
+def _rc_name(driver, result) -> str:
+    """A driver call's CUresult by name (CUDA_ERROR_...), or its number where the name is not known."""
+    err = result[0] if isinstance(result, tuple) else result
+    try:
+        name = driver.cuGetErrorName(err)[1]
+        return name.decode() if name else str(int(err))
+    except Exception:  # noqa: BLE001 (a name for a message; the number says the same)
+        return str(int(err))
+
+
+def _capture_hint() -> str:
+    """For a launch's error: what the decode counter pool recorded when it could not grow (a failed driver call in
+    relaxed capture mode invalidates the capture being made, and the launch after it is the first to say so)."""
+    why = [f"device {i}: {pool['error']}" for i, pool in sorted(_pools.items()) if pool.get("error")]
+    return f" (the decode counter pool could not grow earlier: {'; '.join(why)})" if why else ""
 
 
 def _rc(result) -> int:

@@ -2012,3 +2012,89 @@ def test_build_env_var_new_name_wins_and_old_name_still_works(monkeypatch):
     monkeypatch.delenv("LLM_ATTN_BUILD")
     assert _ext._requested() == "aot"
     assert _ext.kernel_backend is _ext.kernel_build
+
+
+class _PoolDriver:
+    """The driver calls _nvrtc._grow_pool makes, recorded in order; the one named `fail` returns
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900)."""
+
+    class CUstreamCaptureMode:
+        CU_STREAM_CAPTURE_MODE_RELAXED = 2
+
+    class CUstream_flags:
+        CU_STREAM_NON_BLOCKING = 1
+
+    CUresult = int
+
+    def __init__(self, fail=None):
+        self.fail, self.calls, self.mode = fail, [], 0
+
+    def _result(self, name, *rest):
+        self.calls.append(name)
+        return (900 if name == self.fail else 0, *rest)
+
+    def cuCtxGetCurrent(self):
+        return (0, 1)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        prev, self.mode = self.mode, mode
+        return (0, prev)
+
+    def cuStreamCreate(self, flags):
+        assert flags == 1
+        return self._result("cuStreamCreate", "zero stream")
+
+    def cuMemAlloc(self, nbytes):
+        assert self.mode == 2, "the chunk is allocated in relaxed capture mode"
+        return self._result("cuMemAlloc", 0x1000)
+
+    def cuMemsetD32Async(self, ptr, value, n, stream):
+        assert (ptr, value, stream) == (0x1000, 0, "zero stream")
+        return self._result("cuMemsetD32Async")
+
+    def cuStreamSynchronize(self, stream):
+        assert stream == "zero stream"
+        return self._result("cuStreamSynchronize")
+
+    def cuMemFree(self, ptr):
+        return self._result("cuMemFree")
+
+    def cuGetErrorName(self, err):
+        return (0, b"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" if int(err) == 900 else b"CUDA_ERROR_UNKNOWN")
+
+
+@pytest.mark.parametrize("fail", [None, "cuStreamCreate", "cuMemAlloc", "cuMemsetD32Async", "cuStreamSynchronize"])
+def test_counter_pool_growth_names_a_failed_driver_call(monkeypatch, fail):
+    """_nvrtc._grow_pool without a GPU (a stand-in driver): a chunk is allocated in relaxed capture mode and zeroed and
+    waited for on the pool's own stream, and the thread's capture mode is put back. A failed step leaves the pool as it
+    was (the chunk freed) and keeps the call's name and result, and a launch that then fails (the capture that call
+    invalidated, in the README run of kernels/NOTES.md "The README's two commands on a clean copy at 1ef7b36") names it
+    in its error; a launch error with no pool failure says nothing more."""
+    nvrtc = _nvrtc_or_skip()
+    drv = _PoolDriver(fail)
+    pool = {"chunks": [], "total": 0, "failed": False, "zero_stream": None, "eager": {}}
+    grew = nvrtc._grow_pool(drv, 0, pool, 600)
+    assert drv.mode == 0, "the thread's capture mode is restored"
+    steps = ["cuStreamCreate", "cuMemAlloc", "cuMemsetD32Async", "cuStreamSynchronize"]
+    if fail is None:
+        assert grew and drv.calls == steps and "error" not in pool
+        assert pool["chunks"] == [[0x1000, nvrtc._COUNTER_CHUNK_INTS, 0]] and pool["total"] == nvrtc._COUNTER_CHUNK_INTS
+    else:
+        assert not grew and pool["chunks"] == [] and pool["total"] == 0
+        assert pool["error"] == f"{fail} returned CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"
+        freed = ["cuMemFree"] if fail in ("cuMemsetD32Async", "cuStreamSynchronize") else []
+        assert drv.calls == steps[:steps.index(fail) + 1] + freed
+
+    def check(result, what):
+        raise RuntimeError(what)
+
+    monkeypatch.setattr(nvrtc, "_pools", {0: pool})
+    monkeypatch.setattr(nvrtc, "_drv_check", check)
+    monkeypatch.setattr(nvrtc, "_driver", lambda: drv)
+    monkeypatch.setattr(nvrtc, "_cu_launch", lambda *args: 901)  # CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    monkeypatch.setitem(nvrtc._handles, (0, "k<1>"), ctypes.c_void_p(1))
+    params = ctypes.c_int(0)
+    with pytest.raises(RuntimeError) as e:
+        nvrtc._launch(0, _plan.Launch("k<1>", (1, 1, 1), 32, 0), params, 0)
+    hint = f" (the decode counter pool could not grow earlier: device 0: {pool['error']})" if fail else ""
+    assert str(e.value) == f"launching k<1>{hint}"
