@@ -881,7 +881,8 @@ def _rc_name(driver, result) -> str:
 def _capture_hint() -> str:
     """For a launch's error: what the decode counter pool recorded when it could not grow (a failed driver call in
     relaxed capture mode invalidates the capture being made, and the launch after it is the first to say so)."""
-    why = [f"device {i}: {pool['error']}" for i, pool in sorted(_pools.items()) if pool.get("error")]
+    with _pool_lock:  # never held around a launch
+        why = [f"device {i}: {pool['error']}" for i, pool in sorted(_pools.items()) if pool.get("error")]
     return f" (the decode counter pool could not grow earlier: {'; '.join(why)})" if why else ""
 
 
