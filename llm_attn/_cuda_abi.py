@@ -132,12 +132,16 @@ def driver():
     return driver
 
 
+def error_name(drv, err) -> str:
+    """A CUresult by name (CUDA_ERROR_...) from `drv` (cuda-python's driver module, or a stand-in), else its repr."""
+    name = drv.cuGetErrorName(err)[1]
+    return name.decode() if name else repr(err)
+
+
 def drv_check(result, what: str):
     err = result[0] if isinstance(result, tuple) else result
     if int(err) != 0:
-        drv = driver()
-        name = drv.cuGetErrorName(err)[1]
-        raise RuntimeError(f"llm_attn (NVRTC backend): {what} failed: {name.decode() if name else err!r}")
+        raise RuntimeError(f"llm_attn (NVRTC backend): {what} failed: {error_name(driver(), err)}")
     if isinstance(result, tuple):
         return result[1] if len(result) == 2 else result[1:]
     return None

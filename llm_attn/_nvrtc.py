@@ -840,7 +840,8 @@ def _grow_pool(driver, index: int, pool: dict, ints: int) -> bool:
         return False
 
     def failed(call: str, result) -> bool:
-        pool["error"] = f"{call} returned {_rc_name(driver, result)}"
+        err = result[0] if isinstance(result, tuple) else result
+        pool["error"] = f"{call} returned {_cuda_abi.error_name(driver, err)}"
         return False
 
     _bind_context(driver, index)
@@ -866,16 +867,6 @@ def _grow_pool(driver, index: int, pool: dict, ints: int) -> bool:
     finally:
         if _rc(prev[0]) == 0:
             driver.cuThreadExchangeStreamCaptureMode(prev[1])
-
-
-def _rc_name(driver, result) -> str:
-    """A driver call's CUresult by name (CUDA_ERROR_...), or its number where the name is not known."""
-    err = result[0] if isinstance(result, tuple) else result
-    try:
-        name = driver.cuGetErrorName(err)[1]
-        return name.decode() if name else str(int(err))
-    except Exception:  # noqa: BLE001 (a name for a message; the number says the same)
-        return str(int(err))
 
 
 def _capture_hint() -> str:
