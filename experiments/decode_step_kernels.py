@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from llm_attn.harness.breakdown import GEMM_KERNEL
+from llm_attn.harness.graphs import graph_capture
 from llm_attn.harness.impls import use_impl
 from llm_attn.harness.measure import (ATTENTION_KERNEL, _extend_static_cache, cache_kwarg, device_kernels_of,
                                       prefill_first_token)
@@ -59,7 +60,7 @@ def one(model, prompt: torch.Tensor, context: int, cache_kind: str, steps: int, 
                 step()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             step()
         # Back to back, one event pair a replay and one synchronisation at the end, as measure_decode_static times
         # a decode_graph run (a synchronisation after each replay would add the graph launch's latency).

@@ -39,6 +39,7 @@ from tabulate import tabulate  # noqa: E402
 
 from llm_attn import _ext, _nvrtc, _plan, flash_attn_func  # noqa: E402
 from llm_attn.ops import force_tile  # noqa: E402
+from llm_attn.harness.graphs import graph_capture
 
 HQ, HKV, D = 32, 8, 128  # Llama 3 8B
 
@@ -164,7 +165,7 @@ def graph_time_ms(q, k, v, calls: int = 20, repeats: int = 15) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for _ in range(calls):
             fn()
     graph.replay()

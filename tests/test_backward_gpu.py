@@ -25,6 +25,7 @@ import torch
 
 from conftest import HEADS, UNEQUAL, grid
 from llm_attn import attention_naive, flash_attn_func
+from llm_attn.harness.graphs import graph_capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -571,7 +572,7 @@ def test_nvrtc_backward_under_autograd_and_graphs():
             graph = torch.cuda.CUDAGraph()
             for t in static:
                 t.grad = None
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 flash_attn_func(*static, causal=True).backward(dout)
             grads = [t.grad for t in static]
             for g in grads:

@@ -19,6 +19,7 @@ import torch
 from conftest import build_with
 from llm_attn import kv_cache_reference as ref
 from llm_attn import ops
+from llm_attn.harness.graphs import graph_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -145,7 +146,7 @@ def test_append_kernel_replays_from_a_cuda_graph(append_kernel):
         graph = torch.cuda.CUDAGraph()
         state, pos = layer.position_state(), layer.cumulative_length.clone()
         layer.restore_position(state)
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.stream(stream), graph_capture(graph, stream=stream):
             _update(layer, kin, vin)
         torch.cuda.current_stream().wait_stream(stream)
         layer.restore_position(state)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_attn import kernel_contract, ops, registry
+from llm_attn.harness.graphs import graph_capture
 from llm_attn.ops import flash_attn_func
 
 
@@ -401,7 +402,7 @@ def test_nvrtc_keyed_kinds_and_the_eager_split_buffer(monkeypatch):
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         served.clear()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             gout = flash_attn_func(sq_, sk_, sv_, causal=True, scale=0.125)
         assert served == [None]
         for seed in (6, 7):
@@ -501,7 +502,7 @@ def test_cuda_graph_capture_of_the_direct_path(monkeypatch, q_len):
             flash_attn_func(q, k, v, causal=True)  # warm-up (kernel load) outside the capture
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with graph_capture(g):
             out = flash_attn_func(q, k, v, causal=True)
         assert spy.calls == 0  # the direct path was captured
         for _ in range(2):  # fresh inputs, replayed

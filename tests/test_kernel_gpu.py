@@ -21,6 +21,7 @@ import torch
 
 from conftest import HEADS, LENGTHS, UNEQUAL, grid
 from llm_attn import attention_naive, flash_attn_func
+from llm_attn.harness.graphs import graph_capture
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -458,7 +459,7 @@ def test_cuda_graph_capture_and_compile(cuda_ext):
         fn()  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         static_out = fn()
     for n in (2500, 17, 3000):  # new inputs copied into the captured buffers, replayed
         q.normal_()
@@ -514,7 +515,7 @@ def test_decode_counter_pool_stays_zero_across_streams_graphs_and_shapes(cuda_ex
     graphs, outs = [], []
     for kk, vv in ((k, v), (k2, v2)):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with graph_capture(g):
             outs.append(flash_attn_func(q, kk, vv, path="kernel"))
         graphs.append(g)
     assert _pool_is_zero(cuda_ext) > used, "captured launches did not get counters of their own"
@@ -546,7 +547,7 @@ def test_decode_counter_pool_grows_past_a_chunk_inside_a_capture(cuda_ext):
         flash_attn_func(q, k, v, path="kernel")  # the kernel loaded outside the capture
         before = _pool_is_zero(cuda_ext)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with graph_capture(g):
             outs = [flash_attn_func(q, k, v, path="kernel") for _ in range(600)]
     finally:
         cuda_ext.set_decode_splits(prev)
@@ -822,7 +823,7 @@ def test_nvrtc_quant_through_the_op_and_a_cuda_graph(precision):
             fn()  # warm-up outside capture (compiles and loads the kernels)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             static_out = fn()
         for _ in range(2):
             q.normal_()

@@ -37,6 +37,7 @@ import torch
 from llm_attn import kv_cache_reference as ref
 from llm_attn import ops
 from llm_attn.models.kv_cache import Fp8DynamicLayer, Fp8StaticCache
+from llm_attn.harness.graphs import graph_capture
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -398,7 +399,7 @@ def test_cuda_graph_capture_and_replay(ext):
         ops.decode_fp8_kv(q, kv, seqused_k=used)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         out = ops.decode_fp8_kv(q, kv, seqused_k=used)
     graph.replay()
     torch.cuda.synchronize()
@@ -417,6 +418,7 @@ _GRAPHS_CHILD = r"""
 import sys, torch
 from llm_attn import ops
 from llm_attn.models.kv_cache import Fp8DynamicLayer
+from llm_attn.harness.graphs import graph_capture
 n, sets = 8192, 12
 torch.manual_seed(0)
 data = [(torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16),
@@ -439,7 +441,7 @@ for splits in (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
                 ops.decode_fp8_kv(*caches[i % sets], causal=False)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             outs = [ops.decode_fp8_kv(*caches[i % sets], causal=False) for i in range(20)]
     graphs.append((splits, graph, outs, want, caches))
 for rnd in range(2):
@@ -722,7 +724,7 @@ def test_stock_decode_on_the_fp8_cache_is_captured_under_the_mask(ext):
         torch.cuda.current_stream().wait_stream(side)
         rewind()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             out.copy_(forward(cur, dev))
         rewind()
         got = []

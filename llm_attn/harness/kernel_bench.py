@@ -9,6 +9,7 @@ import statistics
 import torch
 
 from llm_attn import registry
+from llm_attn.harness.graphs import graph_capture
 from llm_attn.harness.stats import ratio_header, speed_ratio
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -188,7 +189,7 @@ def _graphed(calls):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with graph_capture(g):
         for fn in calls:
             fn()
     return g.replay

@@ -28,9 +28,7 @@ under ``torch.inference_mode``, and return the fields of one result row (raw sam
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import inspect
 import re
 import time
@@ -46,6 +44,7 @@ from llm_attn.harness.agreement import (
     continuation_tokens,
     next_token_logprobs,
 )
+from llm_attn.harness.graphs import graph_capture, no_gc
 from llm_attn.harness.results import KV_CACHES, jsonable
 from llm_attn.harness.stats import summarize
 from llm_attn.models.kv_cache import Fp8DynamicCache, Fp8StaticCache
@@ -60,25 +59,6 @@ class GraphCaptureUnsupported(RuntimeError):
     """The model's attention path cannot be captured in a CUDA graph (a limitation of that path, not a failure of
     the measurement). Stock transformers' eager attention is one: its mask builder copies a host tensor to the GPU
     on every call, which CUDA-graph capture refuses."""
-
-
-@contextlib.contextmanager
-def no_gc():
-    """Python's cyclic garbage collector off while timing (as timeit and pyperf do), one full collection first.
-
-    A forward of a transformers model allocates thousands of Python objects; the collections they trigger pause
-    the host for milliseconds at random points. Where the prefill is host-bound (the 8B model at 2048 tokens on an
-    H100), such a pause lands in one implementation's sample and reads as a kernel difference. Reference cycles made
-    while timing are collected when the block ends."""
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.collect()
 
 
 def _sync(device: torch.device) -> None:
@@ -392,7 +372,7 @@ def measure_decode_static(model, input_ids: torch.Tensor, new_tokens: int, runs:
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                with graph_capture(graph):
                     step()
             except RuntimeError as e:
                 if "during CUDA graph capture" not in str(e):
@@ -664,7 +644,7 @@ def measure_ttft_graph(model, input_ids: torch.Tensor, warmup: int, repeats: int
         reset()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):
                 token = prefill()
         except _OOM_ERRORS:
             raise

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from llm_attn.harness import energy
-from llm_attn.harness.measure import _peak, _reset_peak, _sync, no_gc, prefill_first_token
+from llm_attn.harness.graphs import no_gc
+from llm_attn.harness.measure import _peak, _reset_peak, _sync, prefill_first_token
 from llm_attn.harness.results import jsonable
 from llm_attn.harness.stats import paired_ratio_interval, summarize
 

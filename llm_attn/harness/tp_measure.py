@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from llm_attn.harness.graphs import graph_capture, no_gc
 from llm_attn.harness.impls import use_impl
 from llm_attn.harness.measure import (
     _OOM_ERRORS,
@@ -32,7 +33,6 @@ from llm_attn.harness.measure import (
     _reset_peak,
     _sync,
     attention_kernels_of,
-    no_gc,
     prefill_first_token,
 )
 from llm_attn.harness.paired import host_bound_summary, pairing_order
@@ -133,7 +133,7 @@ def _capture(model, prompt, device: torch.device, warmup: int):
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with graph_capture(graph):
             token, _ = prefill_first_token(model, prompt)
     except OOM_ERRORS:
         raise
