@@ -92,16 +92,18 @@ def test_a_layer_with_another_softmax_scale_is_refused(tiny):
 
 
 def test_bench_cli_on_the_tiny_model(tmp_path, capsys):
+    """tiny:fp16, because a bare preset is its AWQ checkpoint on a GPU, which needs gptqmodel (not installed by
+    the README)."""
     from llm_attn import bench
 
     out = tmp_path / "rows.jsonl"
-    code = bench.main(["--mode", "accuracy", "--capture", "tiny", "--seqs", "32", "--impls", "sdpa", "ours",
+    code = bench.main(["--mode", "accuracy", "--capture", "tiny:fp16", "--seqs", "32", "--impls", "sdpa", "ours",
                        "--layers", "0", "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(r["impl"], r["layer"], r["kv_len"]) for r in rows] == [("sdpa", 0, 32), ("ours", 0, 32)]
-    assert all(r["command"].startswith("python -m llm_attn.bench --mode accuracy --capture tiny") for r in rows)
+    assert all(r["command"].startswith("python -m llm_attn.bench --mode accuracy --capture tiny:fp16") for r in rows)
     assert "captured L0" in text and "strongest K channel bias" in text
     assert "met on all 2 checked" in text
 
@@ -110,7 +112,7 @@ def test_bench_cli_on_the_tiny_model(tmp_path, capsys):
     (["--mode", "accuracy", "--prompts", "x.jsonl"], "--prompts needs --capture MODEL"),
     (["--mode", "accuracy", "--layers", "1"], "--layers needs --capture MODEL"),
     (["--capture", "tiny"], "--capture is for --mode accuracy"),
-    (["--mode", "accuracy", "--capture", "tiny", "--seqs", "16", "--layers", "9"], "tiny has 2 layers (0..1)"),
+    (["--mode", "accuracy", "--capture", "tiny:fp16", "--seqs", "16", "--layers", "9"], "tiny:fp16 has 2 layers (0..1)"),
     (["--mode", "accuracy", "--capture", "/nonexistent/model", "--seqs", "16"], "--capture /nonexistent/model:"),
 ])
 def test_bench_cli_bad_capture_arguments_are_one_line(args, message, capsys):
